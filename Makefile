@@ -1,0 +1,57 @@
+# gpubroker: every set-up step lives here. `make demo` and `make test` work on a
+# fresh machine with Python 3.10+, Node.js/npm and the package registries.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROXY := node_modules/.bin/configurable-http-proxy
+PYTEST_ARGS ?=
+
+.PHONY: help setup demo test lint format typecheck unit docs bench clean
+
+help:
+	@echo "make demo   - set up, then run JupyterHub + broker on simulated GPUs (http://127.0.0.1:8000)"
+	@echo "make test   - set up, then lint, type-check, build docs and run every test"
+	@echo "make bench  - set up, then run the benchmarks (writes bench-results.json)"
+	@echo "make docs   - build the documentation into docs/_build/html"
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test,docs]'
+	touch $@
+
+$(PROXY): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+setup: $(BIN)/.installed $(PROXY)
+
+demo: setup
+	@echo "JupyterHub with gpubroker on simulated GPUs: open http://127.0.0.1:8000 and log in"
+	@echo "as any user with any password; choose GPUs on the spawn page. Ctrl-C stops it."
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyterhub -f jupyterhub_config/demo_config.py
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+typecheck: setup
+	$(BIN)/mypy
+
+docs: setup
+	rm -rf docs/_build
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+
+test: lint typecheck docs
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) node_modules docs/_build demo-run bench-results.json

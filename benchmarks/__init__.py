@@ -1,0 +1,1 @@
+"""gpubroker benchmarks; run with ``make bench`` (``python -m benchmarks``)."""

@@ -1,0 +1,28 @@
+"""Run every benchmark, print the figures and write ``bench-results.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import api
+
+
+def main() -> None:
+    results = {}
+    print(f"API: {api.PAIRS} lease request/release pairs on loopback vs a bare Tornado handler")
+    results.update(api.run())
+    width = max(len(name) for name in results)
+    print(f"{'figure':<{width}}  {'value':>10}  {'baseline':>10}  {'ratio':>7}  unit")
+    for name, r in results.items():
+        print(
+            f"{name:<{width}}  {r['value']:>10.2f}  {r['baseline']:>10.2f}  "
+            f"{r['ratio']:>7.2f}  {r['unit']}"
+        )
+    out = Path("bench-results.json")
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out.resolve()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""``python -m gpubroker`` runs the ``gpubroker`` command."""
+
+from .app import main
+
+main()

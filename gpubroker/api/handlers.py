@@ -1,0 +1,227 @@
+"""Tornado handlers of REST API v1. The OpenAPI document
+(``gpubroker/api/openapi.yaml``, served at ``api/v1/openapi.json``) is the
+reference for every shape; each handler's docstring names its route.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+import yaml
+from jupyterhub.services.auth import HubAuthenticated
+from tornado import web
+
+from .. import __version__
+from ..core import Broker
+from ..errors import BrokerError, Forbidden
+from ..store.models import HolderKind
+from . import auth, validation
+
+#: longest long-poll a client may ask for, seconds
+MAX_WAIT = 300.0
+
+
+class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
+    """Base: JSON in and out, errors as ``{"status": int, "message": str}``."""
+
+    @property
+    def hub_auth(self) -> Any:
+        """The HubAuth instance from the application settings."""
+        return self.settings["hub_auth"]
+
+    @hub_auth.setter
+    def hub_auth(self, value: Any) -> None:
+        raise AttributeError("hub_auth comes from the application settings")
+
+    @property
+    def broker(self) -> Broker:
+        broker: Broker = self.settings["broker"]
+        return broker
+
+    def set_default_headers(self) -> None:
+        self.set_header("Content-Type", "application/json; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+
+    def check_xsrf_cookie(self) -> None:
+        """Token-authenticated JSON API: no XSRF cookie check."""
+
+    def write_json(self, data: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.finish(json.dumps(data))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        message = self._reason
+        if isinstance(exc, web.HTTPError) and exc.log_message:
+            message = exc.log_message % exc.args if exc.args else exc.log_message
+        elif isinstance(exc, BrokerError):
+            message = exc.message
+        self.finish(json.dumps({"status": status_code, "message": message}))
+
+    def _handle_request_exception(self, e: BaseException) -> None:
+        if isinstance(e, BrokerError):
+            self.log.info("%s %s -> %s: %s", self.request.method, self.request.uri, e.status, e)
+            self.send_error(e.status, exc_info=(type(e), e, e.__traceback__))
+            return
+        super()._handle_request_exception(e)
+
+    @property
+    def log(self) -> Any:
+        return self.settings["log"]
+
+    def caller(self) -> dict[str, Any]:
+        """The authenticated caller's model.
+
+        Raises:
+            HTTPError: 401 without a token, 403 when the token lacks the
+                service's access scope.
+        """
+        model = self.current_user
+        if model:
+            return dict(model)
+        if self.hub_auth.get_token(self):
+            raise web.HTTPError(
+                403, "token lacks scope {}".format(", ".join(sorted(self.hub_auth.access_scopes)))
+            )
+        raise web.HTTPError(401, "authentication required: send 'Authorization: token …'")
+
+    def lease_id(self, raw: str) -> int:
+        return int(raw)
+
+
+class HealthHandler(APIHandler):
+    """``GET /api/v1/health``: liveness, version and device backend (no auth)."""
+
+    def get(self) -> None:
+        backend = self.broker.backend
+        self.write_json(
+            {
+                "status": "ok",
+                "version": __version__,
+                "backend": backend.kind,
+                "simulated": backend.simulated,
+            }
+        )
+
+
+class DevicesHandler(APIHandler):
+    """``GET /api/v1/devices``: the inventory, what each device is doing, a summary."""
+
+    def get(self) -> None:
+        model = self.caller()
+        admin = auth.is_admin(model)
+        devices = []
+        for device, lease_id in self.broker.device_rows():
+            devices.append(self._device(device, lease_id, admin))
+        present = [d for d in devices if d["present"]]
+        summary = {
+            "total": len(present),
+            "free": sum(1 for d in present if d["state"] == "free"),
+            "leased": sum(1 for d in present if d["state"] == "leased"),
+            "drained": sum(1 for d in present if d["drained"]),
+            "request_limit": self.broker.request_limit(),
+        }
+        self.write_json({"backend": self._backend(), "devices": devices, "summary": summary})
+
+    def _backend(self) -> dict[str, Any]:
+        backend = self.broker.backend
+        message = (
+            "SIMULATED GPUs: no NVIDIA driver is in use; these devices are fake"
+            if backend.simulated
+            else "NVML"
+        )
+        return {"kind": backend.kind, "simulated": backend.simulated, "message": message}
+
+    def _device(self, device: Any, lease_id: int | None, admin: bool) -> dict[str, Any]:
+        from ..views import device_view
+
+        view = device_view(device)
+        state = "leased" if lease_id is not None else "drained" if device.drained else "free"
+        view.update(
+            present=device.present,
+            drained=device.drained,
+            mig_enabled=device.mig_enabled,
+            state=state,
+            lease_id=lease_id if admin else None,
+            usage=self._usage(device.uuid) if device.present else None,
+        )
+        return view
+
+    def _usage(self, uuid: str) -> dict[str, Any] | None:
+        try:
+            usage = self.broker.backend.usage(uuid)
+        except Exception as err:  # a device that cannot be read must not fail the listing
+            self.log.warning("Cannot read usage of %s: %s", uuid, err)
+            return None
+        return {
+            "utilization_gpu": usage.utilization_gpu,
+            "memory_used_mib": usage.memory_used_mib,
+            "processes": len(usage.processes),
+        }
+
+
+class LeasesHandler(APIHandler):
+    """``GET /api/v1/leases[?user=&state=active|all]`` and ``POST /api/v1/leases``."""
+
+    def get(self) -> None:
+        model = self.caller()
+        user = self.get_argument("user", None)
+        state = self.get_argument("state", "active")
+        if state not in ("active", "all"):
+            raise validation.BadRequest(f"state: must be 'active' or 'all', got {state!r}")
+        if not auth.is_admin(model):
+            if user is not None and user != auth.caller_name(model):
+                auth.check_owner(model, user)
+            user = auth.caller_name(model)
+        leases = self.broker.list_leases(user=user, active=state == "active")
+        self.write_json({"leases": leases})
+
+    def post(self) -> None:
+        model = self.caller()
+        body = validation.lease_request(validation.parse_json_object(self.request.body))
+        auth.check_owner(model, body["user"])
+        if body["holder_kind"] != HolderKind.server.value and not auth.is_admin(model):
+            raise Forbidden(f"holder_kind: {body['holder_kind']!r} needs {auth.ADMIN_SCOPE}")
+        lease = self.broker.request_lease(**body)
+        self.set_header("Location", f"{self.request.path}/{lease['id']}")
+        self.write_json(lease, status=201)
+
+
+class LeaseHandler(APIHandler):
+    """``GET /api/v1/leases/{id}[?wait=SECONDS&version=N]`` and ``DELETE /api/v1/leases/{id}``."""
+
+    async def get(self, raw_id: str) -> None:
+        model = self.caller()
+        lease = self.broker.get_lease(self.lease_id(raw_id))
+        auth.check_owner(model, lease["user"])
+        wait = validation.wait_seconds(self.get_argument("wait", None), MAX_WAIT)
+        version = validation.optional_int(self.get_argument("version", None), "version")
+        if wait:
+            lease = await self.broker.wait_for_change(lease["id"], wait, version)
+        self.write_json(lease)
+
+    def delete(self, raw_id: str) -> None:
+        model = self.caller()
+        lease = self.broker.get_lease(self.lease_id(raw_id))
+        auth.check_owner(model, lease["user"])
+        body = validation.parse_json_object(self.request.body)
+        reason = body.get("reason") or f"released by {auth.caller_name(model)}"
+        if not isinstance(reason, str) or len(reason) > 1000:
+            raise validation.BadRequest("reason: must be a string of at most 1000 characters")
+        self.write_json(self.broker.release_lease(lease["id"], reason))
+
+
+class OpenAPIHandler(APIHandler):
+    """``GET /api/v1/openapi.json``: the OpenAPI 3.1 document of this API (no auth)."""
+
+    def get(self) -> None:
+        self.write_json(load_openapi())
+
+
+def load_openapi() -> dict[str, Any]:
+    """The packaged OpenAPI document as a dict."""
+    text = resources.files("gpubroker.api").joinpath("openapi.yaml").read_text("utf-8")
+    spec: dict[str, Any] = yaml.safe_load(text)
+    return spec

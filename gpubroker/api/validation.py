@@ -1,0 +1,126 @@
+"""Checks of request bodies and query arguments.
+
+Each failure is a :class:`~gpubroker.errors.BadRequest` whose message names
+the field and the limit, and is raised before anything changes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ..errors import BadRequest
+from ..store.models import HolderKind
+
+#: JupyterHub user and server names: printable, at most 255 characters
+_NAME = re.compile(r"^[^\s/][^/]{0,254}$")
+
+LEASE_FIELDS = {"user", "server_name", "gpus", "holder_kind"}
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """Decode a JSON object body (empty body → ``{}``).
+
+    Raises:
+        BadRequest: not JSON, or not an object.
+    """
+    if not body.strip():
+        return {}
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BadRequest(f"body: not valid JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise BadRequest("body: must be a JSON object")
+    return data
+
+
+def require_int(data: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
+    """``data[key]`` as an int in ``low..high`` (booleans and strings refused).
+
+    Raises:
+        BadRequest: missing, not an integer, or out of range.
+    """
+    if key not in data:
+        raise BadRequest(f"{key}: required")
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key}: must be an integer, got {json.dumps(value)}")
+    if value < low or (high is not None and value > high):
+        upper = "" if high is None else f" and {high}"
+        raise BadRequest(f"{key}: must be between {low}{upper}, got {value}")
+    return value
+
+
+def require_name(data: dict[str, Any], key: str, *, allow_empty: bool = False) -> str:
+    """``data[key]`` as a JupyterHub-style name (no ``/``, 255 chars at most).
+
+    Raises:
+        BadRequest: missing, not a string, or malformed.
+    """
+    value = data.get(key, "" if allow_empty else None)
+    if not isinstance(value, str):
+        raise BadRequest(f"{key}: must be a string")
+    if value == "" and allow_empty:
+        return value
+    if not _NAME.match(value):
+        raise BadRequest(f"{key}: must be 1-255 characters without '/', got {value!r}")
+    return value
+
+
+def lease_request(data: dict[str, Any]) -> dict[str, Any]:
+    """Validate a ``POST /leases`` body.
+
+    Returns:
+        ``{"user": str, "server_name": str, "gpus": int, "holder_kind": str}``;
+        the upper bound of ``gpus`` is checked by the broker core.
+
+    Raises:
+        BadRequest: unknown field, or a field of the wrong type or range.
+    """
+    unknown = sorted(set(data) - LEASE_FIELDS)
+    if unknown:
+        raise BadRequest(
+            f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(LEASE_FIELDS))})"
+        )
+    kinds = [k.value for k in HolderKind]
+    holder_kind = data.get("holder_kind", HolderKind.server.value)
+    if holder_kind not in kinds:
+        raise BadRequest(f"holder_kind: must be one of {kinds}, got {json.dumps(holder_kind)}")
+    return {
+        "user": require_name(data, "user"),
+        "server_name": require_name(data, "server_name", allow_empty=True),
+        "gpus": require_int(data, "gpus", 1),
+        "holder_kind": holder_kind,
+    }
+
+
+def wait_seconds(raw: str | None, limit: float) -> float:
+    """The ``wait`` query argument in seconds, 0 (default) to ``limit``.
+
+    Raises:
+        BadRequest: not a number or outside ``0..limit``.
+    """
+    if raw is None:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError as err:
+        raise BadRequest(f"wait: must be a number of seconds, got {raw!r}") from err
+    if not 0 <= value <= limit:
+        raise BadRequest(f"wait: must be between 0 and {limit:g} seconds, got {raw}")
+    return value
+
+
+def optional_int(raw: str | None, name: str) -> int | None:
+    """An optional non-negative integer query argument.
+
+    Raises:
+        BadRequest: present but not a non-negative integer.
+    """
+    if raw is None:
+        return None
+    if not raw.isdecimal():
+        raise BadRequest(f"{name}: must be a non-negative integer, got {raw!r}")
+    return int(raw)

@@ -1,0 +1,190 @@
+"""The ``gpubroker`` command: a traitlets Application with subcommands.
+
+``gpubroker serve`` runs the broker service (normally as a hub-managed
+JupyterHub service at ``/services/gpubroker/``); ``gpubroker upgrade-db``
+migrates the store. Options come from ``gpubroker_config.py`` and the command
+line (``--GPUBrokerApp.db_url=…``); ``gpubroker --help-all`` lists them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from typing import Any
+from urllib.parse import urlparse
+
+from traitlets import Bool, Enum, Float, Integer, Unicode, default
+from traitlets.config import Application, catch_config_error
+
+from . import __version__
+from .core import Broker
+from .devices.fake import FakeDeviceBackend
+from .devices.nvml import NVMLDeviceBackend
+from .hub import HubClient
+
+
+class GPUBrokerApp(Application):
+    """The broker: configuration, wiring and subcommands."""
+
+    name = "gpubroker"
+    version = __version__
+    description = "A GPU broker for JupyterHub: leases, queue and sharing of GPUs."
+    examples = """
+    gpubroker serve                     # run the service (as a hub-managed service)
+    gpubroker serve --port=10101 --ip=127.0.0.1
+    gpubroker upgrade-db --db-url=sqlite:///gpubroker.sqlite
+    gpubroker --help-all                # every option
+    """
+
+    classes = [Broker, HubClient, FakeDeviceBackend, NVMLDeviceBackend]
+
+    aliases = {
+        "config": "GPUBrokerApp.config_file",
+        "db-url": "GPUBrokerApp.db_url",
+        "ip": "GPUBrokerApp.ip",
+        "port": "GPUBrokerApp.port",
+        "device-backend": "GPUBrokerApp.device_backend",
+        "log-level": "Application.log_level",
+    }
+    flags = {
+        "debug": ({"Application": {"log_level": 10}}, "Log at DEBUG level."),
+    }
+
+    subcommands = {
+        "serve": ("gpubroker.app.ServeCommand", "Run the broker service."),
+        "upgrade-db": ("gpubroker.app.UpgradeDBCommand", "Migrate the store to the newest schema."),
+    }
+
+    config_file = Unicode(
+        "gpubroker_config.py",
+        help="Config file to load (Python, traitlets style); a missing file is ignored.",
+    ).tag(config=True)
+
+    db_url = Unicode(
+        "sqlite:///gpubroker.sqlite",
+        help="SQLAlchemy URL of the store. SQLite (WAL mode) by default; "
+        "PostgreSQL with postgresql+psycopg://user@host/db.",
+    ).tag(config=True)
+
+    upgrade_db = Bool(
+        True,
+        help="Upgrade the store's schema at start (as `gpubroker upgrade-db` does).",
+    ).tag(config=True)
+
+    device_backend = Enum(
+        ["auto", "nvml", "fake"],
+        "auto",
+        help="Where devices come from: 'nvml' (real GPUs through nvidia-ml-py), "
+        "'fake' (simulated GPUs, see FakeDeviceBackend.inventory), or 'auto' "
+        "(NVML when it initialises, else the fake, with a loud warning).",
+    ).tag(config=True)
+
+    ip = Unicode(
+        help="Address to listen on (default: host of $JUPYTERHUB_SERVICE_URL, else 127.0.0.1)."
+    ).tag(config=True)
+
+    port = Integer(
+        help="Port to listen on (default: port of $JUPYTERHUB_SERVICE_URL, else 10101)."
+    ).tag(config=True)
+
+    base_url = Unicode(
+        help="URL prefix of the API (default: $JUPYTERHUB_SERVICE_PREFIX, else '/')."
+    ).tag(config=True)
+
+    reconcile_interval = Float(
+        30,
+        help="Seconds between reconciliations with the hub: leases of servers "
+        "the hub no longer lists are released. 0 disables it.",
+    ).tag(config=True)
+
+    schedule_interval = Float(
+        10, help="Seconds between scheduling passes run by the timer (besides each change)."
+    ).tag(config=True)
+
+    @default("ip")
+    def _default_ip(self) -> str:
+        url = os.environ.get("JUPYTERHUB_SERVICE_URL")
+        return (urlparse(url).hostname if url else None) or "127.0.0.1"
+
+    @default("port")
+    def _default_port(self) -> int:
+        url = os.environ.get("JUPYTERHUB_SERVICE_URL")
+        return (urlparse(url).port if url else None) or 10101
+
+    @default("base_url")
+    def _default_base_url(self) -> str:
+        return os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/")
+
+    @catch_config_error
+    def initialize(self, argv: list[str] | None = None) -> None:
+        """Parse the command line, then load the config file."""
+        super().initialize(argv)
+        if self.subapp is not None:
+            return
+        self.load_config_file(self.config_file)
+
+    def load_config_file(self, path: str, **kwargs: Any) -> None:  # type: ignore[override]
+        """Load ``path`` if it exists; command-line options still win."""
+        if os.path.exists(path):
+            super().load_config_file(path, **kwargs)
+            self.update_config(self.cli_config)
+
+    def start(self) -> None:
+        """Run the subcommand, or print help when none was given."""
+        if self.subapp is not None:
+            self.subapp.start()
+            return
+        self.print_help()
+        self.exit(2)
+
+
+class _Command(Application):
+    """A subcommand; reads options from its parent :class:`GPUBrokerApp`."""
+
+    @property
+    def broker_app(self) -> GPUBrokerApp:
+        parent = self.parent
+        assert isinstance(parent, GPUBrokerApp)
+        return parent
+
+    def initialize(self, argv: list[str] | None = None) -> None:
+        """Let the parent parse options and load its config file."""
+        app = self.broker_app
+        app.parse_command_line(argv)
+        app.load_config_file(app.config_file)
+
+
+class UpgradeDBCommand(_Command):
+    """``gpubroker upgrade-db``: migrate the store to the newest schema."""
+
+    description = "Migrate the store (GPUBrokerApp.db_url) to the newest schema."
+
+    def start(self) -> None:
+        from .store.db import upgrade
+
+        upgrade(self.broker_app.db_url)
+        self.log.info("Store %s is at the newest schema", self.broker_app.db_url)
+
+
+class ServeCommand(_Command):
+    """``gpubroker serve``: run the broker service."""
+
+    description = "Run the broker service."
+
+    def start(self) -> None:
+        from .service import BrokerService
+
+        service = BrokerService(app=self.broker_app, log=self.broker_app.log)
+        asyncio.run(service.run())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``gpubroker`` console script."""
+    app = GPUBrokerApp.instance()
+    app.initialize(argv)
+    app.start()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

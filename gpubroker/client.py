@@ -1,0 +1,125 @@
+"""An async HTTP client of the broker's REST API.
+
+Imported by the spawner (in the hub process) and later by notebook magics:
+it depends on Tornado only, never on the store or NVML.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+from urllib.parse import urlencode
+
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+
+
+class BrokerClientError(Exception):
+    """The broker answered with an error, or could not be reached.
+
+    Attributes:
+        status: the HTTP status (599 when the broker could not be reached).
+        message: the broker's message (``{"message": …}`` of its error body).
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class BrokerClient:
+    """Calls the broker at ``url`` with a JupyterHub ``token``.
+
+    Args:
+        url: the broker's base URL, e.g.
+            ``http://127.0.0.1:10101/services/gpubroker/`` (default:
+            ``$GPUBROKER_URL``).
+        token: a JupyterHub token with access to the service (default:
+            ``$GPUBROKER_API_TOKEN``, else ``$JUPYTERHUB_API_TOKEN``).
+        timeout: seconds for a call without long-polling.
+    """
+
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 20):
+        self.url = (url or os.environ.get("GPUBROKER_URL", "")).rstrip("/") + "/api/v1"
+        self.token = (
+            token
+            or os.environ.get("GPUBROKER_API_TOKEN")
+            or os.environ.get("JUPYTERHUB_API_TOKEN", "")
+        )
+        self.timeout = timeout
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        url = self.url + path + (f"?{urlencode(params)}" if params else "")
+        request = HTTPRequest(
+            url,
+            method=method,
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+            body=json.dumps(body) if body is not None else None,
+            allow_nonstandard_methods=True,
+            request_timeout=timeout or self.timeout,
+        )
+        try:
+            response = await AsyncHTTPClient().fetch(request)
+        except HTTPClientError as err:
+            raise BrokerClientError(err.code, _message(err)) from err
+        except OSError as err:
+            raise BrokerClientError(599, f"broker unreachable at {self.url}: {err}") from err
+        return json.loads(response.body)
+
+    async def health(self) -> dict[str, Any]:
+        """``GET /health``."""
+        return await self._call("GET", "/health")  # type: ignore[no-any-return]
+
+    async def devices(self) -> dict[str, Any]:
+        """``GET /devices``: ``{"backend", "devices", "summary"}``."""
+        return await self._call("GET", "/devices")  # type: ignore[no-any-return]
+
+    async def request_lease(
+        self, user: str, server_name: str, gpus: int, **extra: Any
+    ) -> dict[str, Any]:
+        """``POST /leases``; returns the lease (``granted`` or ``pending``).
+
+        Raises:
+            BrokerClientError: 400 (bad input), 403, 409 (server already has one).
+        """
+        body = {"user": user, "server_name": server_name, "gpus": gpus, **extra}
+        return await self._call("POST", "/leases", body)  # type: ignore[no-any-return]
+
+    async def get_lease(
+        self, lease_id: int, wait: float = 0, version: int | None = None
+    ) -> dict[str, Any]:
+        """``GET /leases/{id}``; with ``wait`` seconds, long-poll until the
+        lease's ``version`` differs from ``version`` (default: the current one)."""
+        params: dict[str, Any] = {"wait": wait} if wait else {}
+        if version is not None:
+            params["version"] = version
+        return await self._call(  # type: ignore[no-any-return]
+            "GET", f"/leases/{lease_id}", params=params, timeout=self.timeout + wait
+        )
+
+    async def list_leases(self, user: str | None = None, state: str = "active") -> list[Any]:
+        """``GET /leases``; returns the list of leases."""
+        params = {"state": state, **({"user": user} if user else {})}
+        data = await self._call("GET", "/leases", params=params)
+        return data["leases"]  # type: ignore[no-any-return]
+
+    async def release_lease(self, lease_id: int, reason: str = "") -> dict[str, Any]:
+        """``DELETE /leases/{id}`` (idempotent); returns the released lease."""
+        body = {"reason": reason} if reason else {}
+        return await self._call("DELETE", f"/leases/{lease_id}", body)  # type: ignore[no-any-return]
+
+
+def _message(err: HTTPClientError) -> str:
+    body = err.response.body if err.response is not None else b""
+    try:
+        return str(json.loads(body)["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")[:500] or str(err)

@@ -1,0 +1,367 @@
+"""The broker core: every state change is one method and one transaction.
+
+The REST handlers, the reconciliation loop and (later) the culler and job
+runner change state only through :class:`Broker`. Each method opens one
+transaction, changes rows, runs a scheduling pass (:mod:`gpubroker.scheduler`)
+on the result and commits; then everyone waiting on a lease is woken.
+
+The broker runs on one asyncio event loop and these methods are synchronous,
+so two changes never interleave: that, plus the partial unique indexes of
+:mod:`gpubroker.store.models`, gives exactly-once ownership of devices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+from traitlets import Any as AnyTrait
+from traitlets import Integer
+from traitlets.config import LoggingConfigurable
+
+from . import scheduler
+from .devices.base import DeviceBackend
+from .errors import BadRequest, Conflict, NotFound
+from .store.models import (
+    ACTIVE_STATES,
+    Allocation,
+    Device,
+    HolderKind,
+    Lease,
+    LeaseState,
+)
+from .views import lease_view
+
+
+def utcnow() -> dt.datetime:
+    """The current time, aware UTC."""
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class Broker(LoggingConfigurable):
+    """Owns leases and devices; see the module docstring.
+
+    Args:
+        session_factory: SQLAlchemy session factory bound to the store.
+        backend: the device backend of this node.
+    """
+
+    session_factory = AnyTrait(help="SQLAlchemy sessionmaker bound to the store.")
+    backend = AnyTrait(help="The DeviceBackend instance of this node.")
+
+    max_gpus_per_request = Integer(
+        0,
+        help="""Most whole GPUs one lease may ask for; 0 means the number of
+        devices on the largest node. Requests above it are refused with 400.""",
+    ).tag(config=True)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._changed = asyncio.Event()
+
+    # -- sessions and notification -------------------------------------------------
+
+    def _session(self) -> Session:
+        factory: sessionmaker[Session] = self.session_factory
+        return factory()
+
+    def _notify(self) -> None:
+        """Wake every long-poll waiter; each re-checks its own lease."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- inventory -----------------------------------------------------------------
+
+    def sync_inventory(self) -> list[dict[str, Any]]:
+        """Write the backend's devices into the store; mark vanished ones absent.
+
+        Returns:
+            the devices as the backend reports them (list of dicts).
+        """
+        backend: DeviceBackend = self.backend
+        reported = {d.uuid: d for d in backend.devices()}
+        with self._session() as session, session.begin():
+            known = {d.uuid: d for d in session.scalars(select(Device))}
+            for uuid, info in reported.items():
+                row = known.get(uuid) or Device(uuid=uuid, drained=False)
+                row.node, row.index, row.name = info.node, info.index, info.name
+                row.memory_total_mib, row.pci_bus_id = info.memory_total_mib, info.pci_bus_id
+                row.mig_enabled, row.present = info.mig_enabled, True
+                session.add(row)
+            for uuid, row in known.items():
+                if uuid not in reported and row.present:
+                    self.log.warning("Device %s (%s) is no longer reported", uuid, row.name)
+                    row.present = False
+            self._schedule(session, utcnow())
+        self._notify()
+        return [vars(d) for d in reported.values()]
+
+    def adopt(self) -> dict[str, int]:
+        """Re-adopt the leases of the store after a (re)start.
+
+        Returns:
+            counts of ``granted`` and ``pending`` leases found.
+        """
+        with self._session() as session, session.begin():
+            counts = {state: 0 for state in ACTIVE_STATES}
+            for lease in session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES))):
+                counts[lease.state] += 1
+            self._schedule(session, utcnow())
+        self.log.info(
+            "Adopted %s granted and %s pending leases", counts["granted"], counts["pending"]
+        )
+        self._notify()
+        return counts
+
+    def largest_node(self) -> int:
+        """Number of present, non-drained devices on the largest node."""
+        with self._session() as session:
+            per_node: dict[str, int] = {}
+            for device in session.scalars(select(Device).where(Device.present)):
+                if not device.drained:
+                    per_node[device.node] = per_node.get(device.node, 0) + 1
+        return max(per_node.values(), default=0)
+
+    def request_limit(self) -> int:
+        """Most GPUs one lease may ask for now (see ``max_gpus_per_request``)."""
+        largest = self.largest_node()
+        if self.max_gpus_per_request:
+            return min(largest, self.max_gpus_per_request)
+        return largest
+
+    # -- state changes ---------------------------------------------------------------
+
+    def request_lease(
+        self,
+        user: str,
+        server_name: str,
+        gpus: int,
+        holder_kind: str = HolderKind.server.value,
+    ) -> dict[str, Any]:
+        """Ask for ``gpus`` whole devices for ``user``'s server ``server_name``.
+
+        Granted at once when devices are free, else queued (FIFO).
+
+        Returns:
+            the lease view (``state`` ``granted`` or ``pending``).
+
+        Raises:
+            BadRequest: ``gpus`` outside 1..:meth:`request_limit`.
+            Conflict: the server already has an active lease.
+        """
+        limit = self.request_limit()
+        if not 1 <= gpus <= limit:
+            raise BadRequest(f"gpus: must be between 1 and {limit} (the request limit), got {gpus}")
+        now = utcnow()
+        with self._session() as session, session.begin():
+            if holder_kind == HolderKind.server.value:
+                self._check_no_active_lease(session, user, server_name)
+            lease = Lease(
+                user=user,
+                server_name=server_name,
+                holder_kind=holder_kind,
+                gpus=gpus,
+                state=LeaseState.pending.value,
+                created=now,
+            )
+            session.add(lease)
+            session.flush()
+            self._schedule(session, now)
+            view = lease_view(lease)
+        self.log.info(
+            "Lease %s for %s/%s (%s GPU): %s", view["id"], user, server_name, gpus, view["state"]
+        )
+        self._notify()
+        return view
+
+    def _check_no_active_lease(self, session: Session, user: str, server_name: str) -> None:
+        existing = session.scalar(
+            select(Lease.id).where(
+                Lease.user == user,
+                Lease.server_name == server_name,
+                Lease.holder_kind == HolderKind.server.value,
+                Lease.state.in_(ACTIVE_STATES),
+            )
+        )
+        if existing is not None:
+            raise Conflict(
+                f"server_name: {user}/{server_name or '(default)'} already has active "
+                f"lease {existing}; one active lease per server"
+            )
+
+    def release_lease(self, lease_id: int, reason: str) -> dict[str, Any]:
+        """Release lease ``lease_id`` (granted or pending), recording ``reason``.
+
+        Idempotent: releasing a released lease returns it unchanged.
+
+        Raises:
+            NotFound: no such lease.
+        """
+        now = utcnow()
+        with self._session() as session, session.begin():
+            lease = self._get(session, lease_id)
+            if lease.state != LeaseState.released.value:
+                self._release(lease, reason, now)
+                session.flush()
+                self._schedule(session, now)
+                self.log.info("Released lease %s of %s: %s", lease.id, lease.user, reason)
+            view = lease_view(lease)
+        self._notify()
+        return view
+
+    def _release(self, lease: Lease, reason: str, now: dt.datetime) -> None:
+        lease.state = LeaseState.released.value
+        lease.version += 1
+        lease.released_at = now
+        lease.release_reason = reason
+        lease.queue_position = lease.queue_reason = lease.queue_message = None
+        for allocation in lease.allocations:
+            allocation.active = False
+
+    def reconcile(self, servers: Iterable[tuple[str, str]], as_of: dt.datetime) -> list[int]:
+        """Release server leases whose hub server no longer exists.
+
+        Args:
+            servers: (user, server name) of every server the hub lists as
+                active (ready or pending), fetched starting at ``as_of``.
+            as_of: aware UTC time the hub listing was requested; leases
+                created after it are left alone (their server may be newer).
+
+        Returns:
+            ids of the leases released.
+        """
+        alive = set(servers)
+        released = []
+        now = utcnow()
+        with self._session() as session, session.begin():
+            stmt = select(Lease).where(
+                Lease.state.in_(ACTIVE_STATES),
+                Lease.holder_kind == HolderKind.server.value,
+                Lease.created < as_of,
+            )
+            for lease in session.scalars(stmt):
+                if (lease.user, lease.server_name) not in alive:
+                    why = f"reconcile: server {lease.user}/{lease.server_name} is gone from the hub"
+                    self._release(lease, why, now)
+                    released.append(lease.id)
+            if released:
+                session.flush()
+                self._schedule(session, now)
+        if released:
+            self.log.warning("Reconciliation released leases %s (server gone)", released)
+            self._notify()
+        return released
+
+    # -- reads ---------------------------------------------------------------------
+
+    def _get(self, session: Session, lease_id: int) -> Lease:
+        lease = session.get(Lease, lease_id)
+        if lease is None:
+            raise NotFound(f"lease {lease_id}: no such lease")
+        return lease
+
+    def get_lease(self, lease_id: int) -> dict[str, Any]:
+        """The view of lease ``lease_id``.
+
+        Raises:
+            NotFound: no such lease.
+        """
+        with self._session() as session:
+            return lease_view(self._get(session, lease_id))
+
+    def list_leases(self, user: str | None = None, active: bool = True) -> list[dict[str, Any]]:
+        """Lease views, oldest first; only ``user``'s when given; only
+        pending and granted ones unless ``active`` is false."""
+        stmt = select(Lease).order_by(Lease.id)
+        if user is not None:
+            stmt = stmt.where(Lease.user == user)
+        if active:
+            stmt = stmt.where(Lease.state.in_(ACTIVE_STATES))
+        with self._session() as session:
+            return [lease_view(lease) for lease in session.scalars(stmt)]
+
+    def device_rows(self) -> list[tuple[Device, int | None]]:
+        """Every known device with the id of the lease holding it (or ``None``)."""
+        with self._session() as session:
+            active = select(Allocation.device_uuid, Allocation.lease_id).where(Allocation.active)
+            holders = {uuid: lease_id for uuid, lease_id in session.execute(active)}
+            devices = session.scalars(select(Device).order_by(Device.node, Device.index))
+            return [(d, holders.get(d.uuid)) for d in devices]
+
+    async def wait_for_change(
+        self, lease_id: int, timeout: float, known_version: int | None = None
+    ) -> dict[str, Any]:
+        """Wait up to ``timeout`` seconds for lease ``lease_id`` to change.
+
+        Args:
+            lease_id: the lease.
+            timeout: seconds to wait at most.
+            known_version: the ``version`` the caller last saw; when the lease
+                is already past it, answer at once (nothing is missed between
+                two polls). ``None`` means the current version.
+
+        Returns:
+            the view after the change, or the unchanged view on time-out.
+
+        Raises:
+            NotFound: no such lease.
+        """
+        current = self.get_lease(lease_id)
+        known = current["version"] if known_version is None else known_version
+        deadline = time.monotonic() + timeout
+        while current["version"] == known and (remaining := deadline - time.monotonic()) > 0:
+            event = self._changed
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+            current = self.get_lease(lease_id)
+        return self.get_lease(lease_id) if current["version"] == known else current
+
+    # -- scheduling ----------------------------------------------------------------
+
+    def schedule_now(self) -> None:
+        """Run a scheduling pass in its own transaction (the periodic timer)."""
+        with self._session() as session, session.begin():
+            self._schedule(session, utcnow())
+        self._notify()
+
+    def _schedule(self, session: Session, now: dt.datetime) -> None:
+        """Run the pure scheduler on the session's state and apply its decisions."""
+        devices = list(session.scalars(select(Device).where(Device.present)))
+        busy = frozenset(session.scalars(select(Allocation.device_uuid).where(Allocation.active)))
+        pending = list(
+            session.scalars(select(Lease).where(Lease.state == LeaseState.pending.value))
+        )
+        state = scheduler.SchedulerState(
+            slots=tuple(scheduler.Slot(d.uuid, d.node, d.index, d.drained) for d in devices),
+            busy=busy,
+            pending=tuple(scheduler.Request(p.id, p.user, p.gpus, p.created) for p in pending),
+        )
+        decisions = scheduler.schedule(state, now)
+        by_id = {p.id: p for p in pending}
+        for grant in decisions.grants:
+            self._grant(session, by_id[grant.lease_id], grant.devices, now)
+        for wait in decisions.waits:
+            lease = by_id[wait.lease_id]
+            verdict = (wait.position, wait.reason.value, wait.message)
+            if (lease.queue_position, lease.queue_reason, lease.queue_message) != verdict:
+                lease.queue_position, lease.queue_reason, lease.queue_message = verdict
+                lease.version += 1
+
+    def _grant(
+        self, session: Session, lease: Lease, uuids: tuple[str, ...], now: dt.datetime
+    ) -> None:
+        lease.state = LeaseState.granted.value
+        lease.version += 1
+        lease.granted_at = now
+        lease.queue_position = lease.queue_reason = lease.queue_message = None
+        for uuid in uuids:
+            session.add(Allocation(lease=lease, device_uuid=uuid, active=True))
+        session.flush()
+        self.log.info("Granted lease %s to %s: %s", lease.id, lease.user, ",".join(uuids))

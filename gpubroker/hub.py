@@ -1,0 +1,74 @@
+"""A small client of the JupyterHub REST API, for what the broker reads.
+
+The broker calls the hub with its own service token (``JUPYTERHUB_API_TOKEN``)
+and needs the scopes ``list:users`` and ``read:servers``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+from urllib.parse import urlencode
+
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from traitlets import Float, Unicode, default
+from traitlets.config import LoggingConfigurable
+
+PAGINATION = "application/jupyterhub-pagination+json"
+
+
+class HubClient(LoggingConfigurable):
+    """Reads users and servers from the hub API (paginated, JupyterHub 2+)."""
+
+    api_url = Unicode(
+        help="URL of the hub API, e.g. http://127.0.0.1:8081/hub/api "
+        "(default: $JUPYTERHUB_API_URL, set by the hub for managed services)."
+    ).tag(config=True)
+    api_token = Unicode(
+        help="Token for the hub API (default: $JUPYTERHUB_API_TOKEN).",
+    ).tag(config=True)
+    request_timeout = Float(10, help="Seconds before a hub API call fails.").tag(config=True)
+
+    @default("api_url")
+    def _default_api_url(self) -> str:
+        return os.environ.get("JUPYTERHUB_API_URL", "http://127.0.0.1:8081/hub/api")
+
+    @default("api_token")
+    def _default_api_token(self) -> str:
+        return os.environ.get("JUPYTERHUB_API_TOKEN", "")
+
+    async def _get(self, path: str, params: dict[str, Any]) -> dict[str, Any]:
+        url = f"{self.api_url.rstrip('/')}{path}?{urlencode(params)}"
+        request = HTTPRequest(
+            url,
+            headers={"Authorization": f"token {self.api_token}", "Accept": PAGINATION},
+            request_timeout=self.request_timeout,
+        )
+        response = await AsyncHTTPClient().fetch(request)
+        data: dict[str, Any] = json.loads(response.body)
+        return data
+
+    async def active_servers(self, page_size: int = 200) -> set[tuple[str, str]]:
+        """(user, server name) of every server that is ready or pending.
+
+        Returns:
+            a set of pairs; the default server's name is ``""``.
+
+        Raises:
+            tornado.httpclient.HTTPClientError: the hub answered with an error.
+            OSError: the hub cannot be reached.
+        """
+        servers: set[tuple[str, str]] = set()
+        offset = 0
+        while True:
+            page = await self._get(
+                "/users", {"state": "active", "offset": offset, "limit": page_size}
+            )
+            for user in page["items"]:
+                for name in user.get("servers") or {}:
+                    servers.add((user["name"], name))
+            following = (page.get("_pagination") or {}).get("next")
+            if not following:
+                return servers
+            offset = following["offset"]

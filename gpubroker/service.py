@@ -1,0 +1,107 @@
+"""Wiring of a running broker: store, devices, core, HTTP server and loops.
+
+Runs as a JupyterHub-managed service: the hub passes ``JUPYTERHUB_API_TOKEN``,
+``JUPYTERHUB_API_URL``, ``JUPYTERHUB_SERVICE_URL`` and
+``JUPYTERHUB_SERVICE_PREFIX`` in the environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import signal
+from typing import TYPE_CHECKING, Any
+
+from jupyterhub.services.auth import HubAuth
+from tornado.httpserver import HTTPServer
+
+from .api.app import make_app
+from .core import Broker, utcnow
+from .devices import load_backend
+from .hub import HubClient
+from .store.db import make_engine, make_session_factory, upgrade
+
+if TYPE_CHECKING:
+    from .app import GPUBrokerApp
+
+
+class BrokerService:
+    """One running broker process.
+
+    Args:
+        app: the configured :class:`~gpubroker.app.GPUBrokerApp`.
+        log: its logger.
+    """
+
+    def __init__(self, app: GPUBrokerApp, log: Any) -> None:
+        self.app = app
+        self.log = log
+        self._stop = asyncio.Event()
+
+    def _build(self) -> None:
+        app = self.app
+        if app.upgrade_db:
+            upgrade(app.db_url)
+        self.engine = make_engine(app.db_url)
+        self.backend = load_backend(app.device_backend, parent=app, log=self.log)
+        self.broker = Broker(
+            parent=app, session_factory=make_session_factory(self.engine), backend=self.backend
+        )
+        self.hub = HubClient(parent=app)
+        self.hub_auth = HubAuth(parent=app, api_token=self.hub.api_token, api_url=self.hub.api_url)
+
+    async def run(self) -> None:
+        """Start everything, serve until SIGTERM/SIGINT, then shut down cleanly."""
+        self._build()
+        loop = asyncio.get_running_loop()
+        # a service started with `&` inherits "ignore SIGINT": set our own handlers
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        self.broker.sync_inventory()
+        self.broker.adopt()
+        web_app = make_app(
+            self.broker, base_url=self.app.base_url, log=self.log, hub_auth=self.hub_auth
+        )
+        server = HTTPServer(web_app, xheaders=True)
+        server.listen(self.app.port, self.app.ip)
+        self.log.info(
+            "gpubroker %s listening on http://%s:%s%s (backend %s%s)",
+            self.app.version,
+            self.app.ip,
+            self.app.port,
+            self.app.base_url,
+            self.backend.kind,
+            ", SIMULATED GPUs" if self.backend.simulated else "",
+        )
+        tasks = [asyncio.create_task(self._schedule_loop())]
+        if self.app.reconcile_interval > 0:
+            tasks.append(asyncio.create_task(self._reconcile_loop()))
+        await self._stop.wait()
+        self.log.info("Shutting down")
+        server.stop()
+        for task in tasks:
+            task.cancel()
+        self.backend.close()
+        self.engine.dispose()
+
+    async def _schedule_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.app.schedule_interval)
+            try:
+                self.broker.schedule_now()
+            except Exception:
+                self.log.exception("Scheduling pass failed")
+
+    async def reconcile_once(self) -> list[int]:
+        """Ask the hub which servers exist; release leases of servers that are gone."""
+        as_of: dt.datetime = utcnow()
+        servers = await self.hub.active_servers()
+        return self.broker.reconcile(servers, as_of)
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.app.reconcile_interval)
+            try:
+                await self.reconcile_once()
+            except Exception as err:
+                self.log.warning("Reconciliation with the hub failed: %s", err)

@@ -1,0 +1,1 @@
+"""Durable state: the SQLAlchemy ORM, engine set-up and Alembic migrations."""

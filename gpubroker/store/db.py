@@ -1,0 +1,74 @@
+"""Engine, sessions and schema upgrades.
+
+SQLite databases are opened in WAL mode (readers never block the one writer)
+with foreign keys on. The schema is owned by Alembic: :func:`upgrade` brings a
+database to the newest revision and is what ``gpubroker upgrade-db`` and
+broker start-up run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+
+def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.close()
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """Create an engine for ``url`` (any SQLAlchemy URL).
+
+    For SQLite, WAL journal mode, foreign keys and a 5 s busy timeout are set
+    on every connection.
+    """
+    engine = create_engine(url, **kwargs)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Return a session factory whose objects stay usable after commit."""
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str) -> Config:
+    """An Alembic :class:`Config` for the packaged migrations and ``url``."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Upgrade the database at ``url`` to ``revision`` (default: newest).
+
+    Raises:
+        sqlalchemy.exc.SQLAlchemyError: the database cannot be reached or migrated.
+    """
+    command.upgrade(alembic_config(url), revision)
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The Alembic revision the database is at, or ``None`` if unversioned."""
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def head_revision() -> str | None:
+    """The newest revision shipped with this version of gpubroker."""
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()

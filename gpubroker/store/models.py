@@ -1,0 +1,171 @@
+"""The ORM: devices, leases and the allocations that bind them.
+
+Exactly-once ownership (DESIGN principle 2) is backed by the database: an
+:class:`Allocation` row is *active* while its lease holds the device, and a
+partial unique index allows at most one active allocation per device. A second
+partial unique index allows at most one active lease per (user, server name).
+Both are partial indexes, which SQLite (3.8+) and PostgreSQL support.
+
+All times are stored as naive UTC and returned as timezone-aware UTC.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+
+from sqlalchemy import (
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """A DateTime stored as naive UTC and read back as aware UTC.
+
+    Raises:
+        ValueError: when given a naive datetime (ambiguous time zone).
+    """
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: object) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given; use an aware UTC datetime")
+        return value.astimezone(dt.timezone.utc).replace(tzinfo=None)
+
+    def process_result_value(
+        self, value: dt.datetime | None, dialect: object
+    ) -> dt.datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=dt.timezone.utc)
+
+
+class LeaseState(str, enum.Enum):
+    """Life cycle of a lease: ``pending`` → ``granted`` → ``released``.
+
+    A pending lease may go straight to ``released`` (cancelled in the queue).
+    """
+
+    pending = "pending"
+    granted = "granted"
+    released = "released"
+
+
+#: states in which a lease counts against devices, quotas and uniqueness
+ACTIVE_STATES = (LeaseState.pending.value, LeaseState.granted.value)
+_ACTIVE_SQL = "state IN ('pending', 'granted')"
+
+
+class HolderKind(str, enum.Enum):
+    """What holds a lease.
+
+    ``server``: a JupyterHub single-user server (reconciled against the hub);
+    ``external``: something outside the hub (an admin script, later a job),
+    never reconciled against hub servers.
+    """
+
+    server = "server"
+    external = "external"
+
+
+class Base(DeclarativeBase):
+    """Declarative base of every gpubroker table."""
+
+
+class Device(Base):
+    """One physical GPU known to the broker (the inventory).
+
+    ``present`` is false for a device that the backend no longer reports;
+    such a device is never granted, but leases on it are kept.
+    """
+
+    __tablename__ = "devices"
+
+    uuid: Mapped[str] = mapped_column(String(64), primary_key=True)
+    node: Mapped[str] = mapped_column(String(255))
+    index: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(255))
+    memory_total_mib: Mapped[int] = mapped_column(Integer)
+    pci_bus_id: Mapped[str] = mapped_column(String(32))
+    mig_enabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    present: Mapped[bool] = mapped_column(Boolean, default=True)
+    drained: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Lease(Base):
+    """A request for GPUs and, once granted, the binding to devices.
+
+    ``queue_*`` columns hold the latest scheduling verdict for a pending
+    lease (position from 1, Slurm-style reason code, sentence for the user).
+    ``version`` grows by one at every change a holder can see (state, queue
+    position, reason), for long-polls (like Kubernetes' resourceVersion).
+    """
+
+    __tablename__ = "leases"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    user: Mapped[str] = mapped_column(String(255), index=True)
+    server_name: Mapped[str] = mapped_column(String(255), default="")
+    holder_kind: Mapped[str] = mapped_column(String(16), default=HolderKind.server.value)
+    gpus: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default=LeaseState.pending.value, index=True)
+    created: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    granted_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    released_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    release_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    queue_position: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    queue_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    queue_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    version: Mapped[int] = mapped_column(Integer, default=1)
+
+    allocations: Mapped[list[Allocation]] = relationship(
+        back_populates="lease", order_by="Allocation.id", lazy="selectin"
+    )
+
+    __table_args__ = (
+        Index(
+            "uq_leases_active_server",
+            "user",
+            "server_name",
+            unique=True,
+            sqlite_where=text(f"{_ACTIVE_SQL} AND holder_kind = 'server'"),
+            postgresql_where=text(f"{_ACTIVE_SQL} AND holder_kind = 'server'"),
+        ),
+    )
+
+
+class Allocation(Base):
+    """One device bound to one lease; ``active`` until the lease is released."""
+
+    __tablename__ = "allocations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"))
+    device_uuid: Mapped[str] = mapped_column(ForeignKey("devices.uuid"))
+    active: Mapped[bool] = mapped_column(Boolean, default=True)
+
+    lease: Mapped[Lease] = relationship(back_populates="allocations")
+    device: Mapped[Device] = relationship(lazy="joined")
+
+    __table_args__ = (
+        Index(
+            "uq_allocations_active_device",
+            "device_uuid",
+            unique=True,
+            sqlite_where=text("active = 1"),
+            postgresql_where=text("active"),
+        ),
+    )

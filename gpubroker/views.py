@@ -1,0 +1,78 @@
+"""JSON shapes of leases and devices, as the REST API returns them.
+
+Times are ISO 8601 strings in UTC (``2026-11-30T14:20:00Z``); memory in MiB.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from .store.models import Device, Lease, LeaseState
+
+
+def isoformat(when: dt.datetime | None) -> str | None:
+    """Format an aware UTC datetime as ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (or ``None``)."""
+    if when is None:
+        return None
+    return when.astimezone(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def device_view(device: Device) -> dict[str, Any]:
+    """A device's identity: ``uuid``, ``index``, ``name``, ``node``, ``pci_bus_id``,
+    ``memory_total_mib``."""
+    return {
+        "uuid": device.uuid,
+        "index": device.index,
+        "name": device.name,
+        "node": device.node,
+        "pci_bus_id": device.pci_bus_id,
+        "memory_total_mib": device.memory_total_mib,
+    }
+
+
+def lease_env(lease: Lease) -> dict[str, str]:
+    """The environment a granted lease's notebook must get.
+
+    ``CUDA_VISIBLE_DEVICES`` and ``NVIDIA_VISIBLE_DEVICES`` list the device
+    UUIDs (CUDA accepts UUIDs there: CUDA C Programming Guide, "CUDA
+    Environment Variables"); ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes CUDA's
+    ordinals match NVML's. A lease that is not granted gets ``{}``.
+    """
+    if lease.state != LeaseState.granted.value:
+        return {}
+    uuids = ",".join(a.device_uuid for a in lease.allocations if a.active)
+    return {
+        "CUDA_VISIBLE_DEVICES": uuids,
+        "NVIDIA_VISIBLE_DEVICES": uuids,
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "GPUBROKER_LEASE_ID": str(lease.id),
+    }
+
+
+def lease_view(lease: Lease) -> dict[str, Any]:
+    """The full JSON shape of a lease (see ``Lease`` in the OpenAPI document)."""
+    granted = lease.state == LeaseState.granted.value
+    queue = None
+    if lease.state == LeaseState.pending.value:
+        queue = {
+            "position": lease.queue_position,
+            "reason": lease.queue_reason,
+            "message": lease.queue_message,
+        }
+    return {
+        "id": lease.id,
+        "user": lease.user,
+        "server_name": lease.server_name,
+        "holder_kind": lease.holder_kind,
+        "gpus": lease.gpus,
+        "state": lease.state,
+        "version": lease.version,
+        "created": isoformat(lease.created),
+        "granted_at": isoformat(lease.granted_at),
+        "released_at": isoformat(lease.released_at),
+        "release_reason": lease.release_reason,
+        "devices": [device_view(a.device) for a in lease.allocations if a.active or not granted],
+        "env": lease_env(lease),
+        "queue": queue,
+    }

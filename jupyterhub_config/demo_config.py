@@ -1,0 +1,160 @@
+"""JupyterHub config of the gpubroker demo: fake GPUs, local processes, any login.
+
+Run it with ``make demo`` (or ``jupyterhub -f jupyterhub_config/demo_config.py``
+from the repository root with the project's virtualenv active). Everything
+binds to 127.0.0.1. Log in with any user name and password.
+
+Environment variables (all optional; the tests use them to run this same
+config on free ports):
+
+- ``GPUBROKER_DEMO_DIR``: where state goes (hub and broker SQLite, secrets);
+  default ``demo-run/`` in the repository.
+- ``GPUBROKER_DEMO_PORT``: public port of the hub (default 8000);
+  ``GPUBROKER_DEMO_HUB_PORT``, ``GPUBROKER_DEMO_PROXY_API_PORT`` and
+  ``GPUBROKER_DEMO_BROKER_PORT``: internal ports (defaults 8081, 8001, 10101).
+- ``GPUBROKER_DEMO_INVENTORY``: fake devices (default ``8 x NVIDIA H100 80GB HBM3``).
+- ``GPUBROKER_DEMO_RECONCILE_INTERVAL``: seconds between broker/hub
+  reconciliations (default 30); ``GPUBROKER_DEMO_POLL_INTERVAL``: the hub's
+  server poll interval (default 30).
+- ``GPUBROKER_DEMO_API_TOKEN``: if set, a service ``demo-admin`` with this
+  token and admin scopes (hub and broker) is registered, for scripted use.
+- ``GPUBROKER_DEMO_EXTRA_CONFIG``: a config file loaded after this one.
+"""
+
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from gpubroker.api.auth import ADMIN_SCOPE, CUSTOM_SCOPES
+
+c = get_config()  # noqa: F821 - provided by JupyterHub when it loads this file
+
+repo = Path(__file__).resolve().parent.parent
+state = Path(os.environ.get("GPUBROKER_DEMO_DIR", repo / "demo-run")).resolve()
+state.mkdir(parents=True, exist_ok=True)
+
+
+def _port(name, fallback):
+    return int(os.environ.get(f"GPUBROKER_DEMO_{name}", fallback))
+
+
+def _secret(name):
+    """A secret kept in the state dir, so restarts of the hub keep it."""
+    path = state / name
+    if not path.exists():
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+broker_port = _port("BROKER_PORT", 10101)
+broker_url = f"http://127.0.0.1:{broker_port}/services/gpubroker/"
+broker_token = _secret("gpubroker-service-token")
+
+# -- the hub ------------------------------------------------------------------------
+c.JupyterHub.ip = "127.0.0.1"
+c.JupyterHub.port = _port("PORT", 8000)
+c.JupyterHub.hub_ip = "127.0.0.1"
+c.JupyterHub.hub_port = _port("HUB_PORT", 8081)
+c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
+c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")
+c.JupyterHub.pid_file = str(state / "jupyterhub.pid")
+c.JupyterHub.allow_named_servers = True
+c.JupyterHub.cleanup_servers = True
+c.JupyterHub.authenticator_class = "dummy"
+c.Authenticator.allow_all = True
+c.Authenticator.admin_users = {"admin"}
+
+proxy = repo / "node_modules" / ".bin" / "configurable-http-proxy"
+c.ConfigurableHTTPProxy.command = [str(proxy) if proxy.exists() else "configurable-http-proxy"]
+c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{_port('PROXY_API_PORT', 8001)}"
+c.ConfigurableHTTPProxy.auth_token = _secret("proxy-token")
+c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
+
+# -- the broker, a hub-managed service ------------------------------------------------
+c.JupyterHub.custom_scopes = CUSTOM_SCOPES
+inventory = os.environ.get("GPUBROKER_DEMO_INVENTORY", "8 x NVIDIA H100 80GB HBM3")
+c.JupyterHub.services = [
+    {
+        "name": "gpubroker",
+        "url": f"http://127.0.0.1:{broker_port}",
+        "api_token": broker_token,
+        "display": False,  # True once the admin panel is served there
+        "command": [
+            sys.executable,
+            "-m",
+            "gpubroker",
+            "serve",
+            f"--db-url=sqlite:///{state / 'gpubroker.sqlite'}",
+            f"--device-backend={os.environ.get('GPUBROKER_DEMO_BACKEND', 'fake')}",
+            f"--FakeDeviceBackend.inventory={inventory}",
+            f"--FakeDeviceBackend.node_name={os.environ.get('GPUBROKER_DEMO_NODE', 'demo-node')}",
+            f"--FakeDeviceBackend.state_file={state / 'fake-gpu-usage.json'}",
+            f"--GPUBrokerApp.reconcile_interval="
+            f"{os.environ.get('GPUBROKER_DEMO_RECONCILE_INTERVAL', '30')}",
+        ],
+        "cwd": str(state),
+    }
+]
+c.JupyterHub.load_roles = [
+    {
+        # the broker (and the spawner, which calls the broker with the same token)
+        "name": "gpubroker-service",
+        "services": ["gpubroker"],
+        "scopes": [
+            "list:users",
+            "read:users",
+            "read:servers",
+            "delete:servers",
+            "read:groups",
+            "access:services!service=gpubroker",
+            ADMIN_SCOPE,
+        ],
+    },
+    {
+        # every user may call the broker (for their own leases only)
+        "name": "user",
+        "scopes": ["self", "access:services!service=gpubroker"],
+    },
+]
+demo_token = os.environ.get("GPUBROKER_DEMO_API_TOKEN")
+if demo_token:
+    c.JupyterHub.services.append({"name": "demo-admin", "api_token": demo_token})
+    c.JupyterHub.load_roles.append(
+        {
+            "name": "demo-admin",
+            "services": ["demo-admin"],
+            "scopes": [
+                "admin:users",
+                "admin:servers",
+                "admin:server_state",
+                "tokens",
+                "access:services!service=gpubroker",
+                ADMIN_SCOPE,
+            ],
+        }
+    )
+
+# -- the spawner ------------------------------------------------------------------------
+c.JupyterHub.spawner_class = "gpubroker-simple"
+c.SimpleLocalGPUSpawner.broker_url = broker_url
+c.SimpleLocalGPUSpawner.broker_api_token = broker_token
+c.SimpleLocalGPUSpawner.home_dir_template = str(state / "home" / "{username}")
+c.Spawner.poll_interval = _port("POLL_INTERVAL", 30)
+c.Spawner.default_url = "/lab"
+c.Spawner.cmd = [str(Path(sys.executable).parent / "jupyterhub-singleuser")]
+if os.getuid() == 0:
+    c.Spawner.args = ["--allow-root"]
+# kernels may call the broker with the server's token (for %gpu magics)
+c.Spawner.server_token_scopes = [
+    "users:activity!user",
+    "access:servers!server",
+    "access:services!service=gpubroker",
+]
+# a spawn may wait in the GPU queue: answer the spawn request quickly
+c.JupyterHub.tornado_settings = {"slow_spawn_timeout": 3}
+
+# an extra config file loaded last (the tests use it for their variations)
+if os.environ.get("GPUBROKER_DEMO_EXTRA_CONFIG"):
+    load_subconfig(os.environ["GPUBROKER_DEMO_EXTRA_CONFIG"])  # noqa: F821 - from JupyterHub

@@ -1,0 +1,336 @@
+"""GPUSpawnerMixin: ask the broker for a lease before starting a server.
+
+Flow: ``apply_user_options`` checks ``{"gpus": N}``; ``start()`` requests a
+lease, waits in the queue (reporting position and reason through
+``progress()``), sets the device variables from the grant and starts the
+server; ``stop()`` releases the lease. The lease id is kept in the spawner's
+state so a hub restart keeps the lease. Every way out of a start that fails
+(error, time-out, cancel) releases the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from jupyterhub.utils import maybe_future
+from tornado import web
+from traitlets import Float, Integer, Unicode, default
+from traitlets.config import LoggingConfigurable
+
+from gpubroker.client import BrokerClient, BrokerClientError
+
+from . import form
+
+try:
+    from jupyterhub.spawner import SpawnException
+except ImportError:  # pragma: no cover - JupyterHub < 6 has no SpawnException
+    SpawnException = None
+
+
+def spawn_error(message: str, reason: str) -> web.HTTPError:
+    """A user-facing spawn failure: JupyterHub's SpawnException where it exists."""
+    if SpawnException is not None:
+        return SpawnException(message, reason=reason)  # type: ignore[no-any-return]
+    return web.HTTPError(500, message)
+
+
+#: what a server without a GPU gets: no device visible to CUDA or the container runtime
+NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"}
+
+
+async def _apply_gpu_options(spawner: GPUSpawnerMixin, user_options: dict[str, Any]) -> None:
+    """Default ``Spawner.apply_user_options``: check and remember the GPU count."""
+    spawner.gpu_request = await spawner.check_user_options(user_options)
+
+
+class GPUSpawnerMixin(LoggingConfigurable):
+    """Mix into a JupyterHub Spawner (before it in the bases) to lease GPUs.
+
+    Options are read from ``c.GPUSpawnerMixin``, ``c.Spawner`` or the
+    concrete class (e.g. ``c.SimpleLocalGPUSpawner.broker_url``), the most
+    specific winning.
+    """
+
+    broker_url = Unicode(
+        help="""Base URL of the broker service as the hub reaches it, e.g.
+        http://127.0.0.1:10101/services/gpubroker/ (default: $GPUBROKER_URL).
+        It is also passed to servers as GPUBROKER_URL.""",
+    ).tag(config=True)
+
+    broker_api_token = Unicode(
+        help="""JupyterHub token the spawner calls the broker with: the broker
+        service's own token, whose role holds custom:gpubroker:admin (default:
+        $GPUBROKER_API_TOKEN).""",
+    ).tag(config=True)
+
+    max_gpus = Integer(
+        0,
+        help="""Most GPUs one server may ask for; 0 means the broker's request
+        limit (the largest node's device count).""",
+    ).tag(config=True)
+
+    default_gpus = Integer(
+        0, help="GPUs a server gets when user_options do not say (e.g. started without the form)."
+    ).tag(config=True)
+
+    queue_timeout = Float(
+        3600,
+        help="""Seconds a spawn may wait in the broker's queue before it fails
+        (and the request is withdrawn). Spawner.start_timeout defaults to this
+        plus 120 s, since the hub's own 60 s default is too short for a queue.""",
+    ).tag(config=True)
+
+    poll_wait = Float(
+        30, help="Seconds of each long-poll to the broker while waiting in the queue."
+    ).tag(config=True)
+
+    gpu_lease_id: int | None = None
+    gpu_request: int | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reset_progress()
+
+    def _reset_progress(self) -> None:
+        self._gpu_events: list[dict[str, Any]] = []
+        self._gpu_changed = asyncio.Event()
+        self._gpu_wait_over = False
+        self._gpu_env: dict[str, str] | None = None
+
+    @default("broker_url")
+    def _default_broker_url(self) -> str:
+        return os.environ.get("GPUBROKER_URL", "http://127.0.0.1:10101/services/gpubroker/")
+
+    @default("broker_api_token")
+    def _default_broker_api_token(self) -> str:
+        return os.environ.get("GPUBROKER_API_TOKEN", "")
+
+    @default("start_timeout")
+    def _default_start_timeout(self) -> int:
+        return int(self.queue_timeout) + 120
+
+    @default("options_form")
+    def _default_options_form(self) -> Any:
+        return GPUSpawnerMixin._gpu_options_form
+
+    @default("apply_user_options")
+    def _default_apply_user_options(self) -> Any:
+        return _apply_gpu_options
+
+    # -- the broker ----------------------------------------------------------------
+
+    @property
+    def broker(self) -> BrokerClient:
+        """A client of the broker with the spawner's token."""
+        return BrokerClient(self.broker_url, self.broker_api_token)
+
+    async def gpu_limit(self) -> int:
+        """The most GPUs this server may ask for now (broker limit, ``max_gpus``)."""
+        devices = await self.broker.devices()
+        limit = int(devices["summary"]["request_limit"])
+        return min(limit, self.max_gpus) if self.max_gpus else limit
+
+    async def _gpu_options_form(self) -> str:
+        try:
+            devices = await self.broker.devices()
+        except BrokerClientError as err:
+            self.log.error("Cannot reach the GPU broker for the spawn form: %s", err)
+            return (
+                '<p class="text-danger">The GPU broker is unavailable; GPUs cannot be chosen.</p>'
+            )
+        limit = int(devices["summary"]["request_limit"])
+        limit = min(limit, self.max_gpus) if self.max_gpus else limit
+        return form.render_form(limit, devices, self.default_gpus)
+
+    def options_from_form(self, formdata: dict[str, list[str]]) -> dict[str, Any]:
+        """Form data → ``{"gpus": N}`` (checked later, like API-posted options)."""
+        return form.options_from_form(formdata)
+
+    async def check_user_options(self, user_options: dict[str, Any] | None) -> int:
+        """Validate ``user_options``; return the GPU count.
+
+        Raises:
+            tornado.web.HTTPError: 400 naming the field and the limit.
+        """
+        limit = await self.gpu_limit() if (user_options or {}).get("gpus") else 0
+        try:
+            return form.check_gpu_options(user_options, limit, self.default_gpus)
+        except form.OptionsError as err:
+            raise web.HTTPError(400, str(err)) from None
+
+    # -- state ---------------------------------------------------------------------
+
+    def get_state(self) -> dict[str, Any]:
+        """Spawner state plus ``gpu_lease_id``."""
+        state: dict[str, Any] = super().get_state()  # type: ignore[misc]
+        if self.gpu_lease_id is not None:
+            state["gpu_lease_id"] = self.gpu_lease_id
+        return state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore ``gpu_lease_id`` (a hub restart keeps the lease)."""
+        super().load_state(state)  # type: ignore[misc]
+        self.gpu_lease_id = state.get("gpu_lease_id")
+
+    def clear_state(self) -> None:
+        """Forget the lease id (after stop)."""
+        super().clear_state()  # type: ignore[misc]
+        self.gpu_lease_id = None
+
+    # -- environment -----------------------------------------------------------------
+
+    def get_env(self) -> dict[str, str]:
+        """The server's environment; the broker's variables are set last, so
+        neither ``Spawner.environment`` nor user settings can override them."""
+        env: dict[str, str] = super().get_env()  # type: ignore[misc]
+        env.update(self._gpu_env if self._gpu_env is not None else NO_GPU_ENV)
+        env["GPUBROKER_URL"] = self.broker_url
+        return env
+
+    # -- start, progress, stop ---------------------------------------------------------
+
+    async def start(self) -> Any:
+        """Lease GPUs (waiting in the queue if needed), then start the server.
+
+        Raises:
+            SpawnException: the request was refused, or waited longer than
+                ``queue_timeout``; the lease is released.
+        """
+        gpus = self.gpu_request
+        if gpus is None:
+            gpus = await self.check_user_options(self.user_options)
+        self.gpu_request = None
+        self._gpu_env = dict(NO_GPU_ENV)
+        await self._drop_stale_lease()
+        try:
+            if gpus:
+                lease = await self._acquire(gpus)
+                self._gpu_env = dict(lease["env"])
+        except BaseException:
+            await self._release("spawn failed or was cancelled while waiting for GPUs")
+            raise
+        finally:
+            self._gpu_wait_over = True
+            self._gpu_changed.set()
+        try:
+            return await maybe_future(super().start())  # type: ignore[misc]
+        except BaseException:
+            await self._release("server failed to start")
+            raise
+
+    async def _drop_stale_lease(self) -> None:
+        if self.gpu_lease_id is not None:
+            await self._release("server restarted; previous lease replaced")
+
+    async def _acquire(self, gpus: int) -> dict[str, Any]:
+        try:
+            lease = await self.broker.request_lease(self.user.name, self.name, gpus)
+        except BrokerClientError as err:
+            raise spawn_error(f"GPU request refused: {err.message}", "gpu-refused") from err
+        self.gpu_lease_id = lease["id"]
+        deadline = time.monotonic() + self.queue_timeout
+        while lease["state"] == "pending":
+            self._event(lease)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise spawn_error(
+                    f"Waited {self.queue_timeout:.0f} s in the GPU queue without a grant "
+                    f"(last reason: {lease['queue']['message']}); the request was withdrawn.",
+                    "gpu-queue-timeout",
+                )
+            lease = await self._poll(lease, min(self.poll_wait, remaining))
+        if lease["state"] != "granted":
+            raise spawn_error(
+                f"GPU lease ended before it was granted: {lease['release_reason']}", "gpu-released"
+            )
+        self._event(lease)
+        self.log.info(
+            "%s granted lease %s: %s",
+            self._log_name,
+            lease["id"],
+            lease["env"].get("CUDA_VISIBLE_DEVICES"),
+        )
+        return lease
+
+    async def _poll(self, lease: dict[str, Any], wait: float) -> dict[str, Any]:
+        """Long-poll the lease; while the broker restarts (unreachable or 5xx),
+        keep the last known state and try again a second later."""
+        try:
+            return await self.broker.get_lease(lease["id"], wait=wait, version=lease["version"])
+        except BrokerClientError as err:
+            if err.status < 500:
+                raise spawn_error(f"GPU lease lost: {err.message}", "gpu-lost") from err
+            self.log.warning("Broker unavailable while waiting for lease %s: %s", lease["id"], err)
+            await asyncio.sleep(1)
+            return lease
+
+    def _event(self, lease: dict[str, Any]) -> None:
+        if lease["state"] == "granted":
+            names = ", ".join(f"{d['name']} ({d['uuid']})" for d in lease["devices"])
+            event = {"progress": 40, "message": f"GPUs granted: {names}"}
+        else:
+            queue = lease["queue"] or {}
+            event = {
+                "progress": 10,
+                "message": f"Queued for {lease['gpus']} GPU(s): position {queue.get('position')}"
+                f" ({queue.get('reason')}) - {queue.get('message')}",
+            }
+        if not self._gpu_events or self._gpu_events[-1] != event:
+            self._gpu_events.append(event)
+            self._gpu_changed.set()
+
+    async def progress(self) -> AsyncIterator[dict[str, Any]]:
+        """Spawn progress: queue position and reason while waiting, then the grant."""
+        sent = 0
+        while True:
+            self._gpu_changed.clear()
+            events = self._gpu_events
+            for event in events[sent:]:
+                yield event
+            sent = len(events)
+            if self._gpu_wait_over:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._gpu_changed.wait(), 5)
+        async for event in super().progress():  # type: ignore[misc]
+            yield event
+
+    async def poll(self) -> int | None:
+        """Poll the server; when it has exited, release its lease at once.
+
+        The hub calls this every ``poll_interval`` and does not call
+        ``stop()`` for a server that already died (e.g. killed from outside).
+        """
+        status: int | None = await maybe_future(super().poll())  # type: ignore[misc]
+        if status is not None and self.gpu_lease_id is not None:
+            await self._release(f"server exited (status {status})")
+        return status
+
+    async def stop(self, now: bool = False) -> None:
+        """Stop the server, then release its lease (reason: server stopped).
+
+        The lease id is read first: LocalProcessSpawner.stop() clears state.
+        """
+        lease_id = self.gpu_lease_id
+        try:
+            await maybe_future(super().stop(now=now))  # type: ignore[misc]
+        finally:
+            await self._release("server stopped", lease_id)
+            self._reset_progress()
+
+    async def _release(self, reason: str, lease_id: int | None = None) -> None:
+        lease_id = lease_id if lease_id is not None else self.gpu_lease_id
+        self.gpu_lease_id = None
+        if lease_id is None:
+            return
+        try:
+            await self.broker.release_lease(lease_id, reason)
+            self.log.info("%s released lease %s: %s", self._log_name, lease_id, reason)
+        except BrokerClientError as err:
+            if err.status != 404:
+                self.log.error("Could not release lease %s: %s", lease_id, err)

@@ -1,0 +1,145 @@
+"""The broker's REST API through the real hub proxy, with real hub tokens."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+from gpubroker.api.app import ROUTES
+
+from ..hubutil import RunningHub
+
+
+def post_lease(hub: RunningHub, body: dict, token: str | None = None) -> requests.Response:
+    return hub.broker_api("POST", "/leases", json=body, token=token)
+
+
+def test_health_and_openapi_need_no_token(hub: RunningHub) -> None:
+    health = requests.get(f"{hub.broker}/health", timeout=10).json()
+    assert health == {
+        "status": "ok",
+        "version": health["version"],
+        "backend": "fake",
+        "simulated": True,
+    }
+    spec = requests.get(f"{hub.broker}/openapi.json", timeout=10).json()
+    assert set(spec["paths"]) == {f"/api/v1{path}" for path, _ in ROUTES}
+
+
+def test_devices_say_loudly_that_they_are_simulated(hub: RunningHub) -> None:
+    data = hub.broker_api("GET", "/devices").json()
+    assert data["backend"]["simulated"] is True
+    assert "SIMULATED" in data["backend"]["message"]
+    assert len(data["devices"]) == 8
+    assert {d["name"] for d in data["devices"]} == {"NVIDIA H100 80GB HBM3"}
+    assert data["summary"]["request_limit"] == 8
+
+
+def test_missing_or_foreign_tokens_are_refused(hub: RunningHub) -> None:
+    r = requests.get(f"{hub.broker}/leases", timeout=10)
+    assert r.status_code in (401, 403)
+    assert r.json()["status"] == r.status_code and r.json()["message"]
+    r = requests.get(f"{hub.broker}/leases", headers={"Authorization": "token nope"}, timeout=10)
+    assert r.status_code in (401, 403)
+
+
+def test_fifty_concurrent_requests_on_eight_gpus(clean_hub: RunningHub) -> None:
+    hub = clean_hub
+    barrier = threading.Barrier(50)
+
+    def request(i: int) -> dict:
+        barrier.wait()
+        r = post_lease(hub, {"user": f"load{i:02d}", "gpus": 1, "holder_kind": "external"})
+        assert r.status_code == 201, r.text
+        return dict(r.json())
+
+    with ThreadPoolExecutor(50) as pool:
+        leases = list(pool.map(request, range(50)))
+    granted = [x for x in leases if x["state"] == "granted"]
+    assert len(granted) == 8
+    uuids = [x["devices"][0]["uuid"] for x in granted]
+    assert len(set(uuids)) == 8
+    pending = sorted((x for x in hub.leases() if x["state"] == "pending"), key=lambda x: x["id"])
+    assert len(pending) == 42
+    assert [x["queue"]["position"] for x in pending] == list(range(1, 43))  # arrival order
+    assert max(x["id"] for x in granted) < min(x["id"] for x in pending)
+
+
+def test_users_see_and_release_only_their_own_leases(clean_hub: RunningHub) -> None:
+    hub = clean_hub
+    token_a, token_b = hub.create_user("alice"), hub.create_user("bob")
+    lease_b = post_lease(hub, {"user": "bob", "gpus": 1}, token=token_b)
+    assert lease_b.status_code == 201, lease_b.text
+    lease_id = lease_b.json()["id"]
+
+    assert hub.broker_api("GET", f"/leases/{lease_id}", token=token_a).status_code == 403
+    r = hub.broker_api("DELETE", f"/leases/{lease_id}", token=token_a)
+    assert r.status_code == 403 and "may not act on leases of 'bob'" in r.json()["message"]
+    assert (
+        hub.broker_api("GET", "/leases", token=token_a, params={"user": "bob"}).status_code == 403
+    )
+    assert hub.broker_api("GET", "/leases", token=token_a).json() == {"leases": []}
+    assert post_lease(hub, {"user": "bob", "gpus": 1}, token=token_a).status_code == 403
+    external = {"user": "alice", "gpus": 1, "holder_kind": "external"}
+    assert post_lease(hub, external, token=token_a).status_code == 403
+    assert hub.broker_api("GET", f"/leases/{lease_id}").json()["state"] == "granted"
+
+    mine = hub.broker_api("GET", "/leases", token=token_b).json()["leases"]
+    assert [x["id"] for x in mine] == [lease_id]
+    released = hub.broker_api("DELETE", f"/leases/{lease_id}", token=token_b).json()
+    assert released["state"] == "released" and released["release_reason"] == "released by bob"
+    again = hub.broker_api("DELETE", f"/leases/{lease_id}", token=token_b)
+    assert again.status_code == 200 and again.json()["release_reason"] == "released by bob"
+
+
+def test_bad_requests_get_400_naming_the_field_and_allocate_nothing(clean_hub: RunningHub) -> None:
+    hub = clean_hub
+    cases = [
+        ({"user": "ann", "gpus": 99}, "gpus: must be between 1 and 8 (the request limit), got 99"),
+        ({"user": "ann", "gpus": "two"}, 'gpus: must be an integer, got "two"'),
+        ({"user": "ann"}, "gpus: required"),
+        ({"user": "ann", "gpus": 1, "extra": 1}, "extra: unknown field"),
+    ]
+    for body, message in cases:
+        r = post_lease(hub, body)
+        assert r.status_code == 400, r.text
+        assert r.json() == {"status": 400, "message": r.json()["message"]}
+        assert message in r.json()["message"]
+    r = hub.broker_api("POST", "/leases", data=b"{not json")
+    assert r.status_code == 400 and "body: not valid JSON" in r.json()["message"]
+    r = hub.broker_api("GET", "/leases/1", params={"wait": "999"})
+    assert r.status_code in (400, 404)
+    assert hub.broker_api("GET", "/leases/999999").status_code == 404
+    assert hub.leases(state="all", user="ann") == []
+
+
+def test_second_lease_for_one_server_is_a_conflict(clean_hub: RunningHub) -> None:
+    hub = clean_hub
+    body = {"user": "cara", "server_name": "x", "gpus": 1}
+    assert post_lease(hub, body).status_code == 201
+    r = post_lease(hub, body)
+    assert r.status_code == 409 and "already has active lease" in r.json()["message"]
+
+
+def test_long_poll_returns_when_the_lease_is_granted(clean_hub: RunningHub) -> None:
+    hub = clean_hub
+    blockers = [
+        post_lease(hub, {"user": f"b{i}", "gpus": 1, "holder_kind": "external"}).json()
+        for i in range(8)
+    ]
+    waiting = post_lease(hub, {"user": "w", "gpus": 1, "holder_kind": "external"}).json()
+    assert waiting["state"] == "pending"
+
+    def release_later() -> None:
+        time.sleep(1)
+        hub.broker_api("DELETE", f"/leases/{blockers[5]['id']}")
+
+    threading.Thread(target=release_later).start()
+    started = time.monotonic()
+    r = hub.broker_api("GET", f"/leases/{waiting['id']}", params={"wait": "30"})
+    assert r.json()["state"] == "granted"
+    assert time.monotonic() - started < 25  # answered on the change, not at the time-out
+    assert r.json()["devices"][0]["uuid"] == blockers[5]["devices"][0]["uuid"]

@@ -1,0 +1,87 @@
+"""Input checks of the API and of the spawner's user_options."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpubroker.api import validation
+from gpubroker.errors import BadRequest
+from gpubroker_spawner import form
+
+
+def test_lease_request_defaults_and_types() -> None:
+    assert validation.lease_request({"user": "ann", "gpus": 2}) == {
+        "user": "ann",
+        "server_name": "",
+        "gpus": 2,
+        "holder_kind": "server",
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"user": "ann"}, "gpus: required"),
+        ({"user": "ann", "gpus": "two"}, 'gpus: must be an integer, got "two"'),
+        ({"user": "ann", "gpus": True}, "gpus: must be an integer, got true"),
+        ({"user": "ann", "gpus": 1.5}, "gpus: must be an integer, got 1.5"),
+        ({"user": "ann", "gpus": 0}, "gpus: must be between 1, got 0"),
+        ({"gpus": 1}, "user: must be a string"),
+        ({"user": "a/b", "gpus": 1}, "user: must be 1-255 characters without '/'"),
+        ({"user": "ann", "gpus": 1, "server_name": 3}, "server_name: must be a string"),
+        ({"user": "ann", "gpus": 1, "color": "red"}, "color: unknown field"),
+        ({"user": "ann", "gpus": 1, "holder_kind": "job"}, "holder_kind: must be one of"),
+    ],
+)
+def test_lease_request_errors_name_the_field(body: dict, message: str) -> None:
+    with pytest.raises(BadRequest) as err:
+        validation.lease_request(body)
+    assert message in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [(b"{", "body: not valid JSON"), (b"[1]", "body: must be a JSON object")],
+)
+def test_bad_json_bodies(raw: bytes, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        validation.parse_json_object(raw)
+
+
+def test_wait_argument() -> None:
+    assert validation.wait_seconds(None, 300) == 0
+    assert validation.wait_seconds("2.5", 300) == 2.5
+    with pytest.raises(BadRequest, match="wait: must be between 0 and 300 seconds"):
+        validation.wait_seconds("301", 300)
+    with pytest.raises(BadRequest, match="wait: must be a number"):
+        validation.wait_seconds("soon", 300)
+
+
+def test_form_and_api_options_share_one_check() -> None:
+    assert form.options_from_form({"gpus": ["2"]}) == {"gpus": 2}
+    assert form.options_from_form({"gpus": ["two"]}) == {"gpus": "two"}
+    assert form.check_gpu_options({"gpus": 2}, limit=8) == 2
+    assert form.check_gpu_options({}, limit=8, default=1) == 1
+    assert form.check_gpu_options(None, limit=0) == 0
+    from_form = form.options_from_form({"gpus": ["99"]})
+    for options in (from_form, {"gpus": 99}):
+        with pytest.raises(form.OptionsError, match=r"gpus: must be between 0 and 8 .* got 99"):
+            form.check_gpu_options(options, limit=8)
+    with pytest.raises(
+        form.OptionsError, match='gpus: must be an integer between 0 and 8, got "two"'
+    ):
+        form.check_gpu_options({"gpus": "two"}, limit=8)
+    with pytest.raises(form.OptionsError, match="image: unknown option"):
+        form.check_gpu_options({"gpus": 1, "image": "x"}, limit=8)
+
+
+def test_form_html_offers_zero_to_limit_and_says_when_simulated() -> None:
+    devices = {
+        "summary": {"free": 1, "total": 2},
+        "backend": {"simulated": True},
+        "devices": [{"name": "NVIDIA H100 80GB HBM3", "present": True}],
+    }
+    html = form.render_form(2, devices)
+    assert html.count("<option") == 3
+    assert "(will queue)" in html and "Simulated GPUs" in html
+    assert "1 of 2 GPUs free now (NVIDIA H100 80GB HBM3)" in html
