@@ -22,6 +22,7 @@ from .core import Broker
 from .devices.fake import FakeDeviceBackend
 from .devices.nvml import NVMLDeviceBackend
 from .hub import HubClient
+from .policy_config import SchedulingPolicy
 
 
 class GPUBrokerApp(Application):
@@ -37,7 +38,7 @@ class GPUBrokerApp(Application):
     gpubroker --help-all                # every option
     """
 
-    classes = [Broker, HubClient, FakeDeviceBackend, NVMLDeviceBackend]
+    classes = [Broker, SchedulingPolicy, HubClient, FakeDeviceBackend, NVMLDeviceBackend]
 
     aliases = {
         "config": "GPUBrokerApp.config_file",
@@ -99,7 +100,13 @@ class GPUBrokerApp(Application):
     ).tag(config=True)
 
     schedule_interval = Float(
-        10, help="Seconds between scheduling passes run by the timer (besides each change)."
+        5,
+        help="Seconds between scheduling passes run by the timer (besides each change); "
+        "preemption grace periods end on this tick.",
+    ).tag(config=True)
+
+    groups_ttl = Float(
+        60, help="Seconds a user's JupyterHub groups (read from the hub API) are cached."
     ).tag(config=True)
 
     @default("ip")

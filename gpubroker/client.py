@@ -83,15 +83,26 @@ class BrokerClient:
         return await self._call("GET", "/devices")  # type: ignore[no-any-return]
 
     async def request_lease(
-        self, user: str, server_name: str, gpus: int, **extra: Any
+        self, user: str, server_name: str, gpus: int, dry_run: bool = False, **extra: Any
     ) -> dict[str, Any]:
         """``POST /leases``; returns the lease (``granted`` or ``pending``).
 
+        ``extra`` may hold ``priority_class``, ``time_limit`` (s), ``group``,
+        ``holder_kind``. With ``dry_run`` nothing is created: the answer says
+        whether the request would be admitted.
+
         Raises:
-            BrokerClientError: 400 (bad input), 403, 409 (server already has one).
+            BrokerClientError: 400 (bad input), 403 (scope or quota), 409
+                (the server already has a lease).
         """
         body = {"user": user, "server_name": server_name, "gpus": gpus, **extra}
-        return await self._call("POST", "/leases", body)  # type: ignore[no-any-return]
+        params = {"dry_run": "true"} if dry_run else None
+        return await self._call("POST", "/leases", body, params=params)  # type: ignore[no-any-return]
+
+    async def queue(self) -> list[Any]:
+        """``GET /queue``: pending requests in queue order."""
+        data = await self._call("GET", "/queue")
+        return data["queue"]  # type: ignore[no-any-return]
 
     async def get_lease(
         self, lease_id: int, wait: float = 0, version: int | None = None

@@ -15,18 +15,20 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from traitlets import Any as AnyTrait
-from traitlets import Integer
+from traitlets import Instance, Integer, default
 from traitlets.config import LoggingConfigurable
 
 from . import scheduler
 from .devices.base import DeviceBackend
-from .errors import BadRequest, Conflict, NotFound
+from .errors import BadRequest, Conflict, Forbidden, NotFound
+from .passes import apply_decisions, build_state
+from .policy_config import SchedulingPolicy
 from .store.models import (
     ACTIVE_STATES,
     Allocation,
@@ -34,8 +36,10 @@ from .store.models import (
     HolderKind,
     Lease,
     LeaseState,
+    QuotaRow,
 )
-from .views import lease_view
+from .usage import record_usage
+from .views import device_view, lease_view
 
 
 def utcnow() -> dt.datetime:
@@ -60,9 +64,19 @@ class Broker(LoggingConfigurable):
         devices on the largest node. Requests above it are refused with 400.""",
     ).tag(config=True)
 
+    policy = Instance(SchedulingPolicy, help="The scheduling policy (configure SchedulingPolicy).")
+
+    @default("policy")
+    def _default_policy(self) -> SchedulingPolicy:
+        return SchedulingPolicy(parent=self)
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._changed = asyncio.Event()
+        self._topology: dict[str, scheduler.Topology] = {}
+        #: called with the view of each server lease evicted by preemption, so
+        #: the service can stop its hub server
+        self.on_evict: Callable[[dict[str, Any]], None] | None = None
 
     # -- sessions and notification -------------------------------------------------
 
@@ -85,6 +99,11 @@ class Broker(LoggingConfigurable):
         """
         backend: DeviceBackend = self.backend
         reported = {d.uuid: d for d in backend.devices()}
+        nodes = {d.node for d in reported.values()}
+        if len(nodes) == 1:
+            self._topology = {
+                nodes.pop(): tuple(tuple(int(x) for x in row) for row in backend.topology())
+            }
         with self._session() as session, session.begin():
             known = {d.uuid: d for d in session.scalars(select(Device))}
             for uuid, info in reported.items():
@@ -142,25 +161,60 @@ class Broker(LoggingConfigurable):
         server_name: str,
         gpus: int,
         holder_kind: str = HolderKind.server.value,
+        priority_class: str | None = None,
+        time_limit: float | None = None,
+        group: str | None = None,
+        groups: list[str] | None = None,
+        dry_run: bool = False,
     ) -> dict[str, Any]:
         """Ask for ``gpus`` whole devices for ``user``'s server ``server_name``.
 
-        Granted at once when devices are free, else queued (FIFO).
+        Args:
+            user, server_name, gpus, holder_kind: what and for whom.
+            priority_class: a configured class (default
+                ``SchedulingPolicy.default_priority_class``).
+            time_limit: seconds the lease may run once granted (``None``: none).
+            group: the group to charge; must be one of ``groups``.
+            groups: the user's JupyterHub groups (``None``: unknown).
+            dry_run: check everything, change nothing (Kubernetes-style).
 
         Returns:
-            the lease view (``state`` ``granted`` or ``pending``).
+            the lease view (``state`` ``granted`` or ``pending``); with
+            ``dry_run``, ``{"admitted": True, "user", "gpus", "priority_class",
+            "group"}``.
 
         Raises:
-            BadRequest: ``gpus`` outside 1..:meth:`request_limit`.
+            BadRequest: ``gpus`` outside 1..:meth:`request_limit`, unknown class,
+                non-positive time limit.
+            Forbidden: a user or group limit would be exceeded (held plus
+                pending), or ``group`` is not one of the user's groups.
             Conflict: the server already has an active lease.
         """
         limit = self.request_limit()
         if not 1 <= gpus <= limit:
             raise BadRequest(f"gpus: must be between 1 and {limit} (the request limit), got {gpus}")
+        policy = self._policy()
+        cls = priority_class or self.policy.default_priority_class
+        if cls not in policy.classes:
+            raise BadRequest(
+                f"priority_class: must be one of {sorted(policy.classes)}, got {cls!r}"
+            )
+        if time_limit is not None and time_limit <= 0:
+            raise BadRequest(f"time_limit: must be a positive number of seconds, got {time_limit}")
+        charged = self._charge_group(user, group, groups, policy)
         now = utcnow()
         with self._session() as session, session.begin():
             if holder_kind == HolderKind.server.value:
                 self._check_no_active_lease(session, user, server_name)
+            self._check_limits(session, policy, user, charged, gpus)
+            if dry_run:
+                return {
+                    "admitted": True,
+                    "user": user,
+                    "gpus": gpus,
+                    "priority_class": cls,
+                    "group": charged,
+                }
             lease = Lease(
                 user=user,
                 server_name=server_name,
@@ -168,16 +222,53 @@ class Broker(LoggingConfigurable):
                 gpus=gpus,
                 state=LeaseState.pending.value,
                 created=now,
+                priority_class=cls,
+                time_limit=time_limit,
+                group_name=charged,
             )
             session.add(lease)
             session.flush()
             self._schedule(session, now)
             view = lease_view(lease)
         self.log.info(
-            "Lease %s for %s/%s (%s GPU): %s", view["id"], user, server_name, gpus, view["state"]
+            "Lease %s for %s/%s (%s GPU, %s): %s",
+            view["id"],
+            user,
+            server_name,
+            gpus,
+            cls,
+            view["state"],
         )
         self._notify()
         return view
+
+    @staticmethod
+    def _charge_group(
+        user: str, group: str | None, groups: list[str] | None, policy: scheduler.Policy
+    ) -> str | None:
+        if group is not None:
+            if groups is not None and group not in groups:
+                raise Forbidden(f"group: {user!r} is not a member of group {group!r}")
+            return group
+        with_quota = sorted(g for g in groups or () if g in policy.group_quotas)
+        return with_quota[0] if with_quota else None
+
+    def _check_limits(
+        self, session: Session, policy: scheduler.Policy, user: str, group: str | None, gpus: int
+    ) -> None:
+        """Refuse what would take held plus pending GPUs above a limit (403)."""
+        active = list(session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES))))
+        checks = [("user", user, policy.user_quota(user), [x for x in active if x.user == user])]
+        quota = policy.group_quota(group)
+        if quota is not None and group is not None:
+            checks.append(("group", group, quota, [x for x in active if x.group_name == group]))
+        for kind, name, q, leases in checks:
+            taken = sum(x.gpus for x in leases)
+            if q.limit is not None and taken + gpus > q.limit:
+                raise Forbidden(
+                    f"quota: {kind} {name} holds or waits for {taken:g} GPUs; {gpus} more would "
+                    f"exceed the {kind} limit of {q.limit:g} GPUs"
+                )
 
     def _check_no_active_lease(self, session: Session, user: str, server_name: str) -> None:
         existing = session.scalar(
@@ -215,13 +306,25 @@ class Broker(LoggingConfigurable):
         return view
 
     def _release(self, lease: Lease, reason: str, now: dt.datetime) -> None:
+        if lease.state == LeaseState.granted.value:
+            record_usage(self._session_of(lease), lease, now, self.policy.fairshare_half_life)
         lease.state = LeaseState.released.value
         lease.version += 1
         lease.released_at = now
         lease.release_reason = reason
         lease.queue_position = lease.queue_reason = lease.queue_message = None
+        lease.queue_eta = None
+        lease.earmarked = None
         for allocation in lease.allocations:
             allocation.active = False
+
+    @staticmethod
+    def _session_of(lease: Lease) -> Session:
+        from sqlalchemy.orm import object_session
+
+        session = object_session(lease)
+        assert session is not None
+        return session
 
     def reconcile(self, servers: Iterable[tuple[str, str]], as_of: dt.datetime) -> list[int]:
         """Release server leases whose hub server no longer exists.
@@ -331,37 +434,130 @@ class Broker(LoggingConfigurable):
             self._schedule(session, utcnow())
         self._notify()
 
+    def _policy(self, session: Session | None = None) -> scheduler.Policy:
+        """The pure policy: config plus quotas stored through the admin API."""
+        if session is None:
+            with self._session() as own:
+                return self._policy(own)
+        stored = [
+            (q.kind, q.name, q.guaranteed, q.limit) for q in session.scalars(select(QuotaRow))
+        ]
+        return self.policy.build(stored)
+
     def _schedule(self, session: Session, now: dt.datetime) -> None:
         """Run the pure scheduler on the session's state and apply its decisions."""
-        devices = list(session.scalars(select(Device).where(Device.present)))
-        busy = frozenset(session.scalars(select(Allocation.device_uuid).where(Allocation.active)))
-        pending = list(
-            session.scalars(select(Lease).where(Lease.state == LeaseState.pending.value))
-        )
-        state = scheduler.SchedulerState(
-            slots=tuple(scheduler.Slot(d.uuid, d.node, d.index, d.drained) for d in devices),
-            busy=busy,
-            pending=tuple(scheduler.Request(p.id, p.user, p.gpus, p.created) for p in pending),
-        )
+        state, leases = build_state(session, self._policy(session), self._topology)
         decisions = scheduler.schedule(state, now)
-        by_id = {p.id: p for p in pending}
-        for grant in decisions.grants:
-            self._grant(session, by_id[grant.lease_id], grant.devices, now)
-        for wait in decisions.waits:
-            lease = by_id[wait.lease_id]
-            verdict = (wait.position, wait.reason.value, wait.message)
-            if (lease.queue_position, lease.queue_reason, lease.queue_message) != verdict:
-                lease.queue_position, lease.queue_reason, lease.queue_message = verdict
-                lease.version += 1
-
-    def _grant(
-        self, session: Session, lease: Lease, uuids: tuple[str, ...], now: dt.datetime
-    ) -> None:
-        lease.state = LeaseState.granted.value
-        lease.version += 1
-        lease.granted_at = now
-        lease.queue_position = lease.queue_reason = lease.queue_message = None
-        for uuid in uuids:
-            session.add(Allocation(lease=lease, device_uuid=uuid, active=True))
+        evicted = apply_decisions(
+            session, decisions, leases, now, lambda lease, why: self._release(lease, why, now)
+        )
         session.flush()
-        self.log.info("Granted lease %s to %s: %s", lease.id, lease.user, ",".join(uuids))
+        for lease in evicted:
+            self.log.warning(
+                "Evicted lease %s of %s: %s", lease.id, lease.user, lease.release_reason
+            )
+            if lease.holder_kind == HolderKind.server.value and self.on_evict is not None:
+                self.on_evict(lease_view(lease))
+        for preemption in decisions.preemptions:
+            self.log.warning(
+                "Preempting lease %s for %s by %s: %s",
+                preemption.lease_id,
+                preemption.for_lease,
+                preemption.deadline.isoformat(),
+                preemption.reason,
+            )
+
+    # -- admin -----------------------------------------------------------------------
+
+    def quotas(self) -> dict[str, Any]:
+        """Quotas in force: ``{"users": {…}, "groups": {…}, "default_user": {…}}``."""
+        policy = self._policy()
+
+        def shape(q: scheduler.Quota) -> dict[str, float | None]:
+            return {"guaranteed": q.guaranteed, "limit": q.limit}
+
+        return {
+            "users": {n: shape(q) for n, q in sorted(policy.user_quotas.items())},
+            "groups": {n: shape(q) for n, q in sorted(policy.group_quotas.items())},
+            "default_user": shape(policy.default_user_quota),
+        }
+
+    def set_quota(self, kind: str, name: str, guaranteed: float, limit: float | None) -> None:
+        """Store a quota (overrides config); applies from the next pass on.
+
+        Lowering a quota never ends a running lease; it holds back pending ones.
+        """
+        with self._session() as session, session.begin():
+            row = session.get(QuotaRow, (kind, name)) or QuotaRow(kind=kind, name=name)
+            row.guaranteed, row.limit = guaranteed, limit
+            session.add(row)
+            session.flush()
+            self._schedule(session, utcnow())
+        self.log.info("Quota of %s %s: guaranteed %s, limit %s", kind, name, guaranteed, limit)
+        self._notify()
+
+    def delete_quota(self, kind: str, name: str) -> None:
+        """Remove a stored quota (the configured one, if any, applies again).
+
+        Raises:
+            NotFound: no quota stored for ``kind`` ``name``.
+        """
+        with self._session() as session, session.begin():
+            row = session.get(QuotaRow, (kind, name))
+            if row is None:
+                raise NotFound(f"quota: no stored quota for {kind} {name!r}")
+            session.delete(row)
+            session.flush()
+            self._schedule(session, utcnow())
+        self._notify()
+
+    def set_priority_class(self, lease_id: int, priority_class: str) -> dict[str, Any]:
+        """Move a pending request to another priority class.
+
+        Raises:
+            NotFound: no such lease. BadRequest: unknown class.
+            Conflict: the lease is not pending.
+        """
+        classes = self._policy().classes
+        if priority_class not in classes:
+            raise BadRequest(
+                f"priority_class: must be one of {sorted(classes)}, got {priority_class!r}"
+            )
+        with self._session() as session, session.begin():
+            lease = self._get(session, lease_id)
+            if lease.state != LeaseState.pending.value:
+                raise Conflict(f"priority_class: lease {lease_id} is {lease.state}, not pending")
+            lease.priority_class = priority_class
+            lease.version += 1
+            session.flush()
+            self._schedule(session, utcnow())
+            view = lease_view(lease)
+        self._notify()
+        return view
+
+    def set_drained(self, uuid: str, drained: bool) -> dict[str, Any]:
+        """Drain (no new grants; running leases continue) or undrain a device.
+
+        Raises:
+            NotFound: no such device.
+        """
+        with self._session() as session, session.begin():
+            device = session.get(Device, uuid)
+            if device is None:
+                raise NotFound(f"device {uuid}: no such device")
+            device.drained = drained
+            session.flush()
+            self._schedule(session, utcnow())
+            view = device_view(device) | {"drained": device.drained}
+        self.log.info("Device %s %s", uuid, "drained" if drained else "back in service")
+        self._notify()
+        return view
+
+    def queue(self) -> list[dict[str, Any]]:
+        """Pending leases in queue order (position 1 first)."""
+        with self._session() as session:
+            pending = session.scalars(
+                select(Lease).where(Lease.state == LeaseState.pending.value)
+            ).all()
+            views = [lease_view(lease) for lease in pending]
+        return sorted(views, key=lambda v: (v["queue"]["position"] or 0, v["id"]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from traitlets import Float, Unicode, default
@@ -38,16 +38,42 @@ class HubClient(LoggingConfigurable):
     def _default_api_token(self) -> str:
         return os.environ.get("JUPYTERHUB_API_TOKEN", "")
 
-    async def _get(self, path: str, params: dict[str, Any]) -> dict[str, Any]:
-        url = f"{self.api_url.rstrip('/')}{path}?{urlencode(params)}"
+    async def _fetch(self, method: str, path: str, params: dict[str, Any] | None = None) -> Any:
+        url = f"{self.api_url.rstrip('/')}{path}"
+        if params:
+            url += f"?{urlencode(params)}"
         request = HTTPRequest(
             url,
+            method=method,
             headers={"Authorization": f"token {self.api_token}", "Accept": PAGINATION},
             request_timeout=self.request_timeout,
+            allow_nonstandard_methods=True,
         )
         response = await AsyncHTTPClient().fetch(request)
-        data: dict[str, Any] = json.loads(response.body)
+        return json.loads(response.body) if response.body else None
+
+    async def _get(self, path: str, params: dict[str, Any]) -> dict[str, Any]:
+        data: dict[str, Any] = await self._fetch("GET", path, params)
         return data
+
+    async def user_groups(self, user: str) -> list[str]:
+        """The JupyterHub groups of ``user`` (``GET /users/{name}``).
+
+        Raises:
+            tornado.httpclient.HTTPClientError: e.g. 404 for an unknown user.
+        """
+        model = await self._fetch("GET", f"/users/{quote(user, safe='')}")
+        return sorted(model.get("groups") or [])
+
+    async def stop_server(self, user: str, server_name: str) -> None:
+        """Ask the hub to stop ``user``'s server ``server_name`` (needs ``delete:servers``)."""
+        user_path = quote(user, safe="")
+        path = (
+            f"/users/{user_path}/servers/{quote(server_name, safe='')}"
+            if server_name
+            else (f"/users/{user_path}/server")
+        )
+        await self._fetch("DELETE", path)
 
     async def active_servers(self, page_size: int = 200) -> set[tuple[str, str]]:
         """(user, server name) of every server that is ready or pending.

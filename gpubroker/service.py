@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import signal
+import time
 from typing import TYPE_CHECKING, Any
 
 from jupyterhub.services.auth import HubAuth
@@ -49,6 +50,48 @@ class BrokerService:
         )
         self.hub = HubClient(parent=app)
         self.hub_auth = HubAuth(parent=app, api_token=self.hub.api_token, api_url=self.hub.api_url)
+        self.broker.on_evict = self._evicted
+        self._groups: dict[str, tuple[float, list[str]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _evicted(self, lease: dict[str, Any]) -> None:
+        task = asyncio.ensure_future(self._stop_server(lease))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _stop_server(self, lease: dict[str, Any]) -> None:
+        """Stop the hub server of an evicted lease (its reason is on the lease)."""
+        try:
+            await self.hub.stop_server(lease["user"], lease["server_name"])
+            self.log.warning(
+                "Stopped server %s/%s: %s",
+                lease["user"],
+                lease["server_name"],
+                lease["release_reason"],
+            )
+        except Exception as err:
+            self.log.error(
+                "Could not stop server %s/%s of evicted lease %s: %s",
+                lease["user"],
+                lease["server_name"],
+                lease["id"],
+                err,
+            )
+
+    async def groups_of(self, user: str) -> list[str] | None:
+        """The user's hub groups, cached for ``GPUBrokerApp.groups_ttl`` seconds;
+        ``None`` when the hub cannot tell (unknown user, hub unreachable)."""
+        now = time.monotonic()
+        cached = self._groups.get(user)
+        if cached and now - cached[0] < self.app.groups_ttl:
+            return cached[1]
+        try:
+            groups = await self.hub.user_groups(user)
+        except Exception as err:
+            self.log.debug("No hub groups for %s: %s", user, err)
+            return None
+        self._groups[user] = (now, groups)
+        return groups
 
     async def run(self) -> None:
         """Start everything, serve until SIGTERM/SIGINT, then shut down cleanly."""
@@ -60,7 +103,11 @@ class BrokerService:
         self.broker.sync_inventory()
         self.broker.adopt()
         web_app = make_app(
-            self.broker, base_url=self.app.base_url, log=self.log, hub_auth=self.hub_auth
+            self.broker,
+            base_url=self.app.base_url,
+            log=self.log,
+            hub_auth=self.hub_auth,
+            groups_of=self.groups_of,
         )
         server = HTTPServer(web_app, xheaders=True)
         server.listen(self.app.port, self.app.ip)

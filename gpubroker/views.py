@@ -59,6 +59,15 @@ def lease_view(lease: Lease) -> dict[str, Any]:
             "position": lease.queue_position,
             "reason": lease.queue_reason,
             "message": lease.queue_message,
+            "eta": isoformat(lease.queue_eta),
+            "earmarked": list(lease.earmarked or ()),
+        }
+    preemption = None
+    if lease.preempt_deadline is not None:
+        preemption = {
+            "reason": lease.preempt_reason,
+            "deadline": isoformat(lease.preempt_deadline),
+            "for_lease": lease.preempted_for,
         }
     return {
         "id": lease.id,
@@ -66,12 +75,18 @@ def lease_view(lease: Lease) -> dict[str, Any]:
         "server_name": lease.server_name,
         "holder_kind": lease.holder_kind,
         "gpus": lease.gpus,
+        "priority_class": lease.priority_class,
+        "group": lease.group_name,
+        "time_limit": lease.time_limit,
         "state": lease.state,
         "version": lease.version,
         "created": isoformat(lease.created),
         "granted_at": isoformat(lease.granted_at),
         "released_at": isoformat(lease.released_at),
+        "ends_at": isoformat(lease.ends_at),
         "release_reason": lease.release_reason,
+        "reclaimable": lease.reclaimable,
+        "preemption": preemption,
         "devices": [device_view(a.device) for a in lease.allocations if a.active or not granted],
         "env": lease_env(lease),
         "queue": queue,

@@ -18,7 +18,9 @@ config on free ports):
   server poll interval (default 30).
 - ``GPUBROKER_DEMO_API_TOKEN``: if set, a service ``demo-admin`` with this
   token and admin scopes (hub and broker) is registered, for scripted use.
-- ``GPUBROKER_DEMO_EXTRA_CONFIG``: a config file loaded after this one.
+- ``GPUBROKER_DEMO_EXTRA_CONFIG``: a hub config file loaded after this one.
+- ``GPUBROKER_DEMO_BROKER_CONFIG``: the broker's config file (default
+  ``gpubroker_config.py`` in the state dir, if it exists): quotas, classes…
 """
 
 import os
@@ -93,6 +95,8 @@ c.JupyterHub.services = [
             f"--FakeDeviceBackend.state_file={state / 'fake-gpu-usage.json'}",
             f"--GPUBrokerApp.reconcile_interval="
             f"{os.environ.get('GPUBROKER_DEMO_RECONCILE_INTERVAL', '30')}",
+            "--config="
+            + os.environ.get("GPUBROKER_DEMO_BROKER_CONFIG", str(state / "gpubroker_config.py")),
         ],
         "cwd": str(state),
     }
@@ -127,6 +131,7 @@ if demo_token:
             "services": ["demo-admin"],
             "scopes": [
                 "admin:users",
+                "admin:groups",
                 "admin:servers",
                 "admin:server_state",
                 "tokens",

@@ -89,8 +89,24 @@ class GPUSpawnerMixin(LoggingConfigurable):
         30, help="Seconds of each long-poll to the broker while waiting in the queue."
     ).tag(config=True)
 
+    priority_class = Unicode(
+        "",
+        help="""Priority class of this spawner's GPU requests (a class configured
+        in the broker's SchedulingPolicy); empty: the broker's default
+        (interactive).""",
+    ).tag(config=True)
+
+    time_limit = Float(
+        None,
+        allow_none=True,
+        help="""Seconds a server may hold its GPUs, told to the broker for
+        reservations and backfill (None: no limit).""",
+    ).tag(config=True)
+
     gpu_lease_id: int | None = None
     gpu_request: int | None = None
+    #: why the broker ended this server's last lease (preemption, reconcile), shown once
+    gpu_last_end: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -145,7 +161,11 @@ class GPUSpawnerMixin(LoggingConfigurable):
             )
         limit = int(devices["summary"]["request_limit"])
         limit = min(limit, self.max_gpus) if self.max_gpus else limit
-        return form.render_form(limit, devices, self.default_gpus)
+        html = form.render_form(limit, devices, self.default_gpus)
+        if self.gpu_last_end:
+            note = form.html.escape(f"Your previous server lost its GPUs: {self.gpu_last_end}")
+            html = f'<p class="alert alert-warning">{note}</p>' + html
+        return html
 
     def options_from_form(self, formdata: dict[str, list[str]]) -> dict[str, Any]:
         """Form data → ``{"gpus": N}`` (checked later, like API-posted options)."""
@@ -159,9 +179,31 @@ class GPUSpawnerMixin(LoggingConfigurable):
         """
         limit = await self.gpu_limit() if (user_options or {}).get("gpus") else 0
         try:
-            return form.check_gpu_options(user_options, limit, self.default_gpus)
+            gpus = form.check_gpu_options(user_options, limit, self.default_gpus)
         except form.OptionsError as err:
             raise web.HTTPError(400, str(err)) from None
+        if gpus:
+            await self._admission(gpus)
+        return gpus
+
+    def _lease_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if self.priority_class:
+            fields["priority_class"] = self.priority_class
+        if self.time_limit is not None:
+            fields["time_limit"] = self.time_limit
+        return fields
+
+    async def _admission(self, gpus: int) -> None:
+        """Ask the broker (dry run) whether the request would be admitted, so a
+        quota refusal reaches the user as the hub's answer (403), not a failed spawn."""
+        try:
+            await self.broker.request_lease(
+                self.user.name, self.name, gpus, dry_run=True, **self._lease_fields()
+            )
+        except BrokerClientError as err:
+            if 400 <= err.status < 500 and err.status != 409:
+                raise web.HTTPError(err.status, err.message) from None
 
     # -- state ---------------------------------------------------------------------
 
@@ -206,6 +248,10 @@ class GPUSpawnerMixin(LoggingConfigurable):
             gpus = await self.check_user_options(self.user_options)
         self.gpu_request = None
         self._gpu_env = dict(NO_GPU_ENV)
+        if self.gpu_last_end:
+            message = f"Your previous server lost its GPUs: {self.gpu_last_end}"
+            self._gpu_events.append({"progress": 5, "message": message})
+            self.gpu_last_end = None
         await self._drop_stale_lease()
         try:
             if gpus:
@@ -229,7 +275,9 @@ class GPUSpawnerMixin(LoggingConfigurable):
 
     async def _acquire(self, gpus: int) -> dict[str, Any]:
         try:
-            lease = await self.broker.request_lease(self.user.name, self.name, gpus)
+            lease = await self.broker.request_lease(
+                self.user.name, self.name, gpus, **self._lease_fields()
+            )
         except BrokerClientError as err:
             raise spawn_error(f"GPU request refused: {err.message}", "gpu-refused") from err
         self.gpu_lease_id = lease["id"]
@@ -329,8 +377,10 @@ class GPUSpawnerMixin(LoggingConfigurable):
         if lease_id is None:
             return
         try:
-            await self.broker.release_lease(lease_id, reason)
+            lease = await self.broker.release_lease(lease_id, reason)
             self.log.info("%s released lease %s: %s", self._log_name, lease_id, reason)
+            if lease.get("release_reason") not in (None, reason):
+                self.gpu_last_end = lease["release_reason"]
         except BrokerClientError as err:
             if err.status != 404:
                 self.log.error("Could not release lease %s: %s", lease_id, err)

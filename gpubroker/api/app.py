@@ -14,14 +14,23 @@ from . import handlers
 ROUTES: list[tuple[str, type[web.RequestHandler]]] = [
     ("/health", handlers.HealthHandler),
     ("/devices", handlers.DevicesHandler),
+    ("/devices/{uuid}", handlers.DeviceHandler),
     ("/leases", handlers.LeasesHandler),
     ("/leases/{id}", handlers.LeaseHandler),
+    ("/queue", handlers.QueueHandler),
+    ("/quotas", handlers.QuotasHandler),
+    ("/quotas/{kind}/{name}", handlers.QuotaHandler),
     ("/openapi.json", handlers.OpenAPIHandler),
 ]
 
 
+_PARAMS = {"{id}": r"(\d+)", "{uuid}": r"([^/]+)", "{kind}": "(user|group)", "{name}": r"([^/]+)"}
+
+
 def _pattern(path: str) -> str:
-    return path.replace("{id}", r"(\d+)")
+    for name, regex in _PARAMS.items():
+        path = path.replace(name, regex)
+    return path
 
 
 def make_app(
@@ -29,6 +38,7 @@ def make_app(
     base_url: str = "/",
     log: logging.Logger | None = None,
     hub_auth: Any = None,
+    groups_of: Any = None,
     **settings: Any,
 ) -> web.Application:
     """Build the API application.
@@ -39,6 +49,7 @@ def make_app(
         log: logger for handlers and access logs.
         hub_auth: the :class:`jupyterhub.services.auth.HubAuth` that checks
             callers' tokens.
+        groups_of: ``async (user) -> list[str] | None``, the user's hub groups.
 
     Returns:
         the application; routes are ``{base_url}api/v1{path}`` for ROUTES.
@@ -50,5 +61,10 @@ def make_app(
         broker=broker,
         log=log or logging.getLogger("gpubroker"),
         hub_auth=hub_auth,
+        groups_of=groups_of or _no_groups,
         **settings,
     )
+
+
+async def _no_groups(user: str) -> list[str] | None:
+    return None

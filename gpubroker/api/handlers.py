@@ -178,19 +178,25 @@ class LeasesHandler(APIHandler):
         leases = self.broker.list_leases(user=user, active=state == "active")
         self.write_json({"leases": leases})
 
-    def post(self) -> None:
+    async def post(self) -> None:
         model = self.caller()
         body = validation.lease_request(validation.parse_json_object(self.request.body))
+        dry_run = validation.flag(self.get_argument("dry_run", None), "dry_run")
         auth.check_owner(model, body["user"])
         if body["holder_kind"] != HolderKind.server.value and not auth.is_admin(model):
             raise Forbidden(f"holder_kind: {body['holder_kind']!r} needs {auth.ADMIN_SCOPE}")
-        lease = self.broker.request_lease(**body)
+        groups = await self.settings["groups_of"](body["user"])
+        lease = self.broker.request_lease(**body, groups=groups, dry_run=dry_run)
+        if dry_run:
+            self.write_json(lease)
+            return
         self.set_header("Location", f"{self.request.path}/{lease['id']}")
         self.write_json(lease, status=201)
 
 
 class LeaseHandler(APIHandler):
-    """``GET /api/v1/leases/{id}[?wait=SECONDS&version=N]`` and ``DELETE /api/v1/leases/{id}``."""
+    """``GET /api/v1/leases/{id}[?wait=SECONDS&version=N]``, ``PATCH`` (admins:
+    priority class of a pending request) and ``DELETE /api/v1/leases/{id}``."""
 
     async def get(self, raw_id: str) -> None:
         model = self.caller()
@@ -202,6 +208,18 @@ class LeaseHandler(APIHandler):
             lease = await self.broker.wait_for_change(lease["id"], wait, version)
         self.write_json(lease)
 
+    def patch(self, raw_id: str) -> None:
+        """Admins: ``{"priority_class": NAME}`` moves a pending request."""
+        model = self.caller()
+        if not auth.is_admin(model):
+            raise Forbidden(f"changing a lease needs scope {auth.ADMIN_SCOPE}")
+        body = validation.parse_json_object(self.request.body)
+        if set(body) != {"priority_class"} or not isinstance(body["priority_class"], str):
+            raise validation.BadRequest('priority_class: body must be {"priority_class": NAME}')
+        self.write_json(
+            self.broker.set_priority_class(self.lease_id(raw_id), body["priority_class"])
+        )
+
     def delete(self, raw_id: str) -> None:
         model = self.caller()
         lease = self.broker.get_lease(self.lease_id(raw_id))
@@ -211,6 +229,59 @@ class LeaseHandler(APIHandler):
         if not isinstance(reason, str) or len(reason) > 1000:
             raise validation.BadRequest("reason: must be a string of at most 1000 characters")
         self.write_json(self.broker.release_lease(lease["id"], reason))
+
+
+class LeaseAdminMixin:
+    """Shared by admin endpoints: refuse callers without the admin scope."""
+
+    def require_admin(self, model: dict[str, Any]) -> None:
+        if not auth.is_admin(model):
+            raise Forbidden(f"this endpoint needs scope {auth.ADMIN_SCOPE}")
+
+
+class QueueHandler(APIHandler):
+    """``GET /api/v1/queue``: pending requests in queue order, with position,
+    reason, message and estimated start (like ``squeue``: visible to all)."""
+
+    def get(self) -> None:
+        self.caller()
+        self.write_json({"queue": self.broker.queue()})
+
+
+class QuotasHandler(LeaseAdminMixin, APIHandler):
+    """``GET /api/v1/quotas``: quotas in force (admins)."""
+
+    def get(self) -> None:
+        self.require_admin(self.caller())
+        self.write_json(self.broker.quotas())
+
+
+class QuotaHandler(LeaseAdminMixin, APIHandler):
+    """``PUT``/``DELETE /api/v1/quotas/{kind}/{name}``: set or remove a stored
+    quota of a ``user`` or ``group`` (admins); applies from the next pass."""
+
+    def put(self, kind: str, name: str) -> None:
+        self.require_admin(self.caller())
+        guaranteed, limit = validation.quota_body(validation.parse_json_object(self.request.body))
+        self.broker.set_quota(kind, name, guaranteed, limit)
+        self.write_json(self.broker.quotas())
+
+    def delete(self, kind: str, name: str) -> None:
+        self.require_admin(self.caller())
+        self.broker.delete_quota(kind, name)
+        self.write_json(self.broker.quotas())
+
+
+class DeviceHandler(LeaseAdminMixin, APIHandler):
+    """``PATCH /api/v1/devices/{uuid}`` with ``{"drained": bool}``: drain a
+    device (no new grants; running leases continue) or undrain it (admins)."""
+
+    def patch(self, uuid: str) -> None:
+        self.require_admin(self.caller())
+        body = validation.parse_json_object(self.request.body)
+        if set(body) != {"drained"} or not isinstance(body["drained"], bool):
+            raise validation.BadRequest('drained: body must be {"drained": true|false}')
+        self.write_json(self.broker.set_drained(uuid, body["drained"]))
 
 
 class OpenAPIHandler(APIHandler):

@@ -16,7 +16,18 @@ from ..store.models import HolderKind
 #: JupyterHub user and server names: printable, at most 255 characters
 _NAME = re.compile(r"^[^\s/][^/]{0,254}$")
 
-LEASE_FIELDS = {"user", "server_name", "gpus", "holder_kind"}
+LEASE_FIELDS = {
+    "user",
+    "server_name",
+    "gpus",
+    "holder_kind",
+    "priority_class",
+    "time_limit",
+    "group",
+}
+
+#: longest time limit a lease may ask for, seconds (one year)
+MAX_TIME_LIMIT = 365 * 86400.0
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -73,8 +84,9 @@ def lease_request(data: dict[str, Any]) -> dict[str, Any]:
     """Validate a ``POST /leases`` body.
 
     Returns:
-        ``{"user": str, "server_name": str, "gpus": int, "holder_kind": str}``;
-        the upper bound of ``gpus`` is checked by the broker core.
+        ``{"user", "server_name", "gpus", "holder_kind", "priority_class",
+        "time_limit", "group"}``; the upper bound of ``gpus``, the class
+        names and the group membership are checked by the broker core.
 
     Raises:
         BadRequest: unknown field, or a field of the wrong type or range.
@@ -93,7 +105,71 @@ def lease_request(data: dict[str, Any]) -> dict[str, Any]:
         "server_name": require_name(data, "server_name", allow_empty=True),
         "gpus": require_int(data, "gpus", 1),
         "holder_kind": holder_kind,
+        "priority_class": optional_name(data, "priority_class"),
+        "time_limit": optional_seconds(data, "time_limit", MAX_TIME_LIMIT),
+        "group": optional_name(data, "group"),
     }
+
+
+def optional_name(data: dict[str, Any], key: str) -> str | None:
+    """``data[key]`` as a name, or ``None`` when absent or null.
+
+    Raises:
+        BadRequest: present but not a well-formed name.
+    """
+    if data.get(key) is None:
+        return None
+    return require_name(data, key)
+
+
+def optional_seconds(data: dict[str, Any], key: str, limit: float) -> float | None:
+    """``data[key]`` as seconds in ``(0, limit]``, or ``None`` when absent or null.
+
+    Raises:
+        BadRequest: not a number, or out of range.
+    """
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{key}: must be a number of seconds, got {json.dumps(value)}")
+    if not 0 < value <= limit:
+        raise BadRequest(f"{key}: must be more than 0 and at most {limit:g} seconds, got {value}")
+    return float(value)
+
+
+def quota_body(data: dict[str, Any]) -> tuple[float, float | None]:
+    """Validate a ``PUT /quotas/{kind}/{name}`` body ``{"guaranteed", "limit"}``.
+
+    Raises:
+        BadRequest: unknown field, negative numbers, limit below guarantee.
+    """
+    unknown = sorted(set(data) - {"guaranteed", "limit"})
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: unknown field (allowed: guaranteed, limit)")
+    guaranteed = data.get("guaranteed", 0)
+    limit = data.get("limit")
+    for key, value in (("guaranteed", guaranteed), ("limit", limit)):
+        if value is None and key == "limit":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise BadRequest(f"{key}: must be a number of GPUs >= 0, got {json.dumps(value)}")
+    if limit is not None and limit < guaranteed:
+        raise BadRequest(f"limit: must be at least guaranteed ({guaranteed}), got {limit}")
+    return float(guaranteed), None if limit is None else float(limit)
+
+
+def flag(raw: str | None, name: str) -> bool:
+    """A boolean query argument: absent/"false"/"0" or "true"/"1".
+
+    Raises:
+        BadRequest: any other value.
+    """
+    if raw is None or raw.lower() in ("false", "0"):
+        return False
+    if raw.lower() in ("true", "1"):
+        return True
+    raise BadRequest(f"{name}: must be true or false, got {raw!r}")
 
 
 def wait_seconds(raw: str | None, limit: float) -> float:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from traitlets import MetaHasTraits
 from traitlets.config import LoggingConfigurable
 
+from .topology import LinkLevel, Topology, uniform
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -112,6 +114,25 @@ class DeviceBackend(LoggingConfigurable, metaclass=_BackendMeta):
             KeyError: ``uuid`` is not a device of this backend.
             DeviceBackendError: when the device cannot be queried.
         """
+
+    def topology(self) -> Topology:
+        """Return how the devices of this node are interconnected.
+
+        Used for topology-aware gang placement: a multi-GPU request should get
+        devices joined by NVLink, else behind one PCIe switch.
+
+        Returns:
+            A square matrix indexed by NVML device index (the order of
+            :meth:`devices`); entry ``[i][j]`` is the
+            :class:`~gpubroker.devices.topology.LinkLevel` between devices
+            ``i`` and ``j`` (lower is closer, ``SELF`` = 0 on the diagonal).
+            This default knows nothing of the hardware and says every pair is
+            ``SYSTEM`` apart (all equally far); backends override it.
+
+        Raises:
+            DeviceBackendError: when the inventory or topology cannot be read.
+        """
+        return uniform(len(self.devices()), LinkLevel.SYSTEM)
 
     def close(self) -> None:
         """Release what the backend holds (e.g. ``nvmlShutdown``)."""

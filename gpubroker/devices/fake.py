@@ -15,10 +15,11 @@ import uuid as uuid_module
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from traitlets import List, Unicode, default
+from traitlets import Enum, List, Unicode, default
 
 from .base import DeviceBackend, DeviceBackendError, DeviceInfo, DeviceUsage, ProcessInfo
 from .models import GPUModel, known_model_names, lookup_model
+from .topology import LinkLevel, Topology, dgx_like, uniform
 
 #: fixed namespace for the fake UUIDs, so a device keeps its UUID across restarts
 FAKE_UUID_NAMESPACE = uuid_module.UUID("6b1f3c52-52b8-4c1e-9d0c-5a7e1f0b9a11")
@@ -123,6 +124,20 @@ class FakeDeviceBackend(DeviceBackend):
         """,
     ).tag(config=True)
 
+    topology_model = Enum(
+        ["dgx", "uniform"],
+        default_value="dgx",
+        help="""SIMULATED interconnect of the fake GPUs (see gpubroker.devices.topology).
+
+        "dgx": a DGX-1-style hybrid: NVLink islands of 4 GPUs by index (0-3,
+        4-7, ...), fully NVLinked inside an island; different islands are on
+        different CPU sockets (SYSTEM apart), so placing a gang across islands
+        is clearly worse. "uniform": every pair of GPUs behind several PCIe
+        switches (PCIE_MULTI), i.e. placement does not matter. Applies by
+        index across all inventory entries, whatever their models.
+        """,
+    ).tag(config=True)
+
     @default("node_name")
     def _default_node_name(self) -> str:
         return socket.gethostname()
@@ -152,6 +167,22 @@ class FakeDeviceBackend(DeviceBackend):
             for _ in range(count):
                 result.append(self._device(len(result), model))
         return result
+
+    def topology(self) -> Topology:
+        """Return the SIMULATED interconnect chosen by :attr:`topology_model`.
+
+        Returns:
+            ``dgx_like(n)`` for "dgx", ``uniform(n, PCIE_MULTI)`` for
+            "uniform", where ``n`` is the number of devices; indexed like
+            :meth:`devices`.
+
+        Raises:
+            DeviceBackendError: an inventory entry is malformed.
+        """
+        n = len(self.devices())
+        if self.topology_model == "uniform":
+            return uniform(n, LinkLevel.PCIE_MULTI)
+        return dgx_like(n)
 
     def _device(self, index: int, model: GPUModel) -> DeviceInfo:
         return DeviceInfo(

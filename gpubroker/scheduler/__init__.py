@@ -1,21 +1,50 @@
 """The pure scheduling core.
 
 ``schedule(state, now) -> Decisions`` reads no clock, database or device: the
-live broker and (later) the trace simulator call the same code. See
-:mod:`gpubroker.scheduler.types` for the data it works on and
-:mod:`gpubroker.scheduler.fifo` for the first policy.
+live broker and the trace simulator call the same code.
+:mod:`~gpubroker.scheduler.policy` is the broker's policy;
+:mod:`~gpubroker.scheduler.fifo` the FIFO baseline.
 """
 
-from .fifo import schedule
-from .types import Decisions, Grant, Request, SchedulerState, Slot, Wait, WaitReason
+from .fifo import schedule as fifo_schedule
+from .policy import queue_order, schedule
+from .types import (
+    DEFAULT_CLASSES,
+    Decisions,
+    Eviction,
+    Grant,
+    Policy,
+    Preemption,
+    PriorityClass,
+    Quota,
+    Request,
+    Running,
+    SchedulerState,
+    Slot,
+    Topology,
+    UsageRecord,
+    Wait,
+    WaitReason,
+)
 
 __all__ = [
+    "DEFAULT_CLASSES",
     "Decisions",
+    "Eviction",
     "Grant",
+    "Policy",
+    "Preemption",
+    "PriorityClass",
+    "Quota",
     "Request",
+    "Running",
     "SchedulerState",
     "Slot",
+    "Topology",
+    "UsageRecord",
     "Wait",
     "WaitReason",
+    "fifo_schedule",
+    "queue_order",
     "schedule",
 ]

@@ -1,26 +1,122 @@
 """Plain, immutable data the scheduler reads and returns.
 
-Nothing here touches I/O; times are aware UTC datetimes passed in by callers.
+Nothing here touches I/O. Times are aware UTC datetimes passed in by callers;
+durations are seconds (float); amounts of GPU are in whole-device units
+(float, so that fractions can count later).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import enum
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 class WaitReason(str, enum.Enum):
     """Why a request waits; codes modelled on Slurm's ``squeue`` reasons.
 
-    - ``Resources``: it is next, but not enough devices are free.
-    - ``Priority``: requests ahead of it in the queue go first.
-    - ``PoolDrained``: not enough non-drained devices exist on any node.
+    - ``Resources``: it is the first blocked request; not enough devices free.
+    - ``Priority``: requests ahead of it (by class, fair share, age) go first.
+    - ``Reserved``: free devices exist but are reserved for a request ahead of
+      it, and its time limit does not end before that reservation starts.
+    - ``Preempting``: devices are being reclaimed for it (victims in grace).
+    - ``QuotaUserLimit`` / ``QuotaGroupLimit``: granting it would exceed a limit.
+    - ``OverGuarantee``: its priority class is not preemptible, so it may only
+      run within a guarantee, and the guarantee is used up.
+    - ``PoolDrained``: no node has that many devices in service.
     """
 
     resources = "Resources"
     priority = "Priority"
+    reserved = "Reserved"
+    preempting = "Preempting"
+    quota_user = "QuotaUserLimit"
+    quota_group = "QuotaGroupLimit"
+    over_guarantee = "OverGuarantee"
     pool_drained = "PoolDrained"
+
+
+@dataclass(frozen=True)
+class PriorityClass:
+    """A priority class (Kubernetes PriorityClass / Slurm QOS in spirit).
+
+    Attributes:
+        name: e.g. ``interactive``.
+        rank: higher goes first and may preempt lower (if ``preempting``).
+        preempting: requests of this class may preempt leases of lower-rank,
+            preemptible classes.
+        preemptible: leases of this class may be preempted or reclaimed. A
+            class that is not preemptible only runs within guarantees (as in
+            KAI-Scheduler), so guarantees always stay obtainable.
+        min_runtime: seconds a lease runs before it may be preempted.
+        grace: seconds between the preemption notice and the eviction.
+    """
+
+    name: str
+    rank: int
+    preempting: bool = False
+    preemptible: bool = True
+    min_runtime: float = 0.0
+    grace: float = 30.0
+
+
+#: the default classes: notebooks first; urgent batch may preempt batch and preemptible
+DEFAULT_CLASSES: tuple[PriorityClass, ...] = (
+    PriorityClass("interactive", 100, preempting=False, min_runtime=600, grace=300),
+    PriorityClass("batch-urgent", 75, preempting=True, min_runtime=300, grace=120),
+    PriorityClass("batch", 50, preempting=False, min_runtime=0, grace=60),
+    PriorityClass("preemptible", 10, preempting=False, min_runtime=0, grace=30),
+)
+
+
+@dataclass(frozen=True)
+class Quota:
+    """GPUs a user or group may hold.
+
+    Attributes:
+        guaranteed: GPUs always obtainable (reclaimed from borrowers if needed).
+        limit: the most GPUs ever held at once; ``None``: no limit.
+    """
+
+    guaranteed: float = 0.0
+    limit: float | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Everything configurable about scheduling.
+
+    Attributes:
+        classes: the priority classes by name.
+        user_quotas / group_quotas: quotas by user and group name.
+        default_user_quota: the quota of users not in ``user_quotas``.
+        shares: fair-share weight by user (default 1).
+        half_life: fair-share usage half-life, seconds.
+        fairshare_resolution: fair-share factors are compared rounded to
+            this step, so nearly equal users are ordered by age.
+        max_reservations: how many blocked requests get a reservation (and an
+            ETA) per pass; the rest wait with an unknown ETA.
+    """
+
+    classes: Mapping[str, PriorityClass] = field(
+        default_factory=lambda: {c.name: c for c in DEFAULT_CLASSES}
+    )
+    user_quotas: Mapping[str, Quota] = field(default_factory=dict)
+    group_quotas: Mapping[str, Quota] = field(default_factory=dict)
+    default_user_quota: Quota = Quota()
+    shares: Mapping[str, float] = field(default_factory=dict)
+    half_life: float = 7 * 86400.0
+    fairshare_resolution: float = 0.01
+    max_reservations: int = 100
+
+    def user_quota(self, user: str) -> Quota:
+        """The quota of ``user``."""
+        return self.user_quotas.get(user, self.default_user_quota)
+
+    def group_quota(self, group: str | None) -> Quota | None:
+        """The quota of ``group``, or ``None`` when it has none."""
+        return None if group is None else self.group_quotas.get(group)
 
 
 @dataclass(frozen=True)
@@ -30,7 +126,7 @@ class Slot:
     Attributes:
         uuid: NVML UUID of the device.
         node: node the device is on.
-        index: NVML index on that node.
+        index: NVML index on that node (row/column in the node's topology).
         drained: no new grants (running leases continue).
     """
 
@@ -41,6 +137,36 @@ class Slot:
 
 
 @dataclass(frozen=True)
+class Running:
+    """A granted lease.
+
+    Attributes:
+        lease_id, user: the lease and its holder.
+        group: the group (account) it is charged to, if any.
+        devices: UUIDs it holds (all on one node).
+        priority_class: its class name.
+        started: when it was granted (aware UTC).
+        ends: when its time limit runs out, ``None`` if it has none.
+        preempt_deadline: set once it has been told it is preempted: when it
+            will be evicted.
+    """
+
+    lease_id: int
+    user: str
+    devices: tuple[str, ...]
+    started: dt.datetime
+    group: str | None = None
+    priority_class: str = "interactive"
+    ends: dt.datetime | None = None
+    preempt_deadline: dt.datetime | None = None
+
+    @property
+    def gpus(self) -> float:
+        """GPUs held (whole devices)."""
+        return float(len(self.devices))
+
+
+@dataclass(frozen=True)
 class Request:
     """A pending lease as the scheduler sees it.
 
@@ -48,13 +174,33 @@ class Request:
         lease_id: id of the pending lease.
         user: JupyterHub user name.
         gpus: number of whole devices, >= 1, all on one node.
-        created: when it was made (aware UTC); the FIFO order.
+        created: when it was made (aware UTC).
+        group: the group (account) it is charged to, if any.
+        priority_class: its class name.
+        time_limit: seconds it will run at most once granted; ``None``: no limit.
+        earmarked: devices being reclaimed for it (set after a preemption).
     """
 
     lease_id: int
     user: str
     gpus: int
     created: dt.datetime
+    group: str | None = None
+    priority_class: str = "interactive"
+    time_limit: float | None = None
+    earmarked: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """Past usage of a user: ``gpu_seconds`` already decayed to ``as_of``."""
+
+    gpu_seconds: float
+    as_of: dt.datetime
+
+
+#: a node's topology: square matrix of link levels (see gpubroker.devices.topology)
+Topology = tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -63,21 +209,55 @@ class SchedulerState:
 
     Attributes:
         slots: every device of the inventory.
-        busy: UUIDs of devices held by active leases.
+        running: granted leases.
         pending: pending requests, in any order (the policy sorts them).
+        policy: classes, quotas and knobs.
+        usage: past usage by user, for fair share.
+        topology: link matrix per node, indexed by device index; a node
+            without one counts every pair as equally far.
     """
 
     slots: tuple[Slot, ...]
-    busy: frozenset[str]
+    running: tuple[Running, ...]
     pending: tuple[Request, ...]
+    policy: Policy = Policy()
+    usage: Mapping[str, UsageRecord] = field(default_factory=dict)
+    topology: Mapping[str, Topology] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Grant:
-    """Decision: bind ``devices`` (UUIDs, in index order) to ``lease_id``."""
+    """Decision: bind ``devices`` (UUIDs) to ``lease_id``."""
 
     lease_id: int
     devices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """Decision: tell ``lease_id`` it is preempted; evict it at ``deadline``.
+
+    Attributes:
+        lease_id: the victim.
+        for_lease: the request its devices are earmarked for.
+        devices: devices of the victim that go to ``for_lease``.
+        reason: why, in a sentence.
+        deadline: end of the grace period (aware UTC).
+    """
+
+    lease_id: int
+    for_lease: int
+    devices: tuple[str, ...]
+    reason: str
+    deadline: dt.datetime
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """Decision: the grace period of preempted ``lease_id`` is over: end it."""
+
+    lease_id: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -86,20 +266,39 @@ class Wait:
 
     Attributes:
         lease_id: the pending lease.
-        position: 1-based place in the queue after this pass's grants.
+        position: 1-based place among the waiting requests, in policy order.
         reason: a :class:`WaitReason` code.
         message: one sentence for the user.
+        eta: estimated start (aware UTC), ``None`` when unknown.
+        earmarked: devices being reclaimed for it (from a preemption).
     """
 
     lease_id: int
     position: int
     reason: WaitReason
     message: str
+    eta: dt.datetime | None = None
+    earmarked: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Decisions:
-    """The result of one pass: grants first, then every request left waiting."""
+    """The result of one pass.
+
+    Attributes:
+        grants: requests granted now, with their devices.
+        preemptions: new victims, told now, evicted at their deadline.
+        evictions: victims whose grace period is over.
+        waits: every request left waiting, in queue order.
+        reclaimable: ids of granted leases (old and new) that are borrowed,
+            i.e. above their user's and group's guarantees.
+        withdrawn: ids of leases told of a preemption whose request went
+            away; they keep running.
+    """
 
     grants: tuple[Grant, ...] = ()
+    preemptions: tuple[Preemption, ...] = ()
+    evictions: tuple[Eviction, ...] = ()
     waits: tuple[Wait, ...] = ()
+    reclaimable: frozenset[int] = frozenset()
+    withdrawn: tuple[int, ...] = ()

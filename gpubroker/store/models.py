@@ -15,8 +15,10 @@ import datetime as dt
 import enum
 
 from sqlalchemy import (
+    JSON,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -130,6 +132,16 @@ class Lease(Base):
     queue_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
     queue_message: Mapped[str | None] = mapped_column(Text, nullable=True)
     version: Mapped[int] = mapped_column(Integer, default=1)
+    priority_class: Mapped[str] = mapped_column(String(64), default="interactive")
+    group_name: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    time_limit: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ends_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    queue_eta: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    earmarked: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    reclaimable: Mapped[bool] = mapped_column(Boolean, default=False)
+    preempted_for: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    preempt_deadline: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    preempt_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     allocations: Mapped[list[Allocation]] = relationship(
         back_populates="lease", order_by="Allocation.id", lazy="selectin"
@@ -169,3 +181,27 @@ class Allocation(Base):
             postgresql_where=text("active"),
         ),
     )
+
+
+class QuotaRow(Base):
+    """A quota set through the admin API (overrides the config's).
+
+    ``kind`` is ``user`` or ``group``; GPUs in whole-device units.
+    """
+
+    __tablename__ = "quotas"
+
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    guaranteed: Mapped[float] = mapped_column(Float, default=0.0)
+    limit: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class UsageRow(Base):
+    """A user's past GPU-seconds, decayed (fair-share half-life) to ``as_of``."""
+
+    __tablename__ = "usage"
+
+    user: Mapped[str] = mapped_column(String(255), primary_key=True)
+    gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    as_of: Mapped[dt.datetime] = mapped_column(UTCDateTime)

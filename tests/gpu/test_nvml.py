@@ -59,3 +59,12 @@ def test_auto_picks_nvml_and_close_is_idempotent():
     assert not backend.simulated
     backend.close()
     backend.close()
+
+
+def test_topology_is_a_valid_matrix_of_the_device_count(backend):
+    from gpubroker.devices.topology import LinkLevel, validate
+
+    matrix = backend.topology()  # read-only NVML queries
+    assert len(matrix) == len(backend.devices())
+    assert validate(matrix) == matrix
+    assert all(isinstance(level, LinkLevel) for row in matrix for level in row)

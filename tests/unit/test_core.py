@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
 
 import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from gpubroker.core import Broker, utcnow
-from gpubroker.errors import BadRequest, Conflict, NotFound
+from gpubroker.errors import BadRequest, Conflict, Forbidden, NotFound
 from gpubroker.store.models import Allocation, Lease
 
 from ..conftest import make_broker
@@ -33,9 +34,13 @@ def test_grant_when_free_then_queue_in_fifo_order(broker: Broker) -> None:
     assert big["queue"] == {
         "position": 1,
         "reason": "Resources",
-        "message": "waiting: not enough free GPUs for 4; you are 1st in the queue",
+        "message": "waiting: not enough free GPUs on one node; you are 1st in the queue; "
+        "estimated start unknown (GPUs held without a time limit)",
+        "eta": None,
+        "earmarked": [],
     }
-    assert small["queue"]["position"] == 2 and small["queue"]["reason"] == "Priority"
+    # the 2 free GPUs are held back for the 4-GPU request ahead of it
+    assert small["queue"]["position"] == 2 and small["queue"]["reason"] == "Reserved"
     assert big["env"] == {} and big["devices"] == []
 
 
@@ -187,3 +192,147 @@ def test_version_grows_only_on_visible_changes(broker: Broker) -> None:
     moved = broker.get_lease(second["id"])
     assert moved["queue"]["position"] == 1 and moved["version"] == second["version"] + 1
     assert broker.get_lease(held["id"])["version"] == held["version"]
+
+
+# -- policy through the core -------------------------------------------------------
+
+
+def quota_broker(db_url: str, **policy) -> Broker:
+    broker = make_broker(db_url)
+    for key, value in policy.items():
+        setattr(broker.policy, key, value)
+    broker.schedule_now()
+    return broker
+
+
+def test_limit_refuses_at_once_with_403_naming_the_quota(db_url: str) -> None:
+    broker = quota_broker(db_url, user_quotas={"ann": {"limit": 1}})
+    first = broker.request_lease("ann", "", 1)
+    with pytest.raises(Forbidden, match="user ann holds or waits for 1 GPUs; 1 more would exceed"):
+        broker.request_lease("ann", "second", 1)
+    assert broker.get_lease(first["id"])["state"] == "granted"
+    assert [x["id"] for x in broker.list_leases(user="ann")] == [first["id"]]
+
+
+def test_pending_requests_count_against_the_limit(db_url: str) -> None:
+    broker = quota_broker(db_url, user_quotas={"ann": {"limit": 2}})
+    broker.request_lease("bob", "", 8)
+    broker.request_lease("ann", "a", 1)
+    broker.request_lease("ann", "b", 1)
+    with pytest.raises(Forbidden, match="user limit of 2 GPUs"):
+        broker.request_lease("ann", "c", 1)
+
+
+def test_group_limit_and_charged_group(db_url: str) -> None:
+    broker = quota_broker(db_url, group_quotas={"vision": {"limit": 2}})
+    lease = broker.request_lease("ann", "", 2, groups=["nlp", "vision"])
+    assert lease["group"] == "vision"  # the user's first group with a quota
+    with pytest.raises(Forbidden, match="group vision holds or waits for 2 GPUs"):
+        broker.request_lease("bob", "", 1, groups=["vision"])
+    assert broker.request_lease("cat", "", 1, groups=["nlp"])["group"] is None
+    with pytest.raises(Forbidden, match="not a member of group 'vision'"):
+        broker.request_lease("dan", "", 1, group="vision", groups=["nlp"])
+
+
+def test_dry_run_checks_everything_and_creates_nothing(db_url: str) -> None:
+    broker = quota_broker(db_url, user_quotas={"ann": {"limit": 1}})
+    answer = broker.request_lease("ann", "", 1, dry_run=True)
+    assert answer == {
+        "admitted": True,
+        "user": "ann",
+        "gpus": 1,
+        "priority_class": "interactive",
+        "group": None,
+    }
+    assert broker.list_leases(active=False) == []
+    with pytest.raises(Forbidden):
+        broker.request_lease("ann", "", 2, dry_run=True)
+
+
+def test_unknown_priority_class_is_a_bad_request(broker: Broker) -> None:
+    with pytest.raises(BadRequest, match="priority_class: must be one of"):
+        broker.request_lease("ann", "", 1, priority_class="vip")
+
+
+def test_stored_quota_overrides_config_and_lowering_keeps_running_leases(db_url: str) -> None:
+    broker = quota_broker(db_url, user_quotas={"ann": {"limit": 4}})
+    running = broker.request_lease("ann", "a", 3)
+    broker.set_quota("user", "ann", 0, 1)
+    assert broker.quotas()["users"]["ann"] == {"guaranteed": 0.0, "limit": 1.0}
+    assert broker.get_lease(running["id"])["state"] == "granted"
+    with pytest.raises(Forbidden):
+        broker.request_lease("ann", "b", 1)
+    broker.delete_quota("user", "ann")
+    assert broker.quotas()["users"]["ann"]["limit"] == 4.0
+    with pytest.raises(NotFound):
+        broker.delete_quota("user", "ann")
+
+
+def test_reclaim_evicts_after_grace_and_hands_over_exactly_that_device(db_url: str) -> None:
+    broker = quota_broker(
+        db_url,
+        group_quotas={"A": {"guaranteed": 4}, "B": {"guaranteed": 4}},
+        priority_classes=[
+            {"name": "interactive", "rank": 100},
+            {"name": "batch", "rank": 50, "grace": 0.2},
+        ],
+    )
+    evicted = []
+    broker.on_evict = evicted.append
+    b = [
+        broker.request_lease(
+            f"b{i}", "", 1, holder_kind="server", priority_class="batch", groups=["B"]
+        )
+        for i in range(8)
+    ]
+    waiting = broker.request_lease("alice", "", 1, groups=["A"])
+    assert waiting["state"] == "pending" and waiting["queue"]["reason"] == "Preempting"
+    victims = [x for x in broker.list_leases() if x["preemption"]]
+    assert len(victims) == 1 and victims[0]["reclaimable"]
+    assert victims[0]["id"] == b[-1]["id"]  # the newest borrowed lease
+    assert victims[0]["preemption"]["for_lease"] == waiting["id"]
+    untouched = b[:4]  # B's four oldest leases are within B's guarantee
+    time.sleep(0.3)
+    broker.schedule_now()
+    granted = broker.get_lease(waiting["id"])
+    assert granted["state"] == "granted"
+    assert granted["devices"] == victims[0]["devices"]
+    gone = broker.get_lease(victims[0]["id"])
+    assert gone["state"] == "released" and gone["release_reason"].startswith("preempted: reclaimed")
+    assert [e["id"] for e in evicted] == [victims[0]["id"]]
+    for lease in untouched:
+        assert broker.get_lease(lease["id"])["state"] == "granted"
+
+
+def test_drain_stops_new_grants_but_keeps_running_leases(broker: Broker) -> None:
+    held = broker.request_lease("ann", "", 8)
+    uuid = held["devices"][0]["uuid"]
+    broker.set_drained(uuid, True)
+    assert broker.get_lease(held["id"])["state"] == "granted"
+    broker.release_lease(held["id"], "done")
+    assert broker.request_limit() == 7
+    lease = broker.request_lease("bob", "", 7)
+    assert uuid not in [d["uuid"] for d in lease["devices"]]
+    with pytest.raises(NotFound):
+        broker.set_drained("GPU-nope", True)
+
+
+def test_priority_class_of_a_pending_request_can_change(broker: Broker) -> None:
+    broker.request_lease("ann", "", 8)
+    low = broker.request_lease("bob", "", 1, priority_class="batch")
+    high = broker.request_lease("cat", "", 1, priority_class="batch")
+    assert [x["id"] for x in broker.queue()] == [low["id"], high["id"]]
+    broker.set_priority_class(high["id"], "interactive")
+    assert [x["id"] for x in broker.queue()] == [high["id"], low["id"]]
+    with pytest.raises(Conflict):
+        broker.set_priority_class(broker.list_leases(user="ann")[0]["id"], "batch")
+
+
+def test_usage_is_recorded_for_fair_share_on_release(broker: Broker) -> None:
+    from gpubroker.usage import usage_records
+
+    lease = broker.request_lease("ann", "", 2)
+    broker.release_lease(lease["id"], "done")
+    with broker.session_factory() as session:
+        record = usage_records(session)["ann"]
+    assert record.gpu_seconds > 0

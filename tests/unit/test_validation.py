@@ -15,6 +15,9 @@ def test_lease_request_defaults_and_types() -> None:
         "server_name": "",
         "gpus": 2,
         "holder_kind": "server",
+        "priority_class": None,
+        "time_limit": None,
+        "group": None,
     }
 
 
@@ -31,6 +34,9 @@ def test_lease_request_defaults_and_types() -> None:
         ({"user": "ann", "gpus": 1, "server_name": 3}, "server_name: must be a string"),
         ({"user": "ann", "gpus": 1, "color": "red"}, "color: unknown field"),
         ({"user": "ann", "gpus": 1, "holder_kind": "job"}, "holder_kind: must be one of"),
+        ({"user": "ann", "gpus": 1, "time_limit": 0}, "time_limit: must be more than 0"),
+        ({"user": "ann", "gpus": 1, "time_limit": "1h"}, "time_limit: must be a number"),
+        ({"user": "ann", "gpus": 1, "priority_class": 3}, "priority_class: must be a string"),
     ],
 )
 def test_lease_request_errors_name_the_field(body: dict, message: str) -> None:

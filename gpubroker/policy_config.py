@@ -1,0 +1,140 @@
+"""The scheduling policy as configuration: priority classes, quotas, fair share.
+
+:class:`SchedulingPolicy` holds the traits an admin sets in
+``gpubroker_config.py`` and builds the pure :class:`gpubroker.scheduler.Policy`
+each pass, with quotas set through the admin API (stored in the database)
+taking precedence over configured ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from traitlets import Dict, Float, Integer, List, TraitError, Unicode, validate
+from traitlets.config import LoggingConfigurable
+
+from .scheduler import DEFAULT_CLASSES, Policy, PriorityClass, Quota
+
+_CLASS_KEYS = {"name", "rank", "preempting", "preemptible", "min_runtime", "grace"}
+
+
+def _quota(where: str, value: Any) -> Quota:
+    """``{"guaranteed": GPUs, "limit": GPUs | None}`` -> :class:`Quota`.
+
+    Raises:
+        ValueError: unknown keys, negative numbers, or limit below guarantee.
+    """
+    if not isinstance(value, dict) or set(value) - {"guaranteed", "limit"}:
+        raise ValueError(f"{where}: must be {{'guaranteed': GPUs, 'limit': GPUs or None}}")
+    guaranteed = float(value.get("guaranteed", 0) or 0)
+    limit = value.get("limit")
+    limit = None if limit is None else float(limit)
+    if guaranteed < 0 or (limit is not None and limit < guaranteed):
+        raise ValueError(f"{where}: need 0 <= guaranteed <= limit, got {guaranteed} and {limit}")
+    return Quota(guaranteed, limit)
+
+
+class SchedulingPolicy(LoggingConfigurable):
+    """Policy knobs of the broker's scheduler (see the admin guide)."""
+
+    priority_classes = List(
+        Dict(),
+        default_value=[
+            {
+                "name": c.name,
+                "rank": c.rank,
+                "preempting": c.preempting,
+                "preemptible": c.preemptible,
+                "min_runtime": c.min_runtime,
+                "grace": c.grace,
+            }
+            for c in DEFAULT_CLASSES
+        ],
+        help="""Priority classes, each a dict: name, rank (higher goes first),
+        preempting (may preempt lower-rank preemptible classes), preemptible
+        (may be preempted or reclaimed; a class that is not only runs within
+        guarantees), min_runtime (seconds before it may be preempted), grace
+        (seconds between the notice and the eviction).""",
+    ).tag(config=True)
+
+    default_priority_class = Unicode(
+        "interactive", help="Class of requests that name none (notebook servers)."
+    ).tag(config=True)
+
+    user_quotas = Dict(
+        help="""Per-user quotas in GPUs: {"ann": {"guaranteed": 1, "limit": 2}}.
+        Quotas set through the admin API take precedence.""",
+    ).tag(config=True)
+
+    group_quotas = Dict(
+        help="""Per-group (JupyterHub group) quotas in GPUs:
+        {"vision": {"guaranteed": 4, "limit": 8}}. A lease is charged to one
+        group: the one it names, else the user's first group with a quota.""",
+    ).tag(config=True)
+
+    default_user_quota = Dict(
+        {"guaranteed": 0, "limit": None},
+        help="Quota of users without their own: no guarantee, no limit by default.",
+    ).tag(config=True)
+
+    fairshare_half_life = Float(
+        7 * 86400.0,
+        help="Seconds after which past GPU usage counts half for fair share (Slurm's default).",
+    ).tag(config=True)
+
+    fairshare_shares = Dict(
+        help="Fair-share weight per user (default 1): {'ann': 2} gives ann twice the share.",
+    ).tag(config=True)
+
+    fairshare_resolution = Float(
+        0.01,
+        help="Fair-share factors (0-1) are compared rounded to this step; ties go by age.",
+    ).tag(config=True)
+
+    max_reservations = Integer(
+        100,
+        help="Blocked requests that get a reservation and an ETA per scheduling pass.",
+    ).tag(config=True)
+
+    @validate("priority_classes")
+    def _check_classes(self, proposal: Any) -> list[dict[str, Any]]:
+        self._classes(proposal["value"])
+        return list(proposal["value"])
+
+    @validate("user_quotas", "group_quotas")
+    def _check_quotas(self, proposal: Any) -> dict[str, Any]:
+        for name, value in proposal["value"].items():
+            _quota(f"{proposal['trait'].name}[{name!r}]", value)
+        return dict(proposal["value"])
+
+    @staticmethod
+    def _classes(items: Iterable[dict[str, Any]]) -> dict[str, PriorityClass]:
+        classes = {}
+        for item in items:
+            unknown = set(item) - _CLASS_KEYS
+            if unknown or "name" not in item or "rank" not in item:
+                raise TraitError(
+                    f"priority_classes: each needs name and rank, and only {sorted(_CLASS_KEYS)};"
+                    f" got {item!r}"
+                )
+            classes[item["name"]] = PriorityClass(**item)
+        return classes
+
+    def build(self, stored: Iterable[tuple[str, str, float, float | None]] = ()) -> Policy:
+        """The pure :class:`Policy`, with ``stored`` quotas
+        ``(kind, name, guaranteed, limit)`` overriding configured ones."""
+        users = {n: _quota(f"user_quotas[{n!r}]", q) for n, q in self.user_quotas.items()}
+        groups = {n: _quota(f"group_quotas[{n!r}]", q) for n, q in self.group_quotas.items()}
+        for kind, name, guaranteed, limit in stored:
+            (users if kind == "user" else groups)[name] = Quota(guaranteed, limit)
+        return Policy(
+            classes=self._classes(self.priority_classes),
+            user_quotas=users,
+            group_quotas=groups,
+            default_user_quota=_quota("default_user_quota", self.default_user_quota),
+            shares={k: float(v) for k, v in self.fairshare_shares.items()},
+            half_life=self.fairshare_half_life,
+            fairshare_resolution=self.fairshare_resolution,
+            max_reservations=self.max_reservations,
+        )

@@ -1,0 +1,188 @@
+"""Where a request's devices go: the pass's device pool and topology-aware
+gang placement (all devices of a request on one node, joined as closely as
+the node's topology allows: NVLink, then one PCIe switch, ...).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .types import Slot, Topology
+
+#: a time later than any other, for devices with no known end
+NEVER = dt.datetime.max.replace(tzinfo=dt.timezone.utc)
+
+
+def link_cost(topology: Topology | None, indices: tuple[int, ...]) -> tuple[int, int]:
+    """(worst, total) link level over all pairs of ``indices``; lower is closer."""
+    if topology is None or len(indices) < 2:
+        return (0, 0)
+    levels = [topology[a][b] for i, a in enumerate(indices) for b in indices[i + 1 :]]
+    return (max(levels), sum(levels))
+
+
+def closest_set(slots: list[Slot], k: int, topology: Topology | None) -> tuple[Slot, ...]:
+    """``k`` of ``slots`` (one node) joined as closely as possible.
+
+    Greedy from every seed: add the device nearest to those chosen; keep the
+    set with the lowest (worst link, total link, indices). ``O(n^2 k)``.
+    """
+    ordered = sorted(slots, key=lambda s: s.index)
+    if topology is None or k < 2 or len(ordered) == k:
+        return tuple(ordered[:k])
+    best: tuple[tuple[int, int, tuple[int, ...]], tuple[Slot, ...]] | None = None
+    for seed in ordered:
+        chosen = [seed]
+        rest = [s for s in ordered if s is not seed]
+        while len(chosen) < k:
+            nxt = min(
+                rest, key=lambda s: (max(topology[c.index][s.index] for c in chosen), s.index)
+            )
+            chosen.append(nxt)
+            rest.remove(nxt)
+        indices = tuple(sorted(s.index for s in chosen))
+        key = (*link_cost(topology, indices), indices)
+        if best is None or key < best[0]:
+            best = (key, tuple(sorted(chosen, key=lambda s: s.index)))
+    assert best is not None
+    return best[1]
+
+
+@dataclass
+class Pool:
+    """The devices of one pass: which are free, reserved, and when others free up.
+
+    Attributes:
+        now: the pass's time.
+        free: free devices per node (not drained, not held, not earmarked).
+        reserved_from: earliest reservation start per reserved device; a
+            request may use such a device now only if it ends before then.
+        available_from: when each device is next free for planning
+            (``NEVER`` when unknown).
+    """
+
+    now: dt.datetime
+    slots: dict[str, Slot]
+    topology: Mapping[str, Topology]
+    free: dict[str, dict[str, Slot]] = field(default_factory=lambda: defaultdict(dict))
+    by_node: dict[str, list[Slot]] = field(default_factory=lambda: defaultdict(list))
+    reserved_from: dict[str, dt.datetime] = field(default_factory=dict)
+    available_from: dict[str, dt.datetime] = field(default_factory=dict)
+    earmarked: set[str] = field(default_factory=set)
+
+    @classmethod
+    def build(
+        cls,
+        slots: Iterable[Slot],
+        busy_until: Mapping[str, dt.datetime],
+        earmarked: Iterable[str],
+        topology: Mapping[str, Topology],
+        now: dt.datetime,
+    ) -> Pool:
+        """A pool where ``busy_until`` maps held devices to their expected end."""
+        in_service = {s.uuid: s for s in slots if not s.drained}
+        pool = cls(now, in_service, topology, earmarked=set(earmarked))
+        for slot in in_service.values():
+            pool.by_node[slot.node].append(slot)
+            if slot.uuid in busy_until:
+                pool.available_from[slot.uuid] = busy_until[slot.uuid]
+            else:
+                pool.available_from[slot.uuid] = now
+                if slot.uuid not in pool.earmarked:
+                    pool.free[slot.node][slot.uuid] = slot
+        return pool
+
+    def node_of(self, uuid: str) -> str | None:
+        """The node of an in-service device (``None`` if drained or unknown)."""
+        slot = self.slots.get(uuid)
+        return None if slot is None else slot.node
+
+    def largest_node(self) -> int:
+        """Devices in service on the largest node."""
+        return max((len(v) for v in self.by_node.values()), default=0)
+
+    def take(self, uuids: Iterable[str], until: dt.datetime) -> None:
+        """Mark ``uuids`` held until ``until`` (``NEVER`` if unknown)."""
+        for uuid in uuids:
+            self._unfree(uuid)
+            self.available_from[uuid] = until
+
+    def earmark(self, uuids: Iterable[str]) -> None:
+        """Keep ``uuids`` for the request they are being reclaimed for."""
+        for uuid in uuids:
+            self._unfree(uuid)
+            self.earmarked.add(uuid)
+
+    def _unfree(self, uuid: str) -> None:
+        node = self.slots[uuid].node
+        free = self.free.get(node)
+        if free is not None:
+            free.pop(uuid, None)
+            if not free:
+                del self.free[node]
+
+    def usable(self, node: str, ends: dt.datetime) -> list[Slot]:
+        """Free devices of ``node`` a request ending at ``ends`` may use now."""
+        return [
+            s
+            for s in self.free.get(node, {}).values()
+            if ends <= self.reserved_from.get(s.uuid, NEVER)
+        ]
+
+    def place(self, gpus: int, ends: dt.datetime) -> tuple[str, ...] | None:
+        """Devices for a request of ``gpus`` ending at ``ends``, or ``None``.
+
+        Among nodes with room, the one with the fewest usable devices (best
+        fit), then the closest set by topology.
+        """
+        best: tuple[tuple[int, int, int, str], tuple[Slot, ...]] | None = None
+        for node, free in self.free.items():
+            if len(free) < gpus:
+                continue
+            usable = self.usable(node, ends)
+            if len(usable) < gpus:
+                continue
+            chosen = closest_set(usable, gpus, self.topology.get(node))
+            cost = link_cost(self.topology.get(node), tuple(s.index for s in chosen))
+            key = (len(usable), *cost, node)
+            if best is None or key < best[0]:
+                best = (key, chosen)
+        return None if best is None else tuple(s.uuid for s in best[1])
+
+    def fits_ignoring_reservations(self, gpus: int) -> bool:
+        """Whether ``gpus`` free devices exist on one node, reservations aside."""
+        return any(len(free) >= gpus for free in self.free.values())
+
+    def reserve(
+        self, gpus: int, duration: float | None
+    ) -> tuple[dt.datetime, tuple[str, ...]] | None:
+        """Reserve the ``gpus`` devices of one node that free up first.
+
+        Returns:
+            (start, devices): ``start`` is ``NEVER`` when some device has no
+            known end; such a reservation still holds the node's free devices
+            back from requests behind it. ``None`` when no node is big enough.
+        """
+        best: tuple[dt.datetime, str] | None = None
+        for node, slots in self.by_node.items():
+            times = sorted(
+                self.available_from[s.uuid] for s in slots if s.uuid not in self.earmarked
+            )
+            if len(times) >= gpus and (best is None or (times[gpus - 1], node) < best):
+                best = (times[gpus - 1], node)
+        if best is None:
+            return None
+        start, node = best
+        candidates = [s for s in self.by_node[node] if s.uuid not in self.earmarked]
+        chosen = sorted(candidates, key=lambda s: (self.available_from[s.uuid], s.index))[:gpus]
+        hold_from = start if start < NEVER else self.now
+        end = (
+            NEVER if duration is None or start >= NEVER else start + dt.timedelta(seconds=duration)
+        )
+        for slot in chosen:
+            self.reserved_from[slot.uuid] = min(self.reserved_from.get(slot.uuid, NEVER), hold_from)
+            self.available_from[slot.uuid] = max(self.available_from[slot.uuid], end)
+        return start, tuple(s.uuid for s in chosen)

@@ -1,0 +1,259 @@
+"""The broker's scheduling policy: one pure pass over the state.
+
+Order: priority class rank, then fair-share factor (in steps of
+``Policy.fairshare_resolution``), then age. Walking the queue in that order,
+each request is
+
+1. held at a limit (``QuotaUserLimit``/``QuotaGroupLimit``) or refused
+   service when too large (``PoolDrained``) or when its non-preemptible class
+   would run above guarantee (``OverGuarantee``);
+2. granted devices reclaimed for it once they are free (earmarked);
+3. granted now when devices are free on one node, topology-aware, and not
+   reserved for a request ahead of it, unless it ends before that
+   reservation (backfill);
+4. else, when it may preempt (within guarantee, or a ``preempting`` class),
+   given victims: they are told now and evicted after their grace period,
+   and their devices are earmarked for it alone;
+5. else given a reservation on the devices that free up first (up to
+   ``Policy.max_reservations`` per pass), whose start is its ETA.
+
+Leases told of a preemption whose grace is over are evicted; a preemption
+whose request went away is withdrawn.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from . import fairshare
+from .accounting import Accounting
+from .messages import clock, wait_message
+from .messages import gpus as gpus_text
+from .placement import NEVER, Pool
+from .preemption import find_victims
+from .types import (
+    Decisions,
+    Eviction,
+    Grant,
+    Preemption,
+    Request,
+    Running,
+    SchedulerState,
+    Wait,
+    WaitReason,
+)
+
+
+def queue_order(state: SchedulerState, now: dt.datetime) -> list[Request]:
+    """Pending requests in policy order (class rank, fair share, age, id)."""
+    policy = state.policy
+    usage = fairshare.decayed_usage(state.usage, state.running, now, policy.half_life)
+    users = {r.user for r in state.pending} | {r.user for r in state.running}
+    total = sum(1 for s in state.slots if not s.drained)
+    factor = fairshare.factors(users, usage, policy.shares, total, policy.half_life)
+    step = policy.fairshare_resolution or 1e-9
+
+    def key(r: Request) -> tuple[int, int, dt.datetime, int]:
+        cls = policy.classes.get(r.priority_class)
+        return (
+            -(cls.rank if cls else 0),
+            -round(factor[r.user] / step),
+            r.created,
+            r.lease_id,
+        )
+
+    return sorted(state.pending, key=key)
+
+
+@dataclass
+class _Pass:
+    state: SchedulerState
+    now: dt.datetime
+    acct: Accounting
+    pool: Pool
+    running: list[Running]
+    grants: list[Grant] = field(default_factory=list)
+    preemptions: list[Preemption] = field(default_factory=list)
+    waits: list[Wait] = field(default_factory=list)
+    reservations: int = 0
+    blocked: bool = False
+    told: set[int] = field(default_factory=set)
+
+    def wait(
+        self,
+        request: Request,
+        reason: WaitReason,
+        eta: dt.datetime | None = None,
+        detail: str = "",
+        earmarked: tuple[str, ...] = (),
+    ) -> None:
+        position = len(self.waits) + 1
+        message = wait_message(reason, position, eta, self.now, detail)
+        self.waits.append(Wait(request.lease_id, position, reason, message, eta, earmarked))
+
+    def grant(self, request: Request, devices: tuple[str, ...]) -> None:
+        ends = NEVER
+        if request.time_limit is not None:
+            ends = self.now + dt.timedelta(seconds=request.time_limit)
+        self.pool.take(devices, ends)
+        self.acct.add(request.lease_id, request.user, request.group, float(len(devices)))
+        self.grants.append(Grant(request.lease_id, devices))
+
+
+def _evictions(state: SchedulerState, now: dt.datetime) -> tuple[list[Eviction], list[int]]:
+    """Victims whose grace is over, and preemptions whose request went away."""
+    wanted = {d for r in state.pending for d in r.earmarked}
+    evict, withdraw = [], []
+    for lease in state.running:
+        if lease.preempt_deadline is None:
+            continue
+        if not wanted.intersection(lease.devices):
+            withdraw.append(lease.lease_id)
+        elif lease.preempt_deadline <= now:
+            evict.append(Eviction(lease.lease_id, "preempted: grace period over"))
+    return evict, withdraw
+
+
+def _start(state: SchedulerState, now: dt.datetime, evicted: set[int]) -> _Pass:
+    running = [r for r in state.running if r.lease_id not in evicted]
+    busy_until = {}
+    for lease in running:
+        end = lease.preempt_deadline or lease.ends or NEVER
+        for uuid in lease.devices:
+            busy_until[uuid] = end
+    earmarked = [d for r in state.pending for d in r.earmarked]
+    pool = Pool.build(state.slots, busy_until, earmarked, state.topology, now)
+    return _Pass(state, now, Accounting.of(state.policy, tuple(running)), pool, running)
+
+
+def _held(p: _Pass, request: Request) -> bool:
+    """Steps 1: limits, size and class rules. True when the request must wait."""
+    hit = p.acct.limit_hit(request)
+    if hit is not None:
+        kind, name, held, limit = hit
+        reason = WaitReason.quota_user if kind == "user" else WaitReason.quota_group
+        who = "you hold" if kind == "user" else f"group {name} holds"
+        detail = f"{who} {held:g} of {'your' if kind == 'user' else 'its'} {gpus_text(limit)} limit"
+        p.wait(request, reason, None, detail)
+        return True
+    if request.gpus > p.pool.largest_node():
+        detail = f"no node has {request.gpus} GPUs in service (largest: {p.pool.largest_node()})"
+        p.wait(request, WaitReason.pool_drained, None, detail)
+        return True
+    cls = p.state.policy.classes[request.priority_class]
+    if not cls.preemptible and not p.acct.within_guarantee(
+        request.user, request.group, request.gpus
+    ):
+        detail = f"class {cls.name} is not preemptible, so it only runs within your guarantee"
+        p.wait(request, WaitReason.over_guarantee, None, detail)
+        return True
+    return False
+
+
+def _earmarked(p: _Pass, request: Request) -> None:
+    """Step 2: grant reclaimed devices once free, else keep waiting for them."""
+    busy = [d for d in request.earmarked if p.pool.available_from.get(d, p.now) > p.now]
+    if not busy:
+        p.grant(request, request.earmarked)
+        return
+    eta = max(p.pool.available_from[d] for d in busy)
+    detail = f"{gpus_text(len(busy))} being reclaimed for you, expected by {clock(eta, p.now)}"
+    p.wait(request, WaitReason.preempting, eta, detail, request.earmarked)
+
+
+def _preempt(p: _Pass, request: Request, running_by_node: Mapping[str, Sequence[Running]]) -> bool:
+    """Step 4: choose victims and earmark their devices; True if it did."""
+    policy = p.state.policy
+    in_guarantee = p.acct.within_guarantee(request.user, request.group, request.gpus)
+    if not in_guarantee and not policy.classes[request.priority_class].preempting:
+        return False
+    plan = find_victims(
+        request, in_guarantee, running_by_node, p.pool, p.acct, policy, p.now, frozenset(p.told)
+    )
+    if plan is None:
+        return False
+    deadline = p.now
+    for victim in plan.victims:
+        p.told.add(victim.lease_id)
+        vcls = policy.classes[victim.priority_class]
+        end = p.now + dt.timedelta(seconds=vcls.grace)
+        deadline = max(deadline, end)
+        why = (
+            f"reclaimed for {request.user}, who is within their guarantee; "
+            "your lease was borrowed above guarantees"
+            if in_guarantee and victim.lease_id in p.acct.borrowed
+            else f"preempted by a {request.priority_class} request of {request.user}"
+        )
+        mine = tuple(d for d in victim.devices if d in plan.reclaimed)
+        p.preemptions.append(Preemption(victim.lease_id, request.lease_id, mine, why, end))
+        for uuid in victim.devices:
+            p.pool.available_from[uuid] = end
+    devices = plan.free + plan.reclaimed
+    p.pool.earmark(devices)
+    detail = f"{gpus_text(len(plan.reclaimed))} being reclaimed for you"
+    p.wait(request, WaitReason.preempting, deadline, detail, devices)
+    return True
+
+
+def _reserve(p: _Pass, request: Request) -> None:
+    """Step 5: a reservation and ETA (within the window), else wait unplanned."""
+    could_fit = p.pool.fits_ignoring_reservations(request.gpus)
+    if p.reservations >= p.state.policy.max_reservations:
+        p.wait(request, WaitReason.reserved if could_fit else WaitReason.priority)
+        return
+    p.reservations += 1
+    planned = p.pool.reserve(request.gpus, request.time_limit)
+    eta = None if planned is None or planned[0] >= NEVER else planned[0]
+    if could_fit:
+        reason = WaitReason.reserved
+    elif p.blocked:
+        reason = WaitReason.priority
+    else:
+        reason = WaitReason.resources
+    p.blocked = True
+    p.wait(request, reason, eta)
+
+
+def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:
+    """One pass of the broker's policy over ``state`` at ``now`` (aware UTC).
+
+    Returns:
+        :class:`Decisions`: grants, new preemptions, evictions of victims whose
+        grace is over, a :class:`Wait` for every other request in queue order
+        (position, reason, message, ETA), and the reclaimable lease ids.
+    """
+    evictions, withdrawn = _evictions(state, now)
+    p = _start(state, now, {e.lease_id for e in evictions})
+    running_by_node: dict[str, list[Running]] = defaultdict(list)
+    for lease in p.running:
+        node = p.pool.node_of(lease.devices[0]) if lease.devices else None
+        if node is not None:
+            running_by_node[node].append(lease)
+    for request in queue_order(state, now):
+        if _held(p, request):
+            continue
+        if request.earmarked:
+            _earmarked(p, request)
+            continue
+        ends = (
+            NEVER if request.time_limit is None else now + dt.timedelta(seconds=request.time_limit)
+        )
+        devices = p.pool.place(request.gpus, ends)
+        if devices is not None:
+            p.grant(request, devices)
+            continue
+        window = p.reservations < state.policy.max_reservations
+        if window and _preempt(p, request, running_by_node):
+            continue
+        _reserve(p, request)
+    return Decisions(
+        grants=tuple(p.grants),
+        preemptions=tuple(p.preemptions),
+        evictions=tuple(evictions),
+        waits=tuple(p.waits),
+        reclaimable=frozenset(p.acct.borrowed),
+        withdrawn=tuple(withdrawn),
+    )
