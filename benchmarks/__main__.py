@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import api
+from . import api, scheduler
 
 
 def main() -> None:
     results = {}
+    print(scheduler.describe())
+    results.update(scheduler.run())
     print(f"API: {api.PAIRS} lease request/release pairs on loopback vs a bare Tornado handler")
     results.update(api.run())
     width = max(len(name) for name in results)

@@ -71,6 +71,8 @@ autodoc_typehints = "description"
 autodoc_typehints_description_target = "documented"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
+# enum docstrings list their values under "Members:" (e.g. LinkLevel)
+napoleon_custom_sections = [("Members", "params_style")]
 
 # -- OpenAPI ---------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from traitlets import Any as AnyTrait
-from traitlets import Instance, Integer, default
+from traitlets import Float, Instance, Integer, default
 from traitlets.config import LoggingConfigurable
 
 from . import scheduler
@@ -58,6 +58,12 @@ class Broker(LoggingConfigurable):
     session_factory = AnyTrait(help="SQLAlchemy sessionmaker bound to the store.")
     backend = AnyTrait(help="The DeviceBackend instance of this node.")
 
+    evict_timeout = Float(
+        120,
+        help="""Seconds to wait for the hub to stop the server of an evicted
+        lease before its devices are released anyway.""",
+    ).tag(config=True)
+
     max_gpus_per_request = Integer(
         0,
         help="""Most whole GPUs one lease may ask for; 0 means the number of
@@ -74,9 +80,11 @@ class Broker(LoggingConfigurable):
         super().__init__(**kwargs)
         self._changed = asyncio.Event()
         self._topology: dict[str, scheduler.Topology] = {}
-        #: called with the view of each server lease evicted by preemption, so
-        #: the service can stop its hub server
+        #: called with the view of each server lease to evict (preemption, time
+        #: limit), so the service can stop its hub server
         self.on_evict: Callable[[dict[str, Any]], None] | None = None
+        #: server leases being evicted: when their stop was asked, and why
+        self._stopping: dict[int, tuple[dt.datetime, str]] = {}
 
     # -- sessions and notification -------------------------------------------------
 
@@ -202,6 +210,7 @@ class Broker(LoggingConfigurable):
         if time_limit is not None and time_limit <= 0:
             raise BadRequest(f"time_limit: must be a positive number of seconds, got {time_limit}")
         charged = self._charge_group(user, group, groups, policy)
+        self._check_guarantee_room(policy, cls, user, charged, gpus)
         now = utcnow()
         with self._session() as session, session.begin():
             if holder_kind == HolderKind.server.value:
@@ -246,12 +255,53 @@ class Broker(LoggingConfigurable):
     def _charge_group(
         user: str, group: str | None, groups: list[str] | None, policy: scheduler.Policy
     ) -> str | None:
-        if group is not None:
-            if groups is not None and group not in groups:
-                raise Forbidden(f"group: {user!r} is not a member of group {group!r}")
-            return group
         with_quota = sorted(g for g in groups or () if g in policy.group_quotas)
+        if group is not None:
+            if groups is None:
+                raise Forbidden(f"group: cannot check that {user!r} is in group {group!r} now")
+            if group not in groups:
+                raise Forbidden(f"group: {user!r} is not a member of group {group!r}")
+            if with_quota and group not in with_quota:
+                raise Forbidden(
+                    f"group: charge one of your groups with a quota ({', '.join(with_quota)}),"
+                    f" not {group!r}"
+                )
+            return group
         return with_quota[0] if with_quota else None
+
+    @staticmethod
+    def _check_guarantee_room(
+        policy: scheduler.Policy, cls: str, user: str, group: str | None, gpus: int
+    ) -> None:
+        """A non-preemptible class runs only within guarantees: refuse what
+        can never fit in them (403) rather than queue it forever."""
+        if policy.class_of(cls).preemptible:
+            return
+        group_quota = policy.group_quota(group)
+        room = policy.user_quota(user).guaranteed + (group_quota.guaranteed if group_quota else 0)
+        if gpus > room:
+            raise Forbidden(
+                f"priority_class: {cls!r} is not preemptible and runs only within guarantees;"
+                f" {gpus} GPUs exceed the {room:g} guaranteed to {user}"
+                + (f" and group {group}" if group_quota else "")
+            )
+
+    def class_for_caller(self, name: str | None, admin: bool) -> None:
+        """Non-admins may ask only for the default class or lower, never a
+        preempting one (admins and the spawner choose freely).
+
+        Raises:
+            Forbidden: the class is above the caller's reach.
+        """
+        if admin or name is None:
+            return
+        policy = self._policy()
+        default_rank = policy.class_of(self.policy.default_priority_class).rank
+        cls = policy.class_of(name)
+        if cls.preempting or cls.rank > default_rank:
+            raise Forbidden(
+                f"priority_class: {name!r} may be requested only by broker admins or the spawner"
+            )
 
     def _check_limits(
         self, session: Session, policy: scheduler.Policy, user: str, group: str | None, gpus: int
@@ -297,6 +347,8 @@ class Broker(LoggingConfigurable):
         with self._session() as session, session.begin():
             lease = self._get(session, lease_id)
             if lease.state != LeaseState.released.value:
+                if lease.id in self._stopping:
+                    reason = f"{self._stopping.pop(lease.id)[1]} (server stopped)"
                 self._release(lease, reason, now)
                 session.flush()
                 self._schedule(session, now)
@@ -444,20 +496,19 @@ class Broker(LoggingConfigurable):
         ]
         return self.policy.build(stored)
 
-    def _schedule(self, session: Session, now: dt.datetime) -> None:
-        """Run the pure scheduler on the session's state and apply its decisions."""
+    def _schedule(self, session: Session, now: dt.datetime, again: bool = True) -> None:
+        """Run the pure scheduler on the session's state and apply its decisions.
+
+        When an eviction released devices, one more pass hands them on.
+        """
         state, leases = build_state(session, self._policy(session), self._topology)
         decisions = scheduler.schedule(state, now)
         evicted = apply_decisions(
-            session, decisions, leases, now, lambda lease, why: self._release(lease, why, now)
+            session, decisions, leases, now, lambda lease, why: self._evict(lease, why, now)
         )
         session.flush()
-        for lease in evicted:
-            self.log.warning(
-                "Evicted lease %s of %s: %s", lease.id, lease.user, lease.release_reason
-            )
-            if lease.holder_kind == HolderKind.server.value and self.on_evict is not None:
-                self.on_evict(lease_view(lease))
+        for grant in decisions.grants:
+            self.log.info("Granted lease %s: %s", grant.lease_id, ",".join(grant.devices))
         for preemption in decisions.preemptions:
             self.log.warning(
                 "Preempting lease %s for %s by %s: %s",
@@ -466,6 +517,26 @@ class Broker(LoggingConfigurable):
                 preemption.deadline.isoformat(),
                 preemption.reason,
             )
+        if evicted and again:
+            self._schedule(session, now, again=False)
+
+    def _evict(self, lease: Lease, reason: str, now: dt.datetime) -> bool:
+        """End an evicted lease; a hub server is stopped first (so two servers
+        never share a device) and released when it has stopped, or after
+        ``evict_timeout`` seconds. Returns whether the lease is released now."""
+        if lease.holder_kind == HolderKind.server.value and self.on_evict is not None:
+            if lease.id not in self._stopping:
+                self._stopping[lease.id] = (now, reason)
+                self.log.warning(
+                    "Stopping server of lease %s (%s): %s", lease.id, lease.user, reason
+                )
+                self.on_evict(lease_view(lease) | {"release_reason": reason})
+            asked, _ = self._stopping[lease.id]
+            if (now - asked).total_seconds() < self.evict_timeout:
+                return False
+        self._release(lease, reason, now)
+        self.log.warning("Evicted lease %s of %s: %s", lease.id, lease.user, reason)
+        return True
 
     # -- admin -----------------------------------------------------------------------
 

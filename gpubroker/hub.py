@@ -1,7 +1,9 @@
 """A small client of the JupyterHub REST API, for what the broker reads.
 
 The broker calls the hub with its own service token (``JUPYTERHUB_API_TOKEN``)
-and needs the scopes ``list:users`` and ``read:servers``.
+and needs the scopes ``list:users`` and ``read:servers`` (reconciliation),
+``read:users`` (groups of a user) and ``delete:servers`` (stopping the server
+of an evicted lease).
 """
 
 from __future__ import annotations

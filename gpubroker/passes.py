@@ -72,18 +72,23 @@ def apply_decisions(
     decisions: Decisions,
     leases: Mapping[int, Lease],
     now: dt.datetime,
-    release: Callable[[Lease, str], None],
+    evict: Callable[[Lease, str], bool],
 ) -> list[Lease]:
-    """Write ``decisions`` to the rows; return the leases evicted now.
+    """Write ``decisions`` to the rows; return the leases ended by eviction.
 
-    ``release(lease, reason)`` ends a lease (the broker's own release, which
-    also records usage).
+    ``evict(lease, reason)`` ends a lease or starts ending it (stopping its
+    server first); it returns whether the lease is released now.
     """
     evicted = []
     for eviction in decisions.evictions:
         lease = leases[eviction.lease_id]
-        release(lease, f"preempted: {lease.preempt_reason}")
-        evicted.append(lease)
+        reason = eviction.reason
+        if lease.preempt_reason and reason.startswith("preempted"):
+            reason = f"preempted: {lease.preempt_reason}"
+        elif lease.time_limit is not None and reason.startswith("time limit"):
+            reason = f"time limit of {lease.time_limit:g} s reached"
+        if evict(lease, reason):
+            evicted.append(lease)
     for lease_id in decisions.withdrawn:
         lease = leases[lease_id]
         lease.preempted_for = lease.preempt_deadline = lease.preempt_reason = None

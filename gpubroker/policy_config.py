@@ -36,7 +36,7 @@ def _quota(where: str, value: Any) -> Quota:
 
 
 class SchedulingPolicy(LoggingConfigurable):
-    """Policy knobs of the broker's scheduler (see the admin guide)."""
+    """Policy knobs of the broker's scheduler (see the "Scheduling policy" page)."""
 
     priority_classes = List(
         Dict(),
@@ -102,10 +102,28 @@ class SchedulingPolicy(LoggingConfigurable):
         self._classes(proposal["value"])
         return list(proposal["value"])
 
+    @validate("default_user_quota")
+    def _check_default_quota(self, proposal: Any) -> dict[str, Any]:
+        try:
+            _quota("default_user_quota", proposal["value"])
+        except ValueError as err:
+            raise TraitError(str(err)) from None
+        return dict(proposal["value"])
+
+    @validate("default_priority_class")
+    def _check_default_class(self, proposal: Any) -> str:
+        names = [c.get("name") for c in self.priority_classes]
+        if proposal["value"] not in names:
+            raise TraitError(f"default_priority_class: must be one of {names}")
+        return str(proposal["value"])
+
     @validate("user_quotas", "group_quotas")
     def _check_quotas(self, proposal: Any) -> dict[str, Any]:
         for name, value in proposal["value"].items():
-            _quota(f"{proposal['trait'].name}[{name!r}]", value)
+            try:
+                _quota(f"{proposal['trait'].name}[{name!r}]", value)
+            except ValueError as err:
+                raise TraitError(str(err)) from None
         return dict(proposal["value"])
 
     @staticmethod

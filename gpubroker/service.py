@@ -80,7 +80,8 @@ class BrokerService:
 
     async def groups_of(self, user: str) -> list[str] | None:
         """The user's hub groups, cached for ``GPUBrokerApp.groups_ttl`` seconds;
-        ``None`` when the hub cannot tell (unknown user, hub unreachable)."""
+        when the hub cannot tell (unknown user, hub unreachable), the last
+        known groups, else ``None``."""
         now = time.monotonic()
         cached = self._groups.get(user)
         if cached and now - cached[0] < self.app.groups_ttl:
@@ -88,8 +89,9 @@ class BrokerService:
         try:
             groups = await self.hub.user_groups(user)
         except Exception as err:
+            # hub unreachable or user unknown: the last known groups, if any
             self.log.debug("No hub groups for %s: %s", user, err)
-            return None
+            return cached[1] if cached else None
         self._groups[user] = (now, groups)
         return groups
 

@@ -23,9 +23,9 @@ def clock(at: dt.datetime, now: dt.datetime) -> str:
 
 
 def when(eta: dt.datetime | None, now: dt.datetime) -> str:
-    """'estimated start 14:20 UTC', or 'estimated start unknown (…)'."""
+    """'estimated start 14:20 UTC', or 'estimated start unknown'."""
     if eta is None:
-        return "estimated start unknown (GPUs held without a time limit)"
+        return "estimated start unknown"
     return f"estimated start {clock(eta, now)}"
 
 
@@ -54,4 +54,7 @@ def wait_message(
         WaitReason.pool_drained: "no node has that many GPUs in service",
     }[reason]
     text = detail or lead
-    return f"waiting: {text}; you are {ordinal(position)} in the queue; {when(eta, now)}"
+    why = ""
+    if eta is None and reason in (WaitReason.resources, WaitReason.priority, WaitReason.reserved):
+        why = " (GPUs are held without a time limit)"
+    return f"waiting: {text}; you are {ordinal(position)} in the queue; {when(eta, now)}{why}"

@@ -72,6 +72,9 @@ class Pool:
     reserved_from: dict[str, dt.datetime] = field(default_factory=dict)
     available_from: dict[str, dt.datetime] = field(default_factory=dict)
     earmarked: set[str] = field(default_factory=set)
+    _largest: int | None = None
+    _largest_free: int | None = None
+    _times: dict[str, list[dt.datetime]] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -101,14 +104,29 @@ class Pool:
         return None if slot is None else slot.node
 
     def largest_node(self) -> int:
-        """Devices in service on the largest node."""
-        return max((len(v) for v in self.by_node.values()), default=0)
+        """Devices in service on the largest node (fixed for the pass)."""
+        if self._largest is None:
+            self._largest = max((len(v) for v in self.by_node.values()), default=0)
+        return self._largest
+
+    def largest_free(self) -> int:
+        """Most free devices on one node, reservations aside (cached until a change)."""
+        if self._largest_free is None:
+            self._largest_free = max((len(v) for v in self.free.values()), default=0)
+        return self._largest_free
 
     def take(self, uuids: Iterable[str], until: dt.datetime) -> None:
         """Mark ``uuids`` held until ``until`` (``NEVER`` if unknown)."""
         for uuid in uuids:
             self._unfree(uuid)
-            self.available_from[uuid] = until
+            self.set_available(uuid, until)
+
+    def set_available(self, uuid: str, when: dt.datetime) -> None:
+        """Record that ``uuid`` is next free at ``when``."""
+        self.available_from[uuid] = when
+        slot = self.slots.get(uuid)
+        if slot is not None:
+            self._times.pop(slot.node, None)
 
     def earmark(self, uuids: Iterable[str]) -> None:
         """Keep ``uuids`` for the request they are being reclaimed for."""
@@ -117,7 +135,9 @@ class Pool:
             self.earmarked.add(uuid)
 
     def _unfree(self, uuid: str) -> None:
+        self._largest_free = None
         node = self.slots[uuid].node
+        self._times.pop(node, None)
         free = self.free.get(node)
         if free is not None:
             free.pop(uuid, None)
@@ -138,6 +158,8 @@ class Pool:
         Among nodes with room, the one with the fewest usable devices (best
         fit), then the closest set by topology.
         """
+        if gpus > self.largest_free():
+            return None
         best: tuple[tuple[int, int, int, str], tuple[Slot, ...]] | None = None
         for node, free in self.free.items():
             if len(free) < gpus:
@@ -154,7 +176,7 @@ class Pool:
 
     def fits_ignoring_reservations(self, gpus: int) -> bool:
         """Whether ``gpus`` free devices exist on one node, reservations aside."""
-        return any(len(free) >= gpus for free in self.free.values())
+        return self.largest_free() >= gpus
 
     def reserve(
         self, gpus: int, duration: float | None
@@ -167,10 +189,8 @@ class Pool:
             back from requests behind it. ``None`` when no node is big enough.
         """
         best: tuple[dt.datetime, str] | None = None
-        for node, slots in self.by_node.items():
-            times = sorted(
-                self.available_from[s.uuid] for s in slots if s.uuid not in self.earmarked
-            )
+        for node in self.by_node:
+            times = self._node_times(node)
             if len(times) >= gpus and (best is None or (times[gpus - 1], node) < best):
                 best = (times[gpus - 1], node)
         if best is None:
@@ -184,5 +204,17 @@ class Pool:
         )
         for slot in chosen:
             self.reserved_from[slot.uuid] = min(self.reserved_from.get(slot.uuid, NEVER), hold_from)
-            self.available_from[slot.uuid] = max(self.available_from[slot.uuid], end)
+            self.set_available(slot.uuid, max(self.available_from[slot.uuid], end))
         return start, tuple(s.uuid for s in chosen)
+
+    def _node_times(self, node: str) -> list[dt.datetime]:
+        """Sorted next-free times of ``node``'s devices not earmarked (cached)."""
+        times = self._times.get(node)
+        if times is None:
+            times = sorted(
+                self.available_from[s.uuid]
+                for s in self.by_node[node]
+                if s.uuid not in self.earmarked
+            )
+            self._times[node] = times
+        return times

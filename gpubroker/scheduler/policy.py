@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import fairshare
@@ -33,7 +32,7 @@ from .accounting import Accounting
 from .messages import clock, wait_message
 from .messages import gpus as gpus_text
 from .placement import NEVER, Pool
-from .preemption import find_victims
+from .preemption import VictimIndex, find_victims
 from .types import (
     Decisions,
     Eviction,
@@ -57,9 +56,8 @@ def queue_order(state: SchedulerState, now: dt.datetime) -> list[Request]:
     step = policy.fairshare_resolution or 1e-9
 
     def key(r: Request) -> tuple[int, int, dt.datetime, int]:
-        cls = policy.classes.get(r.priority_class)
         return (
-            -(cls.rank if cls else 0),
+            -policy.class_of(r.priority_class).rank,
             -round(factor[r.user] / step),
             r.created,
             r.lease_id,
@@ -81,6 +79,7 @@ class _Pass:
     reservations: int = 0
     blocked: bool = False
     told: set[int] = field(default_factory=set)
+    spare: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
 
     def wait(
         self,
@@ -104,24 +103,30 @@ class _Pass:
 
 
 def _evictions(state: SchedulerState, now: dt.datetime) -> tuple[list[Eviction], list[int]]:
-    """Victims whose grace is over, and preemptions whose request went away."""
+    """Leases past their time limit or their preemption grace, and
+    preemptions whose request went away."""
     wanted = {d for r in state.pending for d in r.earmarked}
     evict, withdraw = [], []
     for lease in state.running:
-        if lease.preempt_deadline is None:
+        if lease.ends is not None and lease.ends <= now:
+            evict.append(Eviction(lease.lease_id, "time limit reached"))
+        elif lease.preempt_deadline is None:
             continue
-        if not wanted.intersection(lease.devices):
+        elif not wanted.intersection(lease.devices):
             withdraw.append(lease.lease_id)
         elif lease.preempt_deadline <= now:
             evict.append(Eviction(lease.lease_id, "preempted: grace period over"))
     return evict, withdraw
 
 
-def _start(state: SchedulerState, now: dt.datetime, evicted: set[int]) -> _Pass:
-    running = [r for r in state.running if r.lease_id not in evicted]
+def _start(state: SchedulerState, now: dt.datetime) -> _Pass:
+    """The pass's pool and accounting. Leases being evicted still hold their
+    devices until the broker has ended them (their server may still run)."""
+    running = list(state.running)
     busy_until = {}
     for lease in running:
-        end = lease.preempt_deadline or lease.ends or NEVER
+        end = min(lease.preempt_deadline or NEVER, lease.ends or NEVER)
+        end = max(end, now + dt.timedelta(seconds=1)) if end < NEVER else NEVER
         for uuid in lease.devices:
             busy_until[uuid] = end
     earmarked = [d for r in state.pending for d in r.earmarked]
@@ -143,7 +148,7 @@ def _held(p: _Pass, request: Request) -> bool:
         detail = f"no node has {request.gpus} GPUs in service (largest: {p.pool.largest_node()})"
         p.wait(request, WaitReason.pool_drained, None, detail)
         return True
-    cls = p.state.policy.classes[request.priority_class]
+    cls = p.state.policy.class_of(request.priority_class)
     if not cls.preemptible and not p.acct.within_guarantee(
         request.user, request.group, request.gpus
     ):
@@ -155,30 +160,44 @@ def _held(p: _Pass, request: Request) -> bool:
 
 def _earmarked(p: _Pass, request: Request) -> None:
     """Step 2: grant reclaimed devices once free, else keep waiting for them."""
-    busy = [d for d in request.earmarked if p.pool.available_from.get(d, p.now) > p.now]
+    busy = [d for d in request.earmarked if p.pool.available_from[d] > p.now]
     if not busy:
         p.grant(request, request.earmarked)
         return
+    _counts_as_held(p, request)
     eta = max(p.pool.available_from[d] for d in busy)
     detail = f"{gpus_text(len(busy))} being reclaimed for you, expected by {clock(eta, p.now)}"
     p.wait(request, WaitReason.preempting, eta, detail, request.earmarked)
 
 
-def _preempt(p: _Pass, request: Request, running_by_node: Mapping[str, Sequence[Running]]) -> bool:
-    """Step 4: choose victims and earmark their devices; True if it did."""
+def _counts_as_held(p: _Pass, request: Request) -> None:
+    """A request with devices reclaimed for it counts as held from now on, so
+    its guarantee and limits are not used twice."""
+    p.acct.add(-request.lease_id, request.user, request.group, float(request.gpus))
+    p.acct.borrowed.discard(-request.lease_id)  # not a lease yet: never reported
+
+
+def _preempt(p: _Pass, request: Request, index: VictimIndex, window: bool) -> bool:
+    """Step 4: choose victims and earmark their devices; True if it did.
+
+    Reclaim for a request within guarantee is always tried; class preemption
+    only within the reservation window (it costs a victim search per request).
+    """
     policy = p.state.policy
-    in_guarantee = p.acct.within_guarantee(request.user, request.group, request.gpus)
-    if not in_guarantee and not policy.classes[request.priority_class].preempting:
-        return False
-    plan = find_victims(
-        request, in_guarantee, running_by_node, p.pool, p.acct, policy, p.now, frozenset(p.told)
+    in_guarantee = policy.has_guarantees and p.acct.within_guarantee(
+        request.user, request.group, request.gpus
     )
+    preempting = window and policy.class_of(request.priority_class).preempting
+    if not in_guarantee and not preempting:
+        return False
+    plan = find_victims(request, in_guarantee, index, p.pool, p.acct, policy, p.spare)
     if plan is None:
         return False
-    deadline = p.now
+    index.remove(plan.victims, plan.node)
+    deadline = max((p.pool.available_from[d] for d in plan.spare), default=p.now)
     for victim in plan.victims:
         p.told.add(victim.lease_id)
-        vcls = policy.classes[victim.priority_class]
+        vcls = policy.class_of(victim.priority_class)
         end = p.now + dt.timedelta(seconds=vcls.grace)
         deadline = max(deadline, end)
         why = (
@@ -190,10 +209,13 @@ def _preempt(p: _Pass, request: Request, running_by_node: Mapping[str, Sequence[
         mine = tuple(d for d in victim.devices if d in plan.reclaimed)
         p.preemptions.append(Preemption(victim.lease_id, request.lease_id, mine, why, end))
         for uuid in victim.devices:
-            p.pool.available_from[uuid] = end
-    devices = plan.free + plan.reclaimed
+            p.pool.set_available(uuid, end)
+            if uuid not in plan.reclaimed and uuid in p.pool.slots:
+                p.spare[plan.node].append(uuid)
+    devices = plan.free + plan.spare + plan.reclaimed
     p.pool.earmark(devices)
-    detail = f"{gpus_text(len(plan.reclaimed))} being reclaimed for you"
+    _counts_as_held(p, request)
+    detail = f"{gpus_text(len(plan.reclaimed) + len(plan.spare))} being reclaimed for you"
     p.wait(request, WaitReason.preempting, deadline, detail, devices)
     return True
 
@@ -202,7 +224,9 @@ def _reserve(p: _Pass, request: Request) -> None:
     """Step 5: a reservation and ETA (within the window), else wait unplanned."""
     could_fit = p.pool.fits_ignoring_reservations(request.gpus)
     if p.reservations >= p.state.policy.max_reservations:
-        p.wait(request, WaitReason.reserved if could_fit else WaitReason.priority)
+        blocked = WaitReason.priority if p.blocked else WaitReason.resources
+        p.blocked = True
+        p.wait(request, WaitReason.reserved if could_fit else blocked)
         return
     p.reservations += 1
     planned = p.pool.reserve(request.gpus, request.time_limit)
@@ -226,16 +250,19 @@ def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:
         (position, reason, message, ETA), and the reclaimable lease ids.
     """
     evictions, withdrawn = _evictions(state, now)
-    p = _start(state, now, {e.lease_id for e in evictions})
-    running_by_node: dict[str, list[Running]] = defaultdict(list)
-    for lease in p.running:
-        node = p.pool.node_of(lease.devices[0]) if lease.devices else None
-        if node is not None:
-            running_by_node[node].append(lease)
+    p = _start(state, now)
+    p.told.update(e.lease_id for e in evictions)
+    for lease in p.running:  # devices of victims told before that nobody waits for
+        if lease.preempt_deadline is not None and lease.lease_id not in withdrawn:
+            node = p.pool.node_of(lease.devices[0]) if lease.devices else None
+            spare = [d for d in lease.devices if d not in p.pool.earmarked and d in p.pool.slots]
+            if node is not None and spare:
+                p.spare[node].extend(spare)
+    index = VictimIndex(p.running, p.pool, p.acct, state.policy, now, frozenset(p.told))
     for request in queue_order(state, now):
         if _held(p, request):
             continue
-        if request.earmarked:
+        if request.earmarked and all(d in p.pool.slots for d in request.earmarked):
             _earmarked(p, request)
             continue
         ends = (
@@ -246,7 +273,7 @@ def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:
             p.grant(request, devices)
             continue
         window = p.reservations < state.policy.max_reservations
-        if window and _preempt(p, request, running_by_node):
+        if _preempt(p, request, index, window):
             continue
         _reserve(p, request)
     return Decisions(
@@ -254,6 +281,6 @@ def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:
         preemptions=tuple(p.preemptions),
         evictions=tuple(evictions),
         waits=tuple(p.waits),
-        reclaimable=frozenset(p.acct.borrowed),
+        reclaimable=frozenset(p.acct.borrowed) if state.policy.has_guarantees else frozenset(),
         withdrawn=tuple(withdrawn),
     )

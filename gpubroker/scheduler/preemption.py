@@ -16,83 +16,117 @@ from dataclasses import dataclass
 
 from .accounting import Accounting
 from .placement import Pool
-from .types import Policy, PriorityClass, Request, Running
+from .types import Policy, Request, Running
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Victims on one node and the devices that will go to the request."""
+    """Victims on one node and the devices that will go to the request.
+
+    Attributes:
+        node: where.
+        victims: leases to tell now.
+        free: devices free now.
+        spare: devices of victims told before, not earmarked by anyone.
+        reclaimed: devices of ``victims``.
+    """
 
     node: str
     victims: tuple[Running, ...]
     free: tuple[str, ...]
+    spare: tuple[str, ...]
     reclaimed: tuple[str, ...]
 
 
-def _eligible(
-    victim: Running,
-    request: Request,
-    cls: PriorityClass,
-    in_guarantee: bool,
-    acct: Accounting,
-    policy: Policy,
-    now: dt.datetime,
-) -> bool:
-    vcls = policy.classes.get(victim.priority_class)
-    if vcls is None or not vcls.preemptible or victim.preempt_deadline is not None:
-        return False
-    if (now - victim.started).total_seconds() < vcls.min_runtime:
-        return False
-    reclaim = in_guarantee and victim.lease_id in acct.borrowed and victim.user != request.user
-    return reclaim or (cls.preempting and vcls.rank < cls.rank)
+class VictimIndex:
+    """Per node, the leases that may ever be victims in this pass (preemptible
+    class, past minimum runtime, not told yet), in victim order. Victims told
+    are removed, so a pass's later searches get cheaper, not dearer."""
+
+    def __init__(
+        self,
+        running: Sequence[Running],
+        pool: Pool,
+        acct: Accounting,
+        policy: Policy,
+        now: dt.datetime,
+        told: frozenset[int],
+    ) -> None:
+        self.by_node: dict[str, list[Running]] = {}
+        for victim in running:
+            vcls = policy.class_of(victim.priority_class)
+            if not vcls.preemptible or victim.preempt_deadline is not None:
+                continue
+            if victim.lease_id in told or (now - victim.started).total_seconds() < vcls.min_runtime:
+                continue
+            node = pool.node_of(victim.devices[0]) if victim.devices else None
+            if node is not None:
+                self.by_node.setdefault(node, []).append(victim)
+        for leases in self.by_node.values():
+            leases.sort(key=lambda v: victim_order(v, acct, policy))
+        self.rank = {v.lease_id: policy.class_of(v.priority_class).rank for v in running}
+
+    def remove(self, victims: Sequence[Running], node: str) -> None:
+        """Forget ``victims`` (told now) on ``node``."""
+        gone = {v.lease_id for v in victims}
+        left = [v for v in self.by_node.get(node, ()) if v.lease_id not in gone]
+        if left:
+            self.by_node[node] = left
+        else:
+            self.by_node.pop(node, None)
 
 
 def victim_order(victim: Running, acct: Accounting, policy: Policy) -> tuple[float, float, float]:
     """Sort key: lowest class, most over guarantee, shortest running."""
-    rank = policy.classes[victim.priority_class].rank
+    rank = policy.class_of(victim.priority_class).rank
     return (rank, -acct.over_guarantee(victim.user, victim.group), -victim.started.timestamp())
 
 
 def find_victims(
     request: Request,
     in_guarantee: bool,
-    running_by_node: Mapping[str, Sequence[Running]],
+    index: VictimIndex,
     pool: Pool,
     acct: Accounting,
     policy: Policy,
-    now: dt.datetime,
-    told: frozenset[int] = frozenset(),
+    spare: Mapping[str, Sequence[str]] | None = None,
 ) -> Plan | None:
     """The cheapest :class:`Plan` freeing ``request.gpus`` devices on one node.
 
-    Leases in ``told`` (victims chosen earlier in this pass) are left alone.
+    Candidates come from ``index``; the ``spare`` devices of victims told
+    before (per node, not earmarked) are used first, so a second request does
+    not wait for a second grace period.
     """
-    cls = policy.classes[request.priority_class]
+    cls = policy.class_of(request.priority_class)
     best: tuple[tuple[int, str], Plan] | None = None
-    for node, leases in running_by_node.items():
+    with_spare = sorted(n for n, d in (spare or {}).items() if d)
+    for node in with_spare + sorted(set(index.by_node) - set(with_spare)):
         if len(pool.by_node.get(node, ())) < request.gpus:
             continue
         free = tuple(sorted(pool.free.get(node, {})))[: request.gpus]
-        need = request.gpus - len(free)
-        candidates = [
-            v
-            for v in leases
-            if v.lease_id not in told
-            and not pool.earmarked.intersection(v.devices)
-            and _eligible(v, request, cls, in_guarantee, acct, policy, now)
-        ]
-        candidates.sort(key=lambda v: victim_order(v, acct, policy))
+        spares = tuple(d for d in (spare or {}).get(node, ()) if d not in pool.earmarked)
+        spares = spares[: request.gpus - len(free)]
+        need = request.gpus - len(free) - len(spares)
         victims: list[Running] = []
         devices: list[str] = []
-        for victim in candidates:
+        for victim in index.by_node.get(node, ()):
             if len(devices) >= need:
                 break
+            if pool.earmarked.intersection(victim.devices):
+                continue
+            reclaim = in_guarantee and victim.lease_id in acct.borrowed
+            if not (reclaim and victim.user != request.user) and not (
+                cls.preempting and index.rank[victim.lease_id] < cls.rank
+            ):
+                continue
             victims.append(victim)
             devices += [d for d in victim.devices if pool.node_of(d) == node]
-        if len(devices) < need or not victims:
+        if len(devices) < need or not (victims or spares):
             continue
-        plan = Plan(node, tuple(victims), free, tuple(devices[:need]))
+        plan = Plan(node, tuple(victims), free, spares, tuple(devices[:need]))
         key = (len(victims), node)
         if best is None or key < best[0]:
             best = (key, plan)
+        if len(victims) <= 1:
+            break  # nothing cheaper than one victim but spares, which come first
     return None if best is None else best[1]

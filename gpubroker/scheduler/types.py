@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -89,7 +90,8 @@ class Policy:
 
     Attributes:
         classes: the priority classes by name.
-        user_quotas / group_quotas: quotas by user and group name.
+        user_quotas: quotas by user name.
+        group_quotas: quotas by group name.
         default_user_quota: the quota of users not in ``user_quotas``.
         shares: fair-share weight by user (default 1).
         half_life: fair-share usage half-life, seconds.
@@ -109,6 +111,17 @@ class Policy:
     half_life: float = 7 * 86400.0
     fairshare_resolution: float = 0.01
     max_reservations: int = 100
+
+    def class_of(self, name: str) -> PriorityClass:
+        """The class ``name``; an unknown one (e.g. removed from config while
+        requests still name it) ranks lowest and is preemptible."""
+        return self.classes.get(name) or PriorityClass(name, rank=0)
+
+    @functools.cached_property
+    def has_guarantees(self) -> bool:
+        """Whether any user or group is guaranteed GPUs (else nothing is reclaimable)."""
+        quotas = [*self.user_quotas.values(), *self.group_quotas.values(), self.default_user_quota]
+        return any(q.guaranteed > 0 for q in quotas)
 
     def user_quota(self, user: str) -> Quota:
         """The quota of ``user``."""
@@ -141,7 +154,8 @@ class Running:
     """A granted lease.
 
     Attributes:
-        lease_id, user: the lease and its holder.
+        lease_id: the lease.
+        user: its holder.
         group: the group (account) it is charged to, if any.
         devices: UUIDs it holds (all on one node).
         priority_class: its class name.

@@ -29,12 +29,23 @@ c.SchedulingPolicy.priority_classes = [
 """
 
 
+HUB_CONFIG = """
+c.SimpleLocalGPUSpawner.priority_class = "batch"
+"""
+
+
 @pytest.fixture(scope="module")
 def policy_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningHub]:
     workdir: Path = tmp_path_factory.mktemp("policy-hub")
     config = workdir / "broker_config.py"
     config.write_text(BROKER_CONFIG)
-    hub = RunningHub(workdir, GPUBROKER_DEMO_BROKER_CONFIG=str(config)).start()
+    hub_config = workdir / "hub_config.py"
+    hub_config.write_text(HUB_CONFIG)
+    hub = RunningHub(
+        workdir,
+        GPUBROKER_DEMO_BROKER_CONFIG=str(config),
+        GPUBROKER_DEMO_EXTRA_CONFIG=str(hub_config),
+    ).start()
     yield hub
     hub.stop()
 
@@ -87,12 +98,16 @@ def test_guaranteed_group_reclaims_a_borrowed_device(policy_hub: RunningHub) -> 
     assert hub.api("POST", "/groups/B", json={"users": b_users}).status_code == 201
     assert hub.api("POST", "/groups/A", json={"users": ["ada"]}).status_code == 201
     b_leases = []
-    for user in b_users:  # B borrows everything: 4 within its guarantee, 4 above it
+    for user in b_users[:7]:  # B borrows everything: 4 within its guarantee, 4 above it
         body = {"user": user, "gpus": 1, "priority_class": "batch", "holder_kind": "external"}
         r = hub.broker_api("POST", "/leases", json=body)
         assert r.status_code == 201 and r.json()["state"] == "granted", r.text
         assert r.json()["group"] == "B"
         b_leases.append(r.json())
+    # the newest borrowed lease is a real notebook server (batch class in this hub)
+    assert spawn(hub, "bee7", {"gpus": 1}).status_code in (201, 202)
+    bee_pid = hub.wait_for_server("bee7")["state"]["pid"]
+    b_leases.append(lease_of(hub, "bee7"))
     leases = {x["id"]: x for x in hub.leases()}
     assert [leases[x["id"]]["reclaimable"] for x in b_leases] == [False] * 4 + [True] * 4
 
@@ -114,6 +129,9 @@ def test_guaranteed_group_reclaims_a_borrowed_device(policy_hub: RunningHub) -> 
     assert env["CUDA_VISIBLE_DEVICES"] == victim["devices"][0]["uuid"]
     gone = hub.broker_api("GET", f"/leases/{victim['id']}").json()
     assert gone["state"] == "released" and gone["release_reason"].startswith("preempted: reclaimed")
+    assert gone["release_reason"].endswith("(server stopped)")  # stopped before handed on
+    assert victim["user"] == "bee7" and hub.server("bee7") is None
+    assert not Path(f"/proc/{bee_pid}").exists()
     for lease in b_leases[:4]:  # in-guarantee leases of B are never touched
         assert hub.broker_api("GET", f"/leases/{lease['id']}").json()["state"] == "granted"
     queue = hub.broker_api("GET", "/queue").json()["queue"]

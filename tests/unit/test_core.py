@@ -35,7 +35,7 @@ def test_grant_when_free_then_queue_in_fifo_order(broker: Broker) -> None:
         "position": 1,
         "reason": "Resources",
         "message": "waiting: not enough free GPUs on one node; you are 1st in the queue; "
-        "estimated start unknown (GPUs held without a time limit)",
+        "estimated start unknown (GPUs are held without a time limit)",
         "eta": None,
         "earmarked": [],
     }
@@ -293,13 +293,17 @@ def test_reclaim_evicts_after_grace_and_hands_over_exactly_that_device(db_url: s
     assert victims[0]["preemption"]["for_lease"] == waiting["id"]
     untouched = b[:4]  # B's four oldest leases are within B's guarantee
     time.sleep(0.3)
-    broker.schedule_now()
+    broker.schedule_now()  # grace over: the victim's server is asked to stop...
+    assert [e["id"] for e in evicted] == [victims[0]["id"]]
+    assert evicted[0]["release_reason"].startswith("preempted: reclaimed for alice")
+    assert broker.get_lease(waiting["id"])["state"] == "pending"  # ...and still runs
+    broker.release_lease(victims[0]["id"], "server stopped")  # as its spawner does
     granted = broker.get_lease(waiting["id"])
     assert granted["state"] == "granted"
     assert granted["devices"] == victims[0]["devices"]
     gone = broker.get_lease(victims[0]["id"])
-    assert gone["state"] == "released" and gone["release_reason"].startswith("preempted: reclaimed")
-    assert [e["id"] for e in evicted] == [victims[0]["id"]]
+    assert gone["release_reason"].startswith("preempted: reclaimed for alice")
+    assert gone["release_reason"].endswith("(server stopped)")
     for lease in untouched:
         assert broker.get_lease(lease["id"])["state"] == "granted"
 
@@ -336,3 +340,74 @@ def test_usage_is_recorded_for_fair_share_on_release(broker: Broker) -> None:
     with broker.session_factory() as session:
         record = usage_records(session)["ann"]
     assert record.gpu_seconds > 0
+
+
+def test_external_leases_past_their_time_limit_are_ended(db_url: str) -> None:
+    broker = make_broker(db_url)
+    lease = broker.request_lease("ann", "", 1, holder_kind="external", time_limit=0.1)
+    assert lease["ends_at"] is not None
+    time.sleep(0.2)
+    broker.schedule_now()
+    ended = broker.get_lease(lease["id"])
+    assert ended["state"] == "released"
+    assert ended["release_reason"] == "time limit of 0.1 s reached"
+
+
+def test_evicted_server_is_released_after_the_timeout_if_the_hub_never_stops_it(
+    db_url: str,
+) -> None:
+    broker = make_broker(db_url)
+    broker.evict_timeout = 0.1
+    asked = []
+    broker.on_evict = asked.append
+    lease = broker.request_lease("ann", "", 1, time_limit=0.1)
+    time.sleep(0.15)
+    broker.schedule_now()
+    assert len(asked) == 1 and broker.get_lease(lease["id"])["state"] == "granted"
+    time.sleep(0.15)
+    broker.schedule_now()
+    assert len(asked) == 1  # asked once
+    assert broker.get_lease(lease["id"])["state"] == "released"
+
+
+def test_users_may_not_pick_a_higher_or_preempting_class(broker: Broker) -> None:
+    broker.class_for_caller("batch", admin=False)
+    broker.class_for_caller(None, admin=False)
+    with pytest.raises(Forbidden, match="batch-urgent"):
+        broker.class_for_caller("batch-urgent", admin=False)
+    broker.class_for_caller("batch-urgent", admin=True)
+
+
+def test_charging_a_group_without_quota_to_dodge_a_limit_is_refused(db_url: str) -> None:
+    broker = quota_broker(db_url, group_quotas={"vision": {"limit": 1}})
+    with pytest.raises(Forbidden, match="charge one of your groups with a quota"):
+        broker.request_lease("ann", "", 1, group="nlp", groups=["nlp", "vision"])
+    with pytest.raises(Forbidden, match="cannot check"):
+        broker.request_lease("ann", "", 1, group="vision", groups=None)
+
+
+def test_non_preemptible_request_beyond_every_guarantee_is_refused(db_url: str) -> None:
+    broker = quota_broker(
+        db_url,
+        user_quotas={"ann": {"guaranteed": 1}},
+        priority_classes=[
+            {"name": "interactive", "rank": 100},
+            {"name": "pinned", "rank": 90, "preemptible": False},
+        ],
+    )
+    assert broker.request_lease("ann", "", 1, priority_class="pinned")["state"] == "granted"
+    with pytest.raises(Forbidden, match="not preemptible and runs only within guarantees"):
+        broker.request_lease("ann", "b", 2, priority_class="pinned")
+
+
+def test_policy_config_is_checked_when_set() -> None:
+    from traitlets import TraitError
+
+    from gpubroker.policy_config import SchedulingPolicy
+
+    with pytest.raises(TraitError, match="default_priority_class"):
+        SchedulingPolicy(default_priority_class="vip")
+    with pytest.raises(TraitError, match="default_user_quota"):
+        SchedulingPolicy(default_user_quota={"guaranteed": 2, "limit": 1})
+    with pytest.raises(TraitError, match="group_quotas"):
+        SchedulingPolicy(group_quotas={"g": {"limit": -1}})

@@ -59,3 +59,22 @@ def test_upgrade_db_command(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert current_revision(make_engine(url)) == head_revision()
+
+
+def test_upgrade_from_0001_keeps_leases_and_fills_new_columns(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    from gpubroker.store.db import upgrade
+
+    upgrade(url, "0001")
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO leases (user, server_name, holder_kind, gpus, state, created, version)"
+                " VALUES ('ann', '', 'server', 1, 'pending', '2026-11-30 12:00:00', 1)"
+            )
+        )
+    upgrade(url)
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT user, priority_class, reclaimable FROM leases")).one()
+    assert tuple(row) == ("ann", "interactive", 0)
