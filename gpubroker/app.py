@@ -19,6 +19,7 @@ from traitlets.config import Application, catch_config_error
 
 from . import __version__
 from .core import Broker
+from .culler import Culler
 from .devices.fake import FakeDeviceBackend
 from .devices.nvml import NVMLDeviceBackend
 from .hub import HubClient
@@ -38,7 +39,7 @@ class GPUBrokerApp(Application):
     gpubroker --help-all                # every option
     """
 
-    classes = [Broker, SchedulingPolicy, HubClient, FakeDeviceBackend, NVMLDeviceBackend]
+    classes = [Broker, SchedulingPolicy, Culler, HubClient, FakeDeviceBackend, NVMLDeviceBackend]
 
     aliases = {
         "config": "GPUBrokerApp.config_file",

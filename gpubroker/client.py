@@ -99,6 +99,16 @@ class BrokerClient:
         params = {"dry_run": "true"} if dry_run else None
         return await self._call("POST", "/leases", body, params=params)  # type: ignore[no-any-return]
 
+    async def set_server_url(self, lease_id: int, url: str) -> dict[str, Any]:
+        """``PATCH /leases/{id}`` with ``server_url`` (admins: the spawner)."""
+        body = {"server_url": url}
+        return await self._call("PATCH", f"/leases/{lease_id}", body)  # type: ignore[no-any-return]
+
+    async def notices(self, user: str | None = None) -> list[Any]:
+        """``GET /notices``: cull warnings and culls, newest first."""
+        data = await self._call("GET", "/notices", params={"user": user} if user else None)
+        return data["notices"]  # type: ignore[no-any-return]
+
     async def queue(self) -> list[Any]:
         """``GET /queue``: pending requests in queue order."""
         data = await self._call("GET", "/queue")

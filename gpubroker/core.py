@@ -36,10 +36,11 @@ from .store.models import (
     HolderKind,
     Lease,
     LeaseState,
+    Notice,
     QuotaRow,
 )
 from .usage import record_usage
-from .views import device_view, lease_view
+from .views import device_view, isoformat, lease_view
 
 
 def utcnow() -> dt.datetime:
@@ -537,6 +538,88 @@ class Broker(LoggingConfigurable):
         self._release(lease, reason, now)
         self.log.warning("Evicted lease %s of %s: %s", lease.id, lease.user, reason)
         return True
+
+    def stop_lease(self, lease_id: int, reason: str) -> None:
+        """End a granted server lease the way an eviction does: its hub server
+        is stopped first, then the lease is released with ``reason``.
+
+        Used by the culler. External leases are released at once.
+
+        Raises:
+            NotFound: no such lease.
+        """
+        now = utcnow()
+        with self._session() as session, session.begin():
+            lease = self._get(session, lease_id)
+            if lease.state == LeaseState.granted.value and self._evict(lease, reason, now):
+                session.flush()
+                self._schedule(session, now)
+        self._notify()
+
+    def set_server_url(self, lease_id: int, url: str) -> dict[str, Any]:
+        """Record where the lease's single-user server listens (from the spawner),
+        so the culler can read its kernels directly (not through the proxy,
+        which would count as activity).
+
+        Raises:
+            NotFound: no such lease.
+        """
+        with self._session() as session, session.begin():
+            lease = self._get(session, lease_id)
+            lease.server_url = url
+            view = lease_view(lease)
+        return view
+
+    def server_leases(self) -> list[Lease]:
+        """Granted leases of hub servers (detached rows, for the culler)."""
+        with self._session() as session:
+            stmt = select(Lease).where(
+                Lease.state == LeaseState.granted.value,
+                Lease.holder_kind == HolderKind.server.value,
+            )
+            return list(session.scalars(stmt))
+
+    def add_notice(
+        self,
+        lease: Lease,
+        kind: str,
+        message: str,
+        deadline: dt.datetime | None = None,
+    ) -> None:
+        """Record a notice for ``lease``'s holder (see :class:`Notice`)."""
+        with self._session() as session, session.begin():
+            session.add(
+                Notice(
+                    lease_id=lease.id,
+                    user=lease.user,
+                    server_name=lease.server_name,
+                    kind=kind,
+                    message=message,
+                    created=utcnow(),
+                    deadline=deadline,
+                )
+            )
+        self.log.info("Notice for %s/%s (%s): %s", lease.user, lease.server_name, kind, message)
+
+    def notices(self, user: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Newest first; only ``user``'s when given."""
+        stmt = select(Notice).order_by(Notice.id.desc()).limit(limit)
+        if user is not None:
+            stmt = stmt.where(Notice.user == user)
+        with self._session() as session:
+            return [
+                {
+                    "id": n.id,
+                    "lease_id": n.lease_id,
+                    "user": n.user,
+                    "server_name": n.server_name,
+                    "kind": n.kind,
+                    "message": n.message,
+                    "created": isoformat(n.created),
+                    "deadline": isoformat(n.deadline),
+                }
+                for n in session.scalars(stmt)
+            ]
 
     # -- admin -----------------------------------------------------------------------
 

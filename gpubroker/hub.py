@@ -77,26 +77,34 @@ class HubClient(LoggingConfigurable):
         )
         await self._fetch("DELETE", path)
 
-    async def active_servers(self, page_size: int = 200) -> set[tuple[str, str]]:
-        """(user, server name) of every server that is ready or pending.
-
-        Returns:
-            a set of pairs; the default server's name is ``""``.
+    async def active_server_models(
+        self, page_size: int = 200
+    ) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, list[str]]]:
+        """Every ready or pending server's model by (user, server name), and
+        every such user's groups.
 
         Raises:
             tornado.httpclient.HTTPClientError: the hub answered with an error.
             OSError: the hub cannot be reached.
         """
-        servers: set[tuple[str, str]] = set()
+        servers: dict[tuple[str, str], dict[str, Any]] = {}
+        groups: dict[str, list[str]] = {}
         offset = 0
         while True:
             page = await self._get(
                 "/users", {"state": "active", "offset": offset, "limit": page_size}
             )
             for user in page["items"]:
-                for name in user.get("servers") or {}:
-                    servers.add((user["name"], name))
+                groups[user["name"]] = sorted(user.get("groups") or [])
+                for name, model in (user.get("servers") or {}).items():
+                    servers[(user["name"], name)] = model
             following = (page.get("_pagination") or {}).get("next")
             if not following:
-                return servers
+                return servers, groups
             offset = following["offset"]
+
+    async def active_servers(self, page_size: int = 200) -> set[tuple[str, str]]:
+        """(user, server name) of every server that is ready or pending
+        (the default server's name is ``""``)."""
+        servers, _ = await self.active_server_models(page_size)
+        return set(servers)

@@ -18,6 +18,7 @@ from tornado.httpserver import HTTPServer
 
 from .api.app import make_app
 from .core import Broker, utcnow
+from .culler import Culler
 from .devices import load_backend
 from .hub import HubClient
 from .store.db import make_engine, make_session_factory, upgrade
@@ -51,6 +52,7 @@ class BrokerService:
         self.hub = HubClient(parent=app)
         self.hub_auth = HubAuth(parent=app, api_token=self.hub.api_token, api_url=self.hub.api_url)
         self.broker.on_evict = self._evicted
+        self.culler = Culler(self.broker, self.hub, parent=app)
         self._groups: dict[str, tuple[float, list[str]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -125,6 +127,8 @@ class BrokerService:
         tasks = [asyncio.create_task(self._schedule_loop())]
         if self.app.reconcile_interval > 0:
             tasks.append(asyncio.create_task(self._reconcile_loop()))
+        if self.culler.enabled:
+            tasks.append(asyncio.create_task(self.culler.run()))
         await self._stop.wait()
         self.log.info("Shutting down")
         server.stop()

@@ -112,6 +112,7 @@ c.JupyterHub.load_roles = [
             "read:servers",
             "delete:servers",
             "read:groups",
+            "access:servers",  # the culler reads kernels of servers holding GPUs
             "access:services!service=gpubroker",
             ADMIN_SCOPE,
         ],

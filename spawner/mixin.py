@@ -264,10 +264,24 @@ class GPUSpawnerMixin(LoggingConfigurable):
             self._gpu_wait_over = True
             self._gpu_changed.set()
         try:
-            return await maybe_future(super().start())  # type: ignore[misc]
+            url = await maybe_future(super().start())  # type: ignore[misc]
         except BaseException:
             await self._release("server failed to start")
             raise
+        await self._report_url(url)
+        return url
+
+    async def _report_url(self, url: Any) -> None:
+        """Tell the broker where the server listens (its culler reads kernels there)."""
+        if self.gpu_lease_id is None:
+            return
+        if isinstance(url, tuple):
+            url = f"http://{url[0]}:{url[1]}"
+        full = f"{str(url).rstrip('/')}{self.server.base_url if self.server else '/'}"
+        try:
+            await self.broker.set_server_url(self.gpu_lease_id, full)
+        except BrokerClientError as err:
+            self.log.warning("Could not report the server URL to the broker: %s", err)
 
     async def _drop_stale_lease(self) -> None:
         if self.gpu_lease_id is not None:

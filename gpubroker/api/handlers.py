@@ -210,16 +210,23 @@ class LeaseHandler(APIHandler):
         self.write_json(lease)
 
     def patch(self, raw_id: str) -> None:
-        """Admins: ``{"priority_class": NAME}`` moves a pending request."""
+        """Admins: ``{"priority_class": NAME}`` moves a pending request;
+        ``{"server_url": URL}`` records where its server listens (the spawner)."""
         model = self.caller()
         if not auth.is_admin(model):
             raise Forbidden(f"changing a lease needs scope {auth.ADMIN_SCOPE}")
         body = validation.parse_json_object(self.request.body)
+        lease_id = self.lease_id(raw_id)
+        if set(body) == {"server_url"} and isinstance(body["server_url"], str):
+            if not body["server_url"].startswith(("http://", "https://")):
+                raise validation.BadRequest("server_url: must be an http(s) URL")
+            self.write_json(self.broker.set_server_url(lease_id, body["server_url"]))
+            return
         if set(body) != {"priority_class"} or not isinstance(body["priority_class"], str):
-            raise validation.BadRequest('priority_class: body must be {"priority_class": NAME}')
-        self.write_json(
-            self.broker.set_priority_class(self.lease_id(raw_id), body["priority_class"])
-        )
+            raise validation.BadRequest(
+                'body: must be {"priority_class": NAME} or {"server_url": URL}'
+            )
+        self.write_json(self.broker.set_priority_class(lease_id, body["priority_class"]))
 
     def delete(self, raw_id: str) -> None:
         model = self.caller()
@@ -247,6 +254,20 @@ class QueueHandler(APIHandler):
     def get(self) -> None:
         self.caller()
         self.write_json({"queue": self.broker.queue()})
+
+
+class NoticesHandler(APIHandler):
+    """``GET /api/v1/notices[?user=]``: cull warnings and culls, newest first
+    (users see their own; admins all, or one user's)."""
+
+    def get(self) -> None:
+        model = self.caller()
+        user = self.get_argument("user", None)
+        if not auth.is_admin(model):
+            if user is not None:
+                auth.check_owner(model, user)
+            user = auth.caller_name(model)
+        self.write_json({"notices": self.broker.notices(user)})
 
 
 class QuotasHandler(LeaseAdminMixin, APIHandler):

@@ -142,6 +142,7 @@ class Lease(Base):
     preempted_for: Mapped[int | None] = mapped_column(Integer, nullable=True)
     preempt_deadline: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
     preempt_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    server_url: Mapped[str | None] = mapped_column(String(1024), nullable=True)
 
     allocations: Mapped[list[Allocation]] = relationship(
         back_populates="lease", order_by="Allocation.id", lazy="selectin"
@@ -205,3 +206,22 @@ class UsageRow(Base):
     user: Mapped[str] = mapped_column(String(255), primary_key=True)
     gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     as_of: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+
+
+class Notice(Base):
+    """A message for a lease's holder: a cull warning, its withdrawal, a cull.
+
+    ``kind``: ``cull-warning`` (with ``deadline``), ``cull-withdrawn``,
+    ``culled``, ``cull-dry-run``, ``busy-gpu-idle`` (for admins).
+    """
+
+    __tablename__ = "notices"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"), index=True)
+    user: Mapped[str] = mapped_column(String(255), index=True)
+    server_name: Mapped[str] = mapped_column(String(255), default="")
+    kind: Mapped[str] = mapped_column(String(32))
+    message: Mapped[str] = mapped_column(Text)
+    created: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    deadline: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)

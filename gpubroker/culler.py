@@ -1,0 +1,340 @@
+"""GPU-aware culling of idle interactive leases.
+
+Every ``cull_every`` seconds each granted lease of a hub server is judged
+from three signals:
+
+1. hub activity: the server's ``last_activity`` (hub API);
+2. kernels: the single-user server's ``/api/kernels`` (any ``busy``; each
+   kernel's ``last_activity``), read directly from the server with the
+   broker's token and ``no_track_activity`` so the check is not activity;
+3. GPU use of the lease's devices (NVML utilization; memory is reported).
+
+A lease is *idle* when no kernel is busy, GPU utilization stayed below
+``gpu_idle_threshold`` and no hub or kernel activity came, for ``timeout``
+seconds. Idle leases are warned (a notice with a deadline), then culled after
+``grace`` seconds: a ``pre_stop_hook`` runs, the hub stops the server, the
+lease is released with the reason. Activity in the grace period withdraws
+the warning. A busy kernel with an idle GPU for ``busy_gpu_idle_timeout`` is
+flagged to admins, and culled too if ``cull_busy_gpu_idle``.
+
+All times are aware UTC; a naive timestamp is read as UTC, so time-zone or
+daylight-saving changes of the server cannot distort idle time.
+
+Limits: utilization is per device. MIG instances and time-sliced shares
+(coming with GPU sharing) report no per-instance utilization in NVML; for
+them only memory and kernel signals count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from traitlets import Bool, Float, List, Unicode
+from traitlets.config import LoggingConfigurable
+
+from .core import Broker, utcnow
+from .hub import HubClient
+from .store.models import Lease
+
+
+def parse_time(value: str | None) -> dt.datetime | None:
+    """An ISO 8601 time as aware UTC; naive means UTC; ``None``/bad → ``None``."""
+    if not value:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return when.astimezone(dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What one check saw of a lease.
+
+    Attributes:
+        hub_activity: the server's last activity in the hub (aware UTC).
+        kernel_activity: the latest kernel activity (aware UTC).
+        kernels: number of kernels; ``None`` when the server could not be read.
+        busy: whether any kernel is executing.
+        gpu_util: highest utilization of the lease's devices, percent (``None``: unknown).
+        gpu_memory_mib: device memory in use on the lease's devices, MiB.
+    """
+
+    hub_activity: dt.datetime | None
+    kernel_activity: dt.datetime | None
+    kernels: int | None
+    busy: bool
+    gpu_util: int | None
+    gpu_memory_mib: int
+
+
+@dataclass
+class Track:
+    """What the culler remembers of a lease between checks (in memory)."""
+
+    gpu_active: dt.datetime
+    busy_since_gpu_idle: dt.datetime | None = None
+    warned_until: dt.datetime | None = None
+    flagged: bool = False
+    culled: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of judging a lease: ``idle`` seconds and the sentence why."""
+
+    idle: float
+    reason: str
+    cull: bool
+
+
+def judge(
+    signals: Signals,
+    track: Track,
+    granted_at: dt.datetime,
+    now: dt.datetime,
+    timeout: float,
+    threshold: float,
+    busy_gpu_idle_timeout: float,
+    cull_busy_gpu_idle: bool,
+) -> Verdict:
+    """Pure: update ``track`` from ``signals`` and say whether the lease is idle."""
+    gpu_busy = signals.gpu_util is not None and signals.gpu_util >= threshold
+    if gpu_busy:
+        track.gpu_active = now
+    if signals.busy and not gpu_busy:
+        track.busy_since_gpu_idle = track.busy_since_gpu_idle or now
+    else:
+        track.busy_since_gpu_idle = None
+    marks = [granted_at, track.gpu_active]
+    marks += [t for t in (signals.hub_activity, signals.kernel_activity) if t is not None]
+    if signals.busy:
+        marks.append(now)
+    idle = max(0.0, (now - max(marks)).total_seconds())
+    gpu = "unknown" if signals.gpu_util is None else f"{signals.gpu_util}%"
+    held = f", {signals.gpu_memory_mib / 1024:.1f} GiB held" if signals.gpu_memory_mib else ""
+    kernel = "a busy kernel" if signals.busy else "no busy kernel"
+    if signals.busy and track.busy_since_gpu_idle is not None:
+        gpu_idle = (now - max(track.busy_since_gpu_idle, track.gpu_active)).total_seconds()
+        if gpu_idle >= busy_gpu_idle_timeout:
+            reason = f"kernel busy but GPU idle {gpu_idle / 60:.0f} min (GPU {gpu}{held})"
+            return Verdict(gpu_idle, reason, cull_busy_gpu_idle)
+    reason = f"idle {idle / 60:.0f} min, GPU {gpu}{held}, {kernel}"
+    return Verdict(idle, reason, idle >= timeout)
+
+
+class Culler(LoggingConfigurable):
+    """Culls idle interactive leases (see the module docstring). Option names
+    follow jupyterhub-idle-culler where they mean the same."""
+
+    enabled = Bool(True, help="Run the culler in the broker.").tag(config=True)
+    timeout = Float(3600, help="Seconds of idleness after which a lease is warned.").tag(
+        config=True
+    )
+    cull_every = Float(60, help="Seconds between checks (idle-culler's --cull-every).").tag(
+        config=True
+    )
+    grace = Float(600, help="Seconds between the warning and the cull; activity withdraws it.").tag(
+        config=True
+    )
+    max_age = Float(0, help="Seconds after which a lease is culled even if active (0: never).").tag(
+        config=True
+    )
+    gpu_idle_threshold = Float(
+        5, help="GPU utilization (percent) below which the GPU counts as unused."
+    ).tag(config=True)
+    busy_gpu_idle_timeout = Float(
+        4 * 3600,
+        help="Seconds a kernel may stay busy while its GPU is unused before admins are told.",
+    ).tag(config=True)
+    cull_busy_gpu_idle = Bool(
+        False, help="Also cull leases whose kernel is busy but GPU idle past that limit."
+    ).tag(config=True)
+    exempt_users = List(Unicode(), help="Users never culled.").tag(config=True)
+    exempt_groups = List(Unicode(), help="JupyterHub groups whose members are never culled.").tag(
+        config=True
+    )
+    exempt_server_names = List(
+        Unicode(), help="Regular expressions: named servers matching one are never culled."
+    ).tag(config=True)
+    exempt_priority_classes = List(
+        Unicode(),
+        ["batch-urgent", "batch", "preemptible"],
+        help="Priority classes never culled (batch work is governed by its time limit).",
+    ).tag(config=True)
+    pre_stop_hook = List(
+        Unicode(),
+        help="Command run before a cull (e.g. to save work), with GPUBROKER_USER, "
+        "GPUBROKER_SERVER_NAME and GPUBROKER_LEASE_ID in its environment.",
+    ).tag(config=True)
+    pre_stop_timeout = Float(60, help="Seconds the pre-stop hook may run.").tag(config=True)
+    dry_run = Bool(False, help="Only report (log and notices) what would be culled.").tag(
+        config=True
+    )
+    request_timeout = Float(10, help="Seconds for reading a server's kernels.").tag(config=True)
+
+    def __init__(self, broker: Broker, hub: HubClient, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.broker = broker
+        self.hub = hub
+        self.tracks: dict[int, Track] = {}
+        self.groups: dict[str, list[str]] = {}
+
+    # -- one check -------------------------------------------------------------------
+
+    async def check_once(self, now: dt.datetime | None = None) -> list[int]:
+        """Judge every granted server lease once; return ids culled now."""
+        servers, groups = await self.hub.active_server_models()
+        self.groups = groups
+        now = now or utcnow()
+        culled = []
+        leases = self.broker.server_leases()
+        for lease in leases:
+            if self._exempt(lease):
+                continue
+            server = servers.get((lease.user, lease.server_name))
+            if server is None:
+                continue  # reconciliation releases it
+            signals = await self._signals(lease, server)
+            if await self._act(lease, signals, now):
+                culled.append(lease.id)
+        live = {lease.id for lease in leases}
+        self.tracks = {k: v for k, v in self.tracks.items() if k in live}
+        return culled
+
+    def _exempt(self, lease: Lease) -> bool:
+        if lease.user in self.exempt_users or lease.priority_class in self.exempt_priority_classes:
+            return True
+        if set(self.groups.get(lease.user, ())) & set(self.exempt_groups):
+            return True
+        name = lease.server_name
+        return bool(name) and any(re.fullmatch(p, name) for p in self.exempt_server_names)
+
+    async def _signals(self, lease: Lease, server: dict[str, Any]) -> Signals:
+        kernels = await self._kernels(lease)
+        utils, memory = [], 0
+        for allocation in lease.allocations:
+            if not allocation.active:
+                continue
+            try:
+                usage = self.broker.backend.usage(allocation.device_uuid)
+            except Exception as err:
+                self.log.warning("Cannot read usage of %s: %s", allocation.device_uuid, err)
+                continue
+            memory += usage.memory_used_mib
+            if usage.utilization_gpu is not None:
+                utils.append(usage.utilization_gpu)
+        activity = [parse_time(k.get("last_activity")) for k in kernels or []]
+        return Signals(
+            hub_activity=parse_time(server.get("last_activity")),
+            kernel_activity=max((t for t in activity if t), default=None),
+            kernels=None if kernels is None else len(kernels),
+            busy=any(k.get("execution_state") == "busy" for k in kernels or []),
+            gpu_util=max(utils) if utils else None,
+            gpu_memory_mib=memory,
+        )
+
+    async def _kernels(self, lease: Lease) -> list[dict[str, Any]] | None:
+        """The server's kernels, read directly (not through the proxy)."""
+        if not lease.server_url:
+            return None
+        url = lease.server_url.rstrip("/") + "/api/kernels?no_track_activity=1"
+        request = HTTPRequest(
+            url,
+            headers={"Authorization": f"token {self.hub.api_token}"},
+            request_timeout=self.request_timeout,
+        )
+        try:
+            response = await AsyncHTTPClient().fetch(request)
+            kernels: list[dict[str, Any]] = json.loads(response.body)
+        except Exception as err:
+            self.log.warning("Cannot read kernels of %s/%s: %s", lease.user, lease.server_name, err)
+            return None
+        return kernels
+
+    # -- actions -------------------------------------------------------------------
+
+    async def _act(self, lease: Lease, signals: Signals, now: dt.datetime) -> bool:
+        assert lease.granted_at is not None
+        track = self.tracks.setdefault(lease.id, Track(gpu_active=now))
+        if track.culled:
+            self.broker.stop_lease(lease.id, "culled")  # releases after evict_timeout
+            return False
+        verdict = judge(
+            signals,
+            track,
+            lease.granted_at,
+            now,
+            self.timeout,
+            self.gpu_idle_threshold,
+            self.busy_gpu_idle_timeout,
+            self.cull_busy_gpu_idle,
+        )
+        too_old = self.max_age > 0 and (now - lease.granted_at).total_seconds() >= self.max_age
+        if too_old:
+            verdict = Verdict(verdict.idle, f"older than max_age ({self.max_age:g} s)", True)
+        if signals.busy and not verdict.cull and "GPU idle" in verdict.reason and not track.flagged:
+            track.flagged = True
+            self.broker.add_notice(lease, "busy-gpu-idle", verdict.reason)
+        if not verdict.cull:
+            if track.warned_until is not None:
+                track.warned_until = None
+                self.broker.add_notice(lease, "cull-withdrawn", f"active again: {verdict.reason}")
+            return False
+        if track.warned_until is None:
+            track.warned_until = now + dt.timedelta(seconds=self.grace)
+            message = f"{verdict.reason}; will be culled unless used"
+            self.broker.add_notice(lease, "cull-warning", message, track.warned_until)
+            return False
+        if now < track.warned_until:
+            return False
+        return await self._cull(lease, track, verdict.reason)
+
+    async def _cull(self, lease: Lease, track: Track, reason: str) -> bool:
+        why = f"culled: {reason}"
+        if self.dry_run:
+            self.broker.add_notice(lease, "cull-dry-run", f"would be {why}")
+            track.warned_until = None
+            return False
+        await self._pre_stop(lease)
+        track.culled = True
+        self.broker.add_notice(lease, "culled", why)
+        self.broker.stop_lease(lease.id, why)
+        self.log.warning("Culled lease %s of %s: %s", lease.id, lease.user, why)
+        return True
+
+    async def _pre_stop(self, lease: Lease) -> None:
+        if not self.pre_stop_hook:
+            return
+        env = {
+            "GPUBROKER_USER": lease.user,
+            "GPUBROKER_SERVER_NAME": lease.server_name,
+            "GPUBROKER_LEASE_ID": str(lease.id),
+        }
+        try:
+            proc = await asyncio.create_subprocess_exec(*self.pre_stop_hook, env=env)
+            code = await asyncio.wait_for(proc.wait(), self.pre_stop_timeout)
+            self.log.info("Pre-stop hook for lease %s exited %s", lease.id, code)
+        except asyncio.TimeoutError:
+            proc.kill()
+            self.log.warning("Pre-stop hook for lease %s timed out; culling anyway", lease.id)
+        except OSError as err:
+            self.log.error("Pre-stop hook for lease %s failed: %s", lease.id, err)
+
+    async def run(self) -> None:
+        """Check every ``cull_every`` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(self.cull_every)
+            try:
+                await self.check_once()
+            except Exception:
+                self.log.exception("Culler check failed")

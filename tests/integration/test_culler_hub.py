@@ -1,0 +1,139 @@
+"""GPU-aware culling against a real JupyterHub, real servers and kernels;
+GPU signals come from the fake backend's usage file.
+
+The culler here: timeout 4 s, grace 6 s, a check every second; user "vip" is
+exempt. A second hub runs the culler in dry-run mode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from gpubroker.devices.fake import FakeDeviceBackend
+
+from ..hubutil import RunningHub
+from ..kernelutil import connect, execute, start_kernel
+from .test_spawn import lease_of, spawn, wait_for_release, wait_until
+
+CULLER = """
+c.Culler.timeout = 4
+c.Culler.grace = 6
+c.Culler.cull_every = 1
+c.Culler.exempt_users = ["vip"]
+"""
+
+
+def culler_hub(tmp_path_factory: pytest.TempPathFactory, name: str, extra: str) -> RunningHub:
+    workdir: Path = tmp_path_factory.mktemp(name)
+    config = workdir / "broker_config.py"
+    config.write_text(CULLER + extra)
+    return RunningHub(workdir, GPUBROKER_DEMO_BROKER_CONFIG=str(config)).start()
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningHub]:
+    running = culler_hub(tmp_path_factory, "culler-hub", "")
+    yield running
+    running.stop()
+
+
+def gpus(hub: RunningHub) -> FakeDeviceBackend:
+    """The fake backend of the hub's broker, to set simulated GPU use."""
+    return FakeDeviceBackend(
+        inventory=["8 x NVIDIA H100 80GB HBM3"],
+        node_name="demo-node",
+        state_file=str(hub.workdir / "fake-gpu-usage.json"),
+    )
+
+
+def start(hub: RunningHub, user: str, util: int, memory_gib: int) -> tuple[str, dict, str]:
+    token = hub.create_user(user)
+    assert spawn(hub, user, {"gpus": 1}).status_code in (201, 202)
+    hub.wait_for_server(user)
+    lease = lease_of(hub, user)
+    gpus(hub).set_usage(
+        lease["devices"][0]["uuid"], utilization_gpu=util, memory_used_mib=memory_gib * 1024
+    )
+    return token, lease, start_kernel(hub, user, token)
+
+
+def notices(hub: RunningHub, user: str, token: str) -> list[dict]:
+    r = requests.get(
+        f"{hub.broker}/notices", headers={"Authorization": f"token {token}"}, timeout=10
+    )
+    r.raise_for_status()
+    return list(r.json()["notices"])
+
+
+def kinds(hub: RunningHub, user: str, token: str) -> list[str]:
+    return [n["kind"] for n in notices(hub, user, token)]
+
+
+def test_busy_kernel_on_a_busy_gpu_is_never_culled(hub: RunningHub) -> None:
+    token, lease, kernel = start(hub, "trainer", util=80, memory_gib=40)
+    ws = connect(hub, "trainer", token, kernel)
+    execute(ws, "import time; time.sleep(40)", wait=False)
+    ws.close()  # no browser attached
+    time.sleep(14)  # > timeout + grace + checks
+    assert hub.broker_api("GET", f"/leases/{lease['id']}").json()["state"] == "granted"
+    assert kinds(hub, "trainer", token) == []
+    hub.api("DELETE", "/users/trainer/server")
+    wait_for_release(hub, lease["id"])
+
+
+def test_idle_tab_holding_memory_is_warned_then_culled_and_told(hub: RunningHub) -> None:
+    token, lease, kernel = start(hub, "idler", util=0, memory_gib=20)
+    vip_token, vip_lease, _ = start(hub, "vip", util=0, memory_gib=20)
+    ws = connect(hub, "idler", token, kernel)  # the tab stays open, nothing runs
+    try:
+        warning = wait_until(
+            lambda: [n for n in notices(hub, "idler", token) if n["kind"] == "cull-warning"],
+            timeout=30,
+        )[0]
+        assert "GPU 0%, 20.0 GiB held, no busy kernel" in warning["message"]
+        assert warning["deadline"] is not None
+        released = wait_for_release(hub, lease["id"], timeout=40)
+    finally:
+        ws.close()
+    reason = released["release_reason"]
+    assert reason.startswith("culled: idle ") and "GPU 0%, 20.0 GiB held, no busy kernel" in reason
+    wait_until(lambda: hub.server("idler") is None, timeout=30)
+    assert "culled" in kinds(hub, "idler", token)
+    # the exempt user, idle just as long, keeps the GPU
+    assert hub.broker_api("GET", f"/leases/{vip_lease['id']}").json()["state"] == "granted"
+    assert kinds(hub, "vip", vip_token) == []
+    hub.api("DELETE", "/users/vip/server")
+    wait_for_release(hub, vip_lease["id"])
+
+
+def test_activity_during_the_grace_period_withdraws_the_warning(hub: RunningHub) -> None:
+    token, lease, kernel = start(hub, "returner", util=0, memory_gib=8)
+    ws = connect(hub, "returner", token, kernel)
+    try:
+        wait_until(lambda: "cull-warning" in kinds(hub, "returner", token), timeout=30)
+        execute(ws, "x = 1 + 1")  # the user is back
+        wait_until(lambda: "cull-withdrawn" in kinds(hub, "returner", token), timeout=10)
+        assert hub.broker_api("GET", f"/leases/{lease['id']}").json()["state"] == "granted"
+        assert "culled" not in kinds(hub, "returner", token)
+    finally:
+        ws.close()
+    hub.api("DELETE", "/users/returner/server")
+    wait_for_release(hub, lease["id"])
+
+
+def test_dry_run_culls_nothing_but_reports(tmp_path_factory: pytest.TempPathFactory) -> None:
+    dry = culler_hub(tmp_path_factory, "dry-hub", "c.Culler.dry_run = True\n")
+    try:
+        token, lease, _ = start(dry, "idle2", util=0, memory_gib=4)
+        wait_until(lambda: "cull-dry-run" in kinds(dry, "idle2", token), timeout=40)
+        report = next(n for n in notices(dry, "idle2", token) if n["kind"] == "cull-dry-run")
+        assert report["message"].startswith("would be culled: idle ")
+        assert dry.broker_api("GET", f"/leases/{lease['id']}").json()["state"] == "granted"
+        assert dry.server("idle2") is not None
+    finally:
+        dry.stop()
