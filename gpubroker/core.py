@@ -25,8 +25,11 @@ from traitlets import Float, Instance, Integer, default
 from traitlets.config import LoggingConfigurable
 
 from . import scheduler
+from .admin import AdminMixin
+from .admission import AdmissionMixin
 from .devices.base import DeviceBackend
-from .errors import BadRequest, Conflict, Forbidden, NotFound
+from .errors import BadRequest, Conflict, NotFound
+from .notices import NoticesMixin
 from .passes import apply_decisions, build_state
 from .policy_config import SchedulingPolicy
 from .store.models import (
@@ -36,11 +39,10 @@ from .store.models import (
     HolderKind,
     Lease,
     LeaseState,
-    Notice,
     QuotaRow,
 )
 from .usage import record_usage
-from .views import device_view, isoformat, lease_view
+from .views import lease_view
 
 
 def utcnow() -> dt.datetime:
@@ -48,7 +50,7 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
-class Broker(LoggingConfigurable):
+class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
     """Owns leases and devices; see the module docstring.
 
     Args:
@@ -251,75 +253,6 @@ class Broker(LoggingConfigurable):
         )
         self._notify()
         return view
-
-    @staticmethod
-    def _charge_group(
-        user: str, group: str | None, groups: list[str] | None, policy: scheduler.Policy
-    ) -> str | None:
-        with_quota = sorted(g for g in groups or () if g in policy.group_quotas)
-        if group is not None:
-            if groups is None:
-                raise Forbidden(f"group: cannot check that {user!r} is in group {group!r} now")
-            if group not in groups:
-                raise Forbidden(f"group: {user!r} is not a member of group {group!r}")
-            if with_quota and group not in with_quota:
-                raise Forbidden(
-                    f"group: charge one of your groups with a quota ({', '.join(with_quota)}),"
-                    f" not {group!r}"
-                )
-            return group
-        return with_quota[0] if with_quota else None
-
-    @staticmethod
-    def _check_guarantee_room(
-        policy: scheduler.Policy, cls: str, user: str, group: str | None, gpus: int
-    ) -> None:
-        """A non-preemptible class runs only within guarantees: refuse what
-        can never fit in them (403) rather than queue it forever."""
-        if policy.class_of(cls).preemptible:
-            return
-        group_quota = policy.group_quota(group)
-        room = policy.user_quota(user).guaranteed + (group_quota.guaranteed if group_quota else 0)
-        if gpus > room:
-            raise Forbidden(
-                f"priority_class: {cls!r} is not preemptible and runs only within guarantees;"
-                f" {gpus} GPUs exceed the {room:g} guaranteed to {user}"
-                + (f" and group {group}" if group_quota else "")
-            )
-
-    def class_for_caller(self, name: str | None, admin: bool) -> None:
-        """Non-admins may ask only for the default class or lower, never a
-        preempting one (admins and the spawner choose freely).
-
-        Raises:
-            Forbidden: the class is above the caller's reach.
-        """
-        if admin or name is None:
-            return
-        policy = self._policy()
-        default_rank = policy.class_of(self.policy.default_priority_class).rank
-        cls = policy.class_of(name)
-        if cls.preempting or cls.rank > default_rank:
-            raise Forbidden(
-                f"priority_class: {name!r} may be requested only by broker admins or the spawner"
-            )
-
-    def _check_limits(
-        self, session: Session, policy: scheduler.Policy, user: str, group: str | None, gpus: int
-    ) -> None:
-        """Refuse what would take held plus pending GPUs above a limit (403)."""
-        active = list(session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES))))
-        checks = [("user", user, policy.user_quota(user), [x for x in active if x.user == user])]
-        quota = policy.group_quota(group)
-        if quota is not None and group is not None:
-            checks.append(("group", group, quota, [x for x in active if x.group_name == group]))
-        for kind, name, q, leases in checks:
-            taken = sum(x.gpus for x in leases)
-            if q.limit is not None and taken + gpus > q.limit:
-                raise Forbidden(
-                    f"quota: {kind} {name} holds or waits for {taken:g} GPUs; {gpus} more would "
-                    f"exceed the {kind} limit of {q.limit:g} GPUs"
-                )
 
     def _check_no_active_lease(self, session: Session, user: str, server_name: str) -> None:
         existing = session.scalar(
@@ -578,140 +511,3 @@ class Broker(LoggingConfigurable):
                 Lease.holder_kind == HolderKind.server.value,
             )
             return list(session.scalars(stmt))
-
-    def add_notice(
-        self,
-        lease: Lease,
-        kind: str,
-        message: str,
-        deadline: dt.datetime | None = None,
-    ) -> None:
-        """Record a notice for ``lease``'s holder (see :class:`Notice`)."""
-        with self._session() as session, session.begin():
-            session.add(
-                Notice(
-                    lease_id=lease.id,
-                    user=lease.user,
-                    server_name=lease.server_name,
-                    kind=kind,
-                    message=message,
-                    created=utcnow(),
-                    deadline=deadline,
-                )
-            )
-        self.log.info("Notice for %s/%s (%s): %s", lease.user, lease.server_name, kind, message)
-
-    def notices(self, user: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
-        """Newest first; only ``user``'s when given."""
-        stmt = select(Notice).order_by(Notice.id.desc()).limit(limit)
-        if user is not None:
-            stmt = stmt.where(Notice.user == user)
-        with self._session() as session:
-            return [
-                {
-                    "id": n.id,
-                    "lease_id": n.lease_id,
-                    "user": n.user,
-                    "server_name": n.server_name,
-                    "kind": n.kind,
-                    "message": n.message,
-                    "created": isoformat(n.created),
-                    "deadline": isoformat(n.deadline),
-                }
-                for n in session.scalars(stmt)
-            ]
-
-    # -- admin -----------------------------------------------------------------------
-
-    def quotas(self) -> dict[str, Any]:
-        """Quotas in force: ``{"users": {…}, "groups": {…}, "default_user": {…}}``."""
-        policy = self._policy()
-
-        def shape(q: scheduler.Quota) -> dict[str, float | None]:
-            return {"guaranteed": q.guaranteed, "limit": q.limit}
-
-        return {
-            "users": {n: shape(q) for n, q in sorted(policy.user_quotas.items())},
-            "groups": {n: shape(q) for n, q in sorted(policy.group_quotas.items())},
-            "default_user": shape(policy.default_user_quota),
-        }
-
-    def set_quota(self, kind: str, name: str, guaranteed: float, limit: float | None) -> None:
-        """Store a quota (overrides config); applies from the next pass on.
-
-        Lowering a quota never ends a running lease; it holds back pending ones.
-        """
-        with self._session() as session, session.begin():
-            row = session.get(QuotaRow, (kind, name)) or QuotaRow(kind=kind, name=name)
-            row.guaranteed, row.limit = guaranteed, limit
-            session.add(row)
-            session.flush()
-            self._schedule(session, utcnow())
-        self.log.info("Quota of %s %s: guaranteed %s, limit %s", kind, name, guaranteed, limit)
-        self._notify()
-
-    def delete_quota(self, kind: str, name: str) -> None:
-        """Remove a stored quota (the configured one, if any, applies again).
-
-        Raises:
-            NotFound: no quota stored for ``kind`` ``name``.
-        """
-        with self._session() as session, session.begin():
-            row = session.get(QuotaRow, (kind, name))
-            if row is None:
-                raise NotFound(f"quota: no stored quota for {kind} {name!r}")
-            session.delete(row)
-            session.flush()
-            self._schedule(session, utcnow())
-        self._notify()
-
-    def set_priority_class(self, lease_id: int, priority_class: str) -> dict[str, Any]:
-        """Move a pending request to another priority class.
-
-        Raises:
-            NotFound: no such lease. BadRequest: unknown class.
-            Conflict: the lease is not pending.
-        """
-        classes = self._policy().classes
-        if priority_class not in classes:
-            raise BadRequest(
-                f"priority_class: must be one of {sorted(classes)}, got {priority_class!r}"
-            )
-        with self._session() as session, session.begin():
-            lease = self._get(session, lease_id)
-            if lease.state != LeaseState.pending.value:
-                raise Conflict(f"priority_class: lease {lease_id} is {lease.state}, not pending")
-            lease.priority_class = priority_class
-            lease.version += 1
-            session.flush()
-            self._schedule(session, utcnow())
-            view = lease_view(lease)
-        self._notify()
-        return view
-
-    def set_drained(self, uuid: str, drained: bool) -> dict[str, Any]:
-        """Drain (no new grants; running leases continue) or undrain a device.
-
-        Raises:
-            NotFound: no such device.
-        """
-        with self._session() as session, session.begin():
-            device = session.get(Device, uuid)
-            if device is None:
-                raise NotFound(f"device {uuid}: no such device")
-            device.drained = drained
-            session.flush()
-            self._schedule(session, utcnow())
-            view = device_view(device) | {"drained": device.drained}
-        self.log.info("Device %s %s", uuid, "drained" if drained else "back in service")
-        self._notify()
-        return view
-
-    def queue(self) -> list[dict[str, Any]]:
-        """Pending leases in queue order (position 1 first)."""
-        with self._session() as session:
-            pending = session.scalars(
-                select(Lease).where(Lease.state == LeaseState.pending.value)
-            ).all()
-            views = [lease_view(lease) for lease in pending]
-        return sorted(views, key=lambda v: (v["queue"]["position"] or 0, v["id"]))

@@ -1,0 +1,114 @@
+"""Admin operations of the broker: quotas, priority classes, drain, the queue.
+
+Part of :class:`gpubroker.core.Broker` (a mixin): each is one state change in
+one transaction, followed by a scheduling pass, like every other change.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import select
+
+from . import scheduler
+from .errors import BadRequest, Conflict, NotFound
+from .store.models import Device, Lease, LeaseState, QuotaRow
+from .views import device_view, lease_view
+
+
+class AdminMixin:
+    """Quotas, priority classes, drain and the queue (admin API)."""
+
+    def quotas(self) -> dict[str, Any]:
+        """Quotas in force: ``{"users": {…}, "groups": {…}, "default_user": {…}}``."""
+        policy = self._policy()
+
+        def shape(q: scheduler.Quota) -> dict[str, float | None]:
+            return {"guaranteed": q.guaranteed, "limit": q.limit}
+
+        return {
+            "users": {n: shape(q) for n, q in sorted(policy.user_quotas.items())},
+            "groups": {n: shape(q) for n, q in sorted(policy.group_quotas.items())},
+            "default_user": shape(policy.default_user_quota),
+        }
+
+    def set_quota(self, kind: str, name: str, guaranteed: float, limit: float | None) -> None:
+        """Store a quota (overrides config); applies from the next pass on.
+
+        Lowering a quota never ends a running lease; it holds back pending ones.
+        """
+        with self._session() as session, session.begin():
+            row = session.get(QuotaRow, (kind, name)) or QuotaRow(kind=kind, name=name)
+            row.guaranteed, row.limit = guaranteed, limit
+            session.add(row)
+            session.flush()
+            self._schedule(session, dt.datetime.now(dt.timezone.utc))
+        self.log.info("Quota of %s %s: guaranteed %s, limit %s", kind, name, guaranteed, limit)
+        self._notify()
+
+    def delete_quota(self, kind: str, name: str) -> None:
+        """Remove a stored quota (the configured one, if any, applies again).
+
+        Raises:
+            NotFound: no quota stored for ``kind`` ``name``.
+        """
+        with self._session() as session, session.begin():
+            row = session.get(QuotaRow, (kind, name))
+            if row is None:
+                raise NotFound(f"quota: no stored quota for {kind} {name!r}")
+            session.delete(row)
+            session.flush()
+            self._schedule(session, dt.datetime.now(dt.timezone.utc))
+        self._notify()
+
+    def set_priority_class(self, lease_id: int, priority_class: str) -> dict[str, Any]:
+        """Move a pending request to another priority class.
+
+        Raises:
+            NotFound: no such lease. BadRequest: unknown class.
+            Conflict: the lease is not pending.
+        """
+        classes = self._policy().classes
+        if priority_class not in classes:
+            raise BadRequest(
+                f"priority_class: must be one of {sorted(classes)}, got {priority_class!r}"
+            )
+        with self._session() as session, session.begin():
+            lease = self._get(session, lease_id)
+            if lease.state != LeaseState.pending.value:
+                raise Conflict(f"priority_class: lease {lease_id} is {lease.state}, not pending")
+            lease.priority_class = priority_class
+            lease.version += 1
+            session.flush()
+            self._schedule(session, dt.datetime.now(dt.timezone.utc))
+            view = lease_view(lease)
+        self._notify()
+        return view
+
+    def set_drained(self, uuid: str, drained: bool) -> dict[str, Any]:
+        """Drain (no new grants; running leases continue) or undrain a device.
+
+        Raises:
+            NotFound: no such device.
+        """
+        with self._session() as session, session.begin():
+            device = session.get(Device, uuid)
+            if device is None:
+                raise NotFound(f"device {uuid}: no such device")
+            device.drained = drained
+            session.flush()
+            self._schedule(session, dt.datetime.now(dt.timezone.utc))
+            view = device_view(device) | {"drained": device.drained}
+        self.log.info("Device %s %s", uuid, "drained" if drained else "back in service")
+        self._notify()
+        return view
+
+    def queue(self) -> list[dict[str, Any]]:
+        """Pending leases in queue order (position 1 first)."""
+        with self._session() as session:
+            pending = session.scalars(
+                select(Lease).where(Lease.state == LeaseState.pending.value)
+            ).all()
+            views = [lease_view(lease) for lease in pending]
+        return sorted(views, key=lambda v: (v["queue"]["position"] or 0, v["id"]))

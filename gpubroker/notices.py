@@ -1,0 +1,57 @@
+"""Notices for lease holders (cull warnings, culls), part of the broker."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import select
+
+from .store.models import Lease, Notice
+from .views import isoformat
+
+
+class NoticesMixin:
+    """Record and list notices (see :class:`gpubroker.store.models.Notice`)."""
+
+    def add_notice(
+        self,
+        lease: Lease,
+        kind: str,
+        message: str,
+        deadline: dt.datetime | None = None,
+    ) -> None:
+        """Record a notice for ``lease``'s holder (see :class:`Notice`)."""
+        with self._session() as session, session.begin():
+            session.add(
+                Notice(
+                    lease_id=lease.id,
+                    user=lease.user,
+                    server_name=lease.server_name,
+                    kind=kind,
+                    message=message,
+                    created=dt.datetime.now(dt.timezone.utc),
+                    deadline=deadline,
+                )
+            )
+        self.log.info("Notice for %s/%s (%s): %s", lease.user, lease.server_name, kind, message)
+
+    def notices(self, user: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Newest first; only ``user``'s when given."""
+        stmt = select(Notice).order_by(Notice.id.desc()).limit(limit)
+        if user is not None:
+            stmt = stmt.where(Notice.user == user)
+        with self._session() as session:
+            return [
+                {
+                    "id": n.id,
+                    "lease_id": n.lease_id,
+                    "user": n.user,
+                    "server_name": n.server_name,
+                    "kind": n.kind,
+                    "message": n.message,
+                    "created": isoformat(n.created),
+                    "deadline": isoformat(n.deadline),
+                }
+                for n in session.scalars(stmt)
+            ]
