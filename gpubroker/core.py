@@ -461,13 +461,12 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
         if lease.holder_kind == HolderKind.server.value and self.on_evict is not None:
             if lease.id not in self._stopping:
                 self._stopping[lease.id] = (now, reason)
-                self.log.warning(
-                    "Stopping server of lease %s (%s): %s", lease.id, lease.user, reason
-                )
+                self.log.warning("Stopping server of lease %s: %s", lease.id, reason)
                 self.on_evict(lease_view(lease) | {"release_reason": reason})
-            asked, _ = self._stopping[lease.id]
+            asked, reason = self._stopping[lease.id]  # the first reason stays
             if (now - asked).total_seconds() < self.evict_timeout:
                 return False
+            del self._stopping[lease.id]
         self._release(lease, reason, now)
         self.log.warning("Evicted lease %s of %s: %s", lease.id, lease.user, reason)
         return True

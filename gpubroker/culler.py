@@ -10,8 +10,12 @@ from three signals:
 3. GPU use of the lease's devices (NVML utilization; memory is reported).
 
 A lease is *idle* when no kernel is busy, GPU utilization stayed below
-``gpu_idle_threshold`` and no hub or kernel activity came, for ``timeout``
-seconds. Idle leases are warned (a notice with a deadline), then culled after
+``gpu_idle_threshold`` and no activity came, for ``timeout`` seconds.
+Activity means kernel activity (running code) when the server's kernels
+can be read; the hub's activity, which any browser traffic refreshes (an
+open tab's keep-alives), counts only when they cannot.
+
+Idle leases are warned (a notice with a deadline), then culled after
 ``grace`` seconds: a ``pre_stop_hook`` runs, the hub stops the server, the
 lease is released with the reason. Activity in the grace period withdraws
 the warning. A busy kernel with an idle GPU for ``busy_gpu_idle_timeout`` is
@@ -22,7 +26,8 @@ daylight-saving changes of the server cannot distort idle time.
 
 Limits: utilization is per device. MIG instances and time-sliced shares
 (coming with GPU sharing) report no per-instance utilization in NVML; for
-them only memory and kernel signals count.
+them only the kernel and hub signals will count. Memory held is reported in
+the reason, not used to decide.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -116,7 +122,11 @@ def judge(
     else:
         track.busy_since_gpu_idle = None
     marks = [granted_at, track.gpu_active]
-    marks += [t for t in (signals.hub_activity, signals.kernel_activity) if t is not None]
+    # with kernels known, the hub's activity (which counts any browser traffic,
+    # e.g. an open idle tab's keep-alives) is not evidence of use
+    user_activity = signals.kernel_activity if signals.kernels is not None else signals.hub_activity
+    if user_activity is not None:
+        marks.append(user_activity)
     if signals.busy:
         marks.append(now)
     idle = max(0.0, (now - max(marks)).total_seconds())
@@ -173,8 +183,10 @@ class Culler(LoggingConfigurable):
     ).tag(config=True)
     pre_stop_hook = List(
         Unicode(),
-        help="Command run before a cull (e.g. to save work), with GPUBROKER_USER, "
-        "GPUBROKER_SERVER_NAME and GPUBROKER_LEASE_ID in its environment.",
+        help="Command run on the broker's host before a cull, with the broker's "
+        "environment (JUPYTERHUB_API_TOKEN: the broker's token, which may access "
+        "servers) plus GPUBROKER_USER, GPUBROKER_SERVER_NAME, GPUBROKER_LEASE_ID and "
+        "GPUBROKER_SERVER_URL (the server's own URL: its contents API can save work).",
     ).tag(config=True)
     pre_stop_timeout = Float(60, help="Seconds the pre-stop hook may run.").tag(config=True)
     dry_run = Bool(False, help="Only report (log and notices) what would be culled.").tag(
@@ -288,12 +300,15 @@ class Culler(LoggingConfigurable):
         if not verdict.cull:
             if track.warned_until is not None:
                 track.warned_until = None
-                self.broker.add_notice(lease, "cull-withdrawn", f"active again: {verdict.reason}")
+                if not self.dry_run:
+                    message = f"active again: {verdict.reason}"
+                    self.broker.add_notice(lease, "cull-withdrawn", message)
             return False
         if track.warned_until is None:
             track.warned_until = now + dt.timedelta(seconds=self.grace)
-            message = f"{verdict.reason}; will be culled unless used"
-            self.broker.add_notice(lease, "cull-warning", message, track.warned_until)
+            if not self.dry_run:  # a dry run tells admins (its report), not users
+                message = f"{verdict.reason}; will be culled unless used"
+                self.broker.add_notice(lease, "cull-warning", message, track.warned_until)
             return False
         if now < track.warned_until:
             return False
@@ -303,6 +318,7 @@ class Culler(LoggingConfigurable):
         why = f"culled: {reason}"
         if self.dry_run:
             self.broker.add_notice(lease, "cull-dry-run", f"would be {why}")
+            self.log.warning("Dry run: lease %s of %s would be %s", lease.id, lease.user, why)
             track.warned_until = None
             return False
         await self._pre_stop(lease)
@@ -316,19 +332,24 @@ class Culler(LoggingConfigurable):
         if not self.pre_stop_hook:
             return
         env = {
+            **os.environ,
             "GPUBROKER_USER": lease.user,
             "GPUBROKER_SERVER_NAME": lease.server_name,
             "GPUBROKER_LEASE_ID": str(lease.id),
+            "GPUBROKER_SERVER_URL": lease.server_url or "",
         }
         try:
             proc = await asyncio.create_subprocess_exec(*self.pre_stop_hook, env=env)
+        except OSError as err:
+            self.log.error("Pre-stop hook for lease %s failed: %s", lease.id, err)
+            return
+        try:
             code = await asyncio.wait_for(proc.wait(), self.pre_stop_timeout)
             self.log.info("Pre-stop hook for lease %s exited %s", lease.id, code)
         except asyncio.TimeoutError:
             proc.kill()
+            await proc.wait()
             self.log.warning("Pre-stop hook for lease %s timed out; culling anyway", lease.id)
-        except OSError as err:
-            self.log.error("Pre-stop hook for lease %s failed: %s", lease.id, err)
 
     async def run(self) -> None:
         """Check every ``cull_every`` seconds until cancelled."""

@@ -212,15 +212,19 @@ class GPUSpawnerMixin(LoggingConfigurable):
         state: dict[str, Any] = super().get_state()  # type: ignore[misc]
         if self.gpu_lease_id is not None:
             state["gpu_lease_id"] = self.gpu_lease_id
+        if self.gpu_last_end:
+            state["gpu_last_end"] = self.gpu_last_end
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore ``gpu_lease_id`` (a hub restart keeps the lease)."""
         super().load_state(state)  # type: ignore[misc]
         self.gpu_lease_id = state.get("gpu_lease_id")
+        self.gpu_last_end = state.get("gpu_last_end") or self.gpu_last_end
 
     def clear_state(self) -> None:
-        """Forget the lease id (after stop)."""
+        """Forget the lease id (after stop); why the last lease ended stays,
+        to be shown on the next spawn."""
         super().clear_state()  # type: ignore[misc]
         self.gpu_lease_id = None
 

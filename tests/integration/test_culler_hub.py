@@ -7,6 +7,7 @@ exempt. A second hub runs the culler in dry-run mode.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,11 +29,43 @@ c.Culler.exempt_users = ["vip"]
 """
 
 
+# the hub reads the proxy's traffic every second: an open tab shows as activity
+HUB = "c.JupyterHub.last_activity_interval = 1\n"
+
+
 def culler_hub(tmp_path_factory: pytest.TempPathFactory, name: str, extra: str) -> RunningHub:
     workdir: Path = tmp_path_factory.mktemp(name)
     config = workdir / "broker_config.py"
     config.write_text(CULLER + extra)
-    return RunningHub(workdir, GPUBROKER_DEMO_BROKER_CONFIG=str(config)).start()
+    hub_config = workdir / "hub_config.py"
+    hub_config.write_text(HUB)
+    return RunningHub(
+        workdir,
+        GPUBROKER_DEMO_BROKER_CONFIG=str(config),
+        GPUBROKER_DEMO_EXTRA_CONFIG=str(hub_config),
+    ).start()
+
+
+class OpenTab:
+    """A browser tab left open: the kernel websocket pings every second."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._ping, daemon=True)
+        self.thread.start()
+
+    def _ping(self) -> None:
+        while not self.done.wait(1):
+            try:
+                self.ws.ping()
+            except Exception:
+                return
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(5)
+        self.ws.close()
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +122,7 @@ def test_busy_kernel_on_a_busy_gpu_is_never_culled(hub: RunningHub) -> None:
 def test_idle_tab_holding_memory_is_warned_then_culled_and_told(hub: RunningHub) -> None:
     token, lease, kernel = start(hub, "idler", util=0, memory_gib=20)
     vip_token, vip_lease, _ = start(hub, "vip", util=0, memory_gib=20)
-    ws = connect(hub, "idler", token, kernel)  # the tab stays open, nothing runs
+    tab = OpenTab(connect(hub, "idler", token, kernel))  # the tab stays open, nothing runs
     try:
         warning = wait_until(
             lambda: [n for n in notices(hub, "idler", token) if n["kind"] == "cull-warning"],
@@ -99,7 +132,7 @@ def test_idle_tab_holding_memory_is_warned_then_culled_and_told(hub: RunningHub)
         assert warning["deadline"] is not None
         released = wait_for_release(hub, lease["id"], timeout=40)
     finally:
-        ws.close()
+        tab.close()
     reason = released["release_reason"]
     assert reason.startswith("culled: idle ") and "GPU 0%, 20.0 GiB held, no busy kernel" in reason
     wait_until(lambda: hub.server("idler") is None, timeout=30)

@@ -79,3 +79,13 @@ def test_idle_time_across_a_daylight_saving_change() -> None:
     start = parse_time(first.isoformat())
     v = verdict(signals(hub_activity=start), second.astimezone(UTC), granted=start, timeout=7200)
     assert round(v.idle) == 3600 and not v.cull
+
+
+def test_browser_traffic_does_not_count_when_kernels_are_known() -> None:
+    now = T0 + dt.timedelta(minutes=62)
+    # an open tab keeps refreshing the hub's activity; the kernel did nothing
+    tab_open = signals(hub_activity=now, kernel_activity=T0, kernels=1)
+    assert verdict(tab_open, now).cull
+    # without kernel information, the hub's activity is all there is
+    unknown = signals(hub_activity=now, kernel_activity=None, kernels=None)
+    assert not verdict(unknown, now).cull
