@@ -79,6 +79,6 @@ def load_backend(
     log.warning(
         "USING SIMULATED GPUS (FakeDeviceBackend: %s). "
         "NOTHING THIS BROKER HANDS OUT IS A REAL GPU.",
-        ", ".join(backend.inventory),
+        ", ".join(getattr(backend, "inventory", ())),
     )
     return backend
