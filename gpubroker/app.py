@@ -110,6 +110,14 @@ class GPUBrokerApp(Application):
         60, help="Seconds a user's JupyterHub groups (read from the hub API) are cached."
     ).tag(config=True)
 
+    @default("log_format")
+    def _default_log_format(self) -> str:
+        return "[%(levelname)1.1s %(asctime)s.%(msecs).03d %(name)s] %(message)s"
+
+    @default("log_datefmt")
+    def _default_log_datefmt(self) -> str:
+        return "%Y-%m-%d %H:%M:%S"
+
     @default("ip")
     def _default_ip(self) -> str:
         url = os.environ.get("JUPYTERHUB_SERVICE_URL")

@@ -152,8 +152,12 @@ class BrokerService:
         return self.broker.reconcile(servers, as_of)
 
     async def _reconcile_loop(self) -> None:
+        # soon after a start (leases of servers stopped while the broker was
+        # down, e.g. at hub shutdown), then every reconcile_interval
+        delay = min(5.0, self.app.reconcile_interval)
         while True:
-            await asyncio.sleep(self.app.reconcile_interval)
+            await asyncio.sleep(delay)
+            delay = self.app.reconcile_interval
             try:
                 await self.reconcile_once()
             except Exception as err:

@@ -82,7 +82,7 @@ def render_form(limit: int, devices: dict[str, Any], default: int = 0) -> str:
         choices.append(f'<option value="{n}"{selected}>{html.escape(label)}</option>')
     note = ""
     if backend.get("simulated"):
-        note = '<p class="text-warning">Simulated GPUs: this hub has no NVIDIA driver.</p>'
+        note = '<p class="text-warning">Simulated GPUs: these are not real NVIDIA GPUs.</p>'
     model = ""
     names = sorted({d["name"] for d in devices.get("devices", []) if d.get("present", True)})
     if names:
@@ -90,7 +90,7 @@ def render_form(limit: int, devices: dict[str, Any], default: int = 0) -> str:
     return f"""
 <div class="form-group">
   <label for="gpubroker-gpus">GPUs</label>
-  <select id="gpubroker-gpus" name="gpus" class="form-control">
+  <select id="gpubroker-gpus" name="gpus" class="form-select form-control">
     {"".join(choices)}
   </select>
   <p class="help-block">{free} of {total} GPUs free now{model}. If none are free,
