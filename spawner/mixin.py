@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import os
 import time
 from collections.abc import AsyncIterator
@@ -161,11 +162,11 @@ class GPUSpawnerMixin(LoggingConfigurable):
             )
         limit = int(devices["summary"]["request_limit"])
         limit = min(limit, self.max_gpus) if self.max_gpus else limit
-        html = form.render_form(limit, devices, self.default_gpus)
+        page = form.render_form(limit, devices, self.default_gpus)
         if self.gpu_last_end:
-            note = form.html.escape(f"Your previous server lost its GPUs: {self.gpu_last_end}")
-            html = f'<p class="alert alert-warning">{note}</p>' + html
-        return html
+            note = html.escape(f"Your previous server lost its GPUs: {self.gpu_last_end}")
+            page = f'<p class="alert alert-warning">{note}</p>' + page
+        return page
 
     def options_from_form(self, formdata: dict[str, list[str]]) -> dict[str, Any]:
         """Form data → ``{"gpus": N}`` (checked later, like API-posted options)."""

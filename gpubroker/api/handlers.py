@@ -17,6 +17,7 @@ from .. import __version__
 from ..core import Broker
 from ..errors import BrokerError, Forbidden
 from ..store.models import HolderKind
+from ..views import device_view
 from . import auth, validation
 
 #: longest long-poll a client may ask for, seconds
@@ -135,8 +136,6 @@ class DevicesHandler(APIHandler):
         return {"kind": backend.kind, "simulated": backend.simulated, "message": message}
 
     def _device(self, device: Any, lease_id: int | None, admin: bool) -> dict[str, Any]:
-        from ..views import device_view
-
         view = device_view(device)
         state = "leased" if lease_id is not None else "drained" if device.drained else "free"
         view.update(
@@ -239,7 +238,7 @@ class LeaseHandler(APIHandler):
         self.write_json(self.broker.release_lease(lease["id"], reason))
 
 
-class LeaseAdminMixin:
+class AdminOnlyMixin:
     """Shared by admin endpoints: refuse callers without the admin scope."""
 
     def require_admin(self, model: dict[str, Any]) -> None:
@@ -270,7 +269,7 @@ class NoticesHandler(APIHandler):
         self.write_json({"notices": self.broker.notices(user)})
 
 
-class QuotasHandler(LeaseAdminMixin, APIHandler):
+class QuotasHandler(AdminOnlyMixin, APIHandler):
     """``GET /api/v1/quotas``: quotas in force (admins)."""
 
     def get(self) -> None:
@@ -278,7 +277,7 @@ class QuotasHandler(LeaseAdminMixin, APIHandler):
         self.write_json(self.broker.quotas())
 
 
-class QuotaHandler(LeaseAdminMixin, APIHandler):
+class QuotaHandler(AdminOnlyMixin, APIHandler):
     """``PUT``/``DELETE /api/v1/quotas/{kind}/{name}``: set or remove a stored
     quota of a ``user`` or ``group`` (admins); applies from the next pass."""
 
@@ -294,7 +293,7 @@ class QuotaHandler(LeaseAdminMixin, APIHandler):
         self.write_json(self.broker.quotas())
 
 
-class DeviceHandler(LeaseAdminMixin, APIHandler):
+class DeviceHandler(AdminOnlyMixin, APIHandler):
     """``PATCH /api/v1/devices/{uuid}`` with ``{"drained": bool}``: drain a
     device (no new grants; running leases continue) or undrain it (admins)."""
 

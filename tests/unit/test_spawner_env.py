@@ -50,3 +50,18 @@ def test_lease_id_survives_in_the_spawner_state() -> None:
 def test_start_timeout_leaves_room_for_the_queue() -> None:
     spawner = make_spawner(queue_timeout=600)
     assert spawner.start_timeout == 720
+
+
+async def test_form_tells_why_the_last_lease_ended(monkeypatch) -> None:
+    spawner = make_spawner()
+    spawner.gpu_last_end = "culled: idle 62 min <GPU 0%>"
+
+    class Inventory:  # the broker's answer to GET /devices, as the form reads it
+        async def devices(self):
+            return {"summary": {"request_limit": 2, "free": 2, "total": 2}, "devices": []}
+
+    monkeypatch.setattr(type(spawner), "broker", property(lambda self: Inventory()))
+    page = await spawner._gpu_options_form()
+    assert "Your previous server lost its GPUs: culled: idle 62 min &lt;GPU 0%&gt;" in page
+    state = spawner.get_state()
+    assert state["gpu_last_end"] == "culled: idle 62 min <GPU 0%>"
