@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import api, scheduler
+from . import api, scheduler, simulate
 
 
 def main() -> None:
     results = {}
     print(scheduler.describe())
     results.update(scheduler.run())
+    print(simulate.describe())
+    results.update(simulate.run())
     print(f"API: {api.PAIRS} lease request/release pairs on loopback vs a bare Tornado handler")
     results.update(api.run())
     width = max(len(name) for name in results)

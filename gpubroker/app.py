@@ -56,6 +56,10 @@ class GPUBrokerApp(Application):
     subcommands = {
         "serve": ("gpubroker.app.ServeCommand", "Run the broker service."),
         "upgrade-db": ("gpubroker.app.UpgradeDBCommand", "Migrate the store to the newest schema."),
+        "simulate": (
+            "gpubroker.simulate.cli.SimulateCommand",
+            "Replay a trace through the scheduler.",
+        ),
     }
 
     config_file = Unicode(

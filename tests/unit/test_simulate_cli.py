@@ -1,0 +1,175 @@
+"""``gpubroker simulate`` end to end, on the Philly slice in tests/data."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpubroker.app import GPUBrokerApp
+from gpubroker.simulate.cli import SimulateCommand, parse_duration, summary_table
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+PHILLY = DATA / "philly_first300.csv"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_apps() -> Iterator[None]:
+    yield
+    SimulateCommand.clear_instance()
+    GPUBrokerApp.clear_instance()
+
+
+def run(argv: list[str]) -> None:
+    app = GPUBrokerApp()
+    app.initialize(["simulate", *argv])
+    assert isinstance(app.subapp, SimulateCommand)
+    app.start()
+
+
+def test_philly_slice_replays_under_all_three_policies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started = time.perf_counter()
+    run(
+        [
+            f"--trace={PHILLY}",
+            "--format=philly",
+            "--cluster=16x8xA100-80GB",
+            f"--out={tmp_path}",
+            "--quiet",
+        ]
+    )
+    assert time.perf_counter() - started < 20
+    data = json.loads((tmp_path / "metrics.json").read_text())
+    assert set(data["runs"]) == {"broker", "fifo", "slurm-like"}
+    assert data["trace"] == {
+        "source": str(PHILLY),
+        "format": "philly",
+        "jobs": 295,
+        "problems": 5,
+        "fractional": False,
+    }
+    assert [p["line"] for p in data["problems"]] == [289, 290, 291, 292, 293]
+    assert all("16 GPUs on one node" in p["reason"] for p in data["problems"])
+    for run_ in data["runs"].values():
+        assert run_["jobs"]["finished"] == 295
+        assert run_["queueing_delay_s"]["median"] <= run_["queueing_delay_s"]["p95"]
+        assert 0 < run_["allocation"]["ratio"] <= 1
+        assert 0 < run_["fairness"]["jain_index"] <= 1
+        assert len(run_["allocation"]["series"]["ratio"]) == 500
+    ratios = data["ratios_to_fifo"]
+    assert ratios["fifo"]["queueing_delay_s.mean"] == 1.0
+    assert ratios["broker"]["queueing_delay_s.mean"] < 1.0  # backfill beats FIFO here
+    assert any("group" in note for note in data["notes"])
+    assert any("time limits" in note and "1.5" in note for note in data["notes"])
+    assert (tmp_path / "allocation.png").stat().st_size > 1000
+    assert (tmp_path / "queueing_delay_cdf.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "ratios to FIFO" in out and "slurm-like" in out
+
+
+def test_policy_file_configures_the_policy_and_the_simulator(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.py"
+    policy.write_text(
+        "c.SchedulingPolicy.max_reservations = 7\n"
+        "c.SchedulingPolicy.user_quotas = {'3': {'guaranteed': 0, 'limit': 1}}\n"
+        "c.SimulateCommand.checkpoint_classes = ['preemptible']\n"
+        "c.SimulateCommand.schedulers = 'broker'\n"
+        "c.Enrichment.time_limit_factor = 2.0\n"
+        "c.Enrichment.class_by_size = {1: 'batch', 8: 'preemptible'}\n"
+    )
+    run(
+        [
+            f"--trace={PHILLY}",
+            "--format=philly",
+            "--cluster=4x8",
+            f"--policy={policy}",
+            "--time-limit-factor=3",  # the command line wins over the file
+            "--until=30d",
+            f"--out={tmp_path / 'out'}",
+            "--quiet",
+            "--no-plots",
+        ]
+    )
+    data = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert list(data["runs"]) == ["broker"]
+    settings = data["settings"]
+    assert settings["checkpoint_classes"] == ["preemptible"]
+    assert settings["scheduling_policy"]["max_reservations"] == 7
+    assert settings["enrichment"]["time_limit_factor"] == 3.0
+    assert settings["until_s"] == 30 * 86400
+    assert data["runs"]["broker"]["allocation"]["window_s"][1] <= 30 * 86400
+    assert not (tmp_path / "out" / "allocation.png").exists()
+    assert any("by size" in note for note in data["notes"])
+
+
+def test_bad_inputs_exit_with_a_message(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        run(["--trace=missing.csv", "--format=philly", f"--out={tmp_path}", "--quiet"])
+    SimulateCommand.clear_instance()
+    with pytest.raises(SystemExit):
+        run([f"--trace={PHILLY}", "--format=philly", "--cluster=8x", f"--out={tmp_path}"])
+
+
+def test_durations_and_table() -> None:
+    assert parse_duration("90") == 90
+    assert parse_duration("90m") == 5400
+    assert parse_duration("1.5d") == 1.5 * 86400
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration("soon")
+    table = summary_table(
+        {
+            "trace": {"source": "t.csv", "format": "native", "jobs": 1, "problems": 0},
+            "cluster": {"gpus": 4, "nodes": 1},
+            "runs": {
+                "fifo": {
+                    "queueing_delay_s": {"mean": 7200.0, "median": None, "p95": 90000.0},
+                    "jct_s": {"mean": 10.0, "median": 10.0, "p95": 10.0},
+                    "allocation": {"ratio": 0.5},
+                    "preemptions": {"evictions": 0},
+                    "fairness": {"jain_index": None},
+                    "simulation": {"jobs_per_s": 1000.0},
+                    "fractional": {"capacity_allocated": 0.25, "fragmentation_rate": 0.5},
+                }
+            },
+            "ratios_to_fifo": {},
+        }
+    )
+    assert "7,200 s (2.0 h)" in table and "90,000 s (1.0 d)" in table
+    assert "fragmentation rate 0.500" in table
+
+
+def test_openb_fractional_trace_reports_capacity_and_fragmentation(tmp_path: Path) -> None:
+    trace = tmp_path / "openb.csv"
+    trace.write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,"
+        "creation_time,deletion_time,scheduled_time\n"
+        "p0,1000,1024,1,250,,BE,Succeeded,0,100,0\n"
+        "p1,1000,1024,1,500,,LS,Succeeded,0,100,0\n"
+        "p2,1000,1024,2,1000,,LS,Succeeded,50,150,50\n"
+        "p3,1000,1024,0,0,,LS,Running,60,100,60\n"
+    )
+    run(
+        [
+            f"--trace={trace}",
+            "--format=openb",
+            "--cluster=1x4",
+            "--schedulers=broker,fifo",
+            f"--out={tmp_path / 'out'}",
+            "--quiet",
+            "--no-plots",
+        ]
+    )
+    data = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert data["trace"]["fractional"] and data["trace"]["jobs"] == 3
+    assert data["problems"][0]["line"] == 5 and "CPU-only" in data["problems"][0]["reason"]
+    assert any("whole device" in n for n in data["notes"])
+    fractional = data["runs"]["fifo"]["fractional"]
+    # 0.75 GPUs asked for on 2 devices for 0-100 s, 2 GPUs on 2 devices for 50-150 s
+    assert fractional["requested_gpu_seconds"] == pytest.approx(75 + 200)
+    assert fractional["fragmentation_rate"] == pytest.approx(1 - 275 / 400)
+    assert fractional["capacity_allocated"] == pytest.approx(275 / (4 * 150))
