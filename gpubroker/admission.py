@@ -52,16 +52,19 @@ class AdmissionMixin:
                 + (f" and group {group}" if group_quota else "")
             )
 
-    def class_for_caller(self, name: str | None, admin: bool) -> None:
+    def class_for_caller(
+        self, name: str | None, admin: bool, policy: scheduler.Policy | None = None
+    ) -> None:
         """Non-admins may ask only for the default class or lower, never a
-        preempting one (admins and the spawner choose freely).
+        preempting one (admins and the spawner choose freely). ``policy``:
+        the one in force, if the caller has it already.
 
         Raises:
             Forbidden: the class is above the caller's reach.
         """
         if admin or name is None:
             return
-        policy = self._policy()
+        policy = policy or self._policy()
         default_rank = policy.class_of(self.policy.default_priority_class).rank
         cls = policy.class_of(name)
         if cls.preempting or cls.rank > default_rank:

@@ -177,6 +177,7 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
         group: str | None = None,
         groups: list[str] | None = None,
         dry_run: bool = False,
+        admin: bool = True,
     ) -> dict[str, Any]:
         """Ask for ``gpus`` whole devices for ``user``'s server ``server_name``.
 
@@ -188,6 +189,8 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
             group: the group to charge; must be one of ``groups``.
             groups: the user's JupyterHub groups (``None``: unknown).
             dry_run: check everything, change nothing (Kubernetes-style).
+            admin: whether the caller is a broker admin (else limited in
+                the classes it may name, see :meth:`class_for_caller`).
 
         Returns:
             the lease view (``state`` ``granted`` or ``pending``); with
@@ -205,6 +208,7 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
         if not 1 <= gpus <= limit:
             raise BadRequest(f"gpus: must be between 1 and {limit} (the request limit), got {gpus}")
         policy = self._policy()
+        self.class_for_caller(priority_class, admin, policy)
         cls = priority_class or self.policy.default_priority_class
         if cls not in policy.classes:
             raise BadRequest(

@@ -184,9 +184,10 @@ class LeasesHandler(APIHandler):
         auth.check_owner(model, body["user"])
         if body["holder_kind"] != HolderKind.server.value and not auth.is_admin(model):
             raise Forbidden(f"holder_kind: {body['holder_kind']!r} needs {auth.ADMIN_SCOPE}")
-        self.broker.class_for_caller(body["priority_class"], auth.is_admin(model))
         groups = await self.settings["groups_of"](body["user"])
-        lease = self.broker.request_lease(**body, groups=groups, dry_run=dry_run)
+        lease = self.broker.request_lease(
+            **body, groups=groups, dry_run=dry_run, admin=auth.is_admin(model)
+        )
         if dry_run:
             self.write_json(lease)
             return
