@@ -85,14 +85,22 @@ def gpus(hub: RunningHub) -> FakeDeviceBackend:
 
 
 def start(hub: RunningHub, user: str, util: int, memory_gib: int) -> tuple[str, dict, str]:
+    """Spawn ``user`` with 1 GPU, then give that GPU the usage to test. Free
+    GPUs look busy meanwhile, so no lease is judged before its test sets it
+    up (a spawn can take longer than the 4 s timeout on a loaded machine)."""
     token = hub.create_user(user)
+    backend = gpus(hub)
+    for device in hub.broker_api("GET", "/devices").json()["devices"]:
+        if device["state"] == "free":
+            backend.set_usage(device["uuid"], utilization_gpu=100)
     assert spawn(hub, user, {"gpus": 1}).status_code in (201, 202)
     hub.wait_for_server(user)
     lease = lease_of(hub, user)
-    gpus(hub).set_usage(
+    kernel = start_kernel(hub, user, token)
+    backend.set_usage(
         lease["devices"][0]["uuid"], utilization_gpu=util, memory_used_mib=memory_gib * 1024
     )
-    return token, lease, start_kernel(hub, user, token)
+    return token, lease, kernel
 
 
 def notices(hub: RunningHub, user: str, token: str) -> list[dict]:
