@@ -6,16 +6,134 @@ anything is stored (engineering rule 6).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from . import scheduler
-from .errors import Forbidden
-from .store.models import ACTIVE_STATES, Lease
+from .devices import mig
+from .errors import BadRequest, Forbidden
+from .pools import PoolSpec
+from .scheduler.sharing import share_weight
+from .store.models import ACTIVE_STATES, Device, Lease
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a request asks for, checked against the pools.
+
+    Attributes:
+        kind: ``gpus``, ``mig`` or ``share``.
+        count: whole devices, 1 MIG instance, or the number of shares.
+        mig_profile: MIG profile name (``mig``).
+        memory_mib: MiB per share (``share``).
+        pool: the pool named, if any.
+        weight: device units charged to quotas (for shares an estimate from
+            the largest device of the pool; the grant sets the real one).
+    """
+
+    kind: str
+    count: int
+    mig_profile: str | None = None
+    memory_mib: int | None = None
+    pool: str | None = None
+    weight: float = 0.0
+
+
+def _pool_devices(
+    devices: list[tuple[Device, PoolSpec]], mode: str, pool: str | None, field: str
+) -> list[Device]:
+    """Present devices of ``mode`` pools (of ``pool`` when named).
+
+    Raises:
+        BadRequest: the named pool does not exist or has another mode; no
+            pool of that mode exists.
+    """
+    if pool is not None:
+        modes = {spec.mode for _d, spec in devices if spec.name == pool}
+        if not modes:
+            names = sorted({spec.name for _d, spec in devices})
+            raise BadRequest(f"pool: no pool {pool!r} has devices (pools: {', '.join(names)})")
+        if mode not in modes:
+            raise BadRequest(f"pool: {pool!r} is a {modes.pop()} pool; {field} needs a {mode} pool")
+    found = [d for d, spec in devices if spec.mode == mode and pool in (None, spec.name)]
+    if not found:
+        raise BadRequest(f"{field}: no {mode} pool has devices")
+    return found
 
 
 class AdmissionMixin:
     """Checks run by :meth:`Broker.request_lease` before a lease is created."""
+
+    def shape(
+        self,
+        gpus: int | None,
+        mig_profile: str | None,
+        memory_gib: float | None,
+        count: int | None,
+        pool: str | None,
+    ) -> Shape:
+        """Check what a request asks for against the pools and devices.
+
+        Raises:
+            BadRequest: more GPUs than the request limit; a pool that does
+                not exist or has another mode; a MIG profile no device of
+                the pool offers (the message lists those it offers); a share
+                larger than a device's memory less the pool's reserve; more
+                shares than devices on one node.
+        """
+        devices: list[tuple[Device, PoolSpec]] = self.pool_devices()  # type: ignore[attr-defined]
+        if gpus is not None:
+            if pool is not None:
+                _pool_devices(devices, "exclusive", pool, "gpus")
+            limit: int = self.request_limit()  # type: ignore[attr-defined]
+            if not 1 <= gpus <= limit:
+                raise BadRequest(
+                    f"gpus: must be between 1 and {limit} (the request limit), got {gpus}"
+                )
+            return Shape("gpus", gpus, pool=pool, weight=float(gpus))
+        if mig_profile is not None:
+            found = _pool_devices(devices, "mig", pool, "mig_profile")
+            specs = {s.name: s for d in found if (s := mig.spec_for(d.name)) is not None}
+            for spec in specs.values():
+                if mig_profile in spec.profiles:
+                    weight = spec.profiles[mig_profile].compute_slices / spec.compute_slices
+                    return Shape("mig", 1, mig_profile=mig_profile, pool=pool, weight=weight)
+            offered = sorted({p for spec in specs.values() for p in spec.profiles})
+            raise BadRequest(
+                f"mig_profile: no device of {'pool ' + pool if pool else 'the MIG pools'} "
+                f"offers {mig_profile!r} (offered: {', '.join(offered) or 'none'})"
+            )
+        assert memory_gib is not None
+        return self._share_shape(devices, memory_gib, count or 1, pool)
+
+    @staticmethod
+    def _share_shape(
+        devices: list[tuple[Device, PoolSpec]], memory_gib: float, count: int, pool: str | None
+    ) -> Shape:
+        found = _pool_devices(devices, "timeslice", pool, "memory_gib")
+        reserve = {d.uuid: spec.reserve_mib for d, spec in devices}
+        memory = round(memory_gib * 1024)
+        room = max(d.memory_total_mib - reserve[d.uuid] for d in found)
+        if memory > room:
+            raise BadRequest(
+                f"memory_gib: at most {room / 1024:g} GiB per share in "
+                f"{'pool ' + pool if pool else 'the time-sliced pools'}, got {memory_gib:g}"
+            )
+        per_node: dict[str, int] = {}
+        for d in found:
+            if d.memory_total_mib - reserve[d.uuid] >= memory:
+                per_node[d.node] = per_node.get(d.node, 0) + 1
+        most = max(per_node.values(), default=0)
+        if count > most:
+            raise BadRequest(
+                f"count: at most {most} shares of {memory_gib:g} GiB (one per device of a node),"
+                f" got {count}"
+            )
+        largest = max(d.memory_total_mib for d in found)
+        weight = count * share_weight(memory, largest)
+        return Shape("share", count, memory_mib=memory, pool=pool, weight=weight)
 
     @staticmethod
     def _charge_group(
@@ -37,7 +155,7 @@ class AdmissionMixin:
 
     @staticmethod
     def _check_guarantee_room(
-        policy: scheduler.Policy, cls: str, user: str, group: str | None, gpus: int
+        policy: scheduler.Policy, cls: str, user: str, group: str | None, gpus: float
     ) -> None:
         """A non-preemptible class runs only within guarantees: refuse what
         can never fit in them (403) rather than queue it forever."""
@@ -48,7 +166,7 @@ class AdmissionMixin:
         if gpus > room:
             raise Forbidden(
                 f"priority_class: {cls!r} is not preemptible and runs only within guarantees;"
-                f" {gpus} GPUs exceed the {room:g} guaranteed to {user}"
+                f" {gpus:g} GPUs exceed the {room:g} guaranteed to {user}"
                 + (f" and group {group}" if group_quota else "")
             )
 
@@ -73,7 +191,12 @@ class AdmissionMixin:
             )
 
     def _check_limits(
-        self, session: Session, policy: scheduler.Policy, user: str, group: str | None, gpus: int
+        self,
+        session: Session,
+        policy: scheduler.Policy,
+        user: str,
+        group: str | None,
+        gpus: float,
     ) -> None:
         """Refuse what would take held plus pending GPUs above a limit (403)."""
         active = list(session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES))))
@@ -82,9 +205,14 @@ class AdmissionMixin:
         if quota is not None and group is not None:
             checks.append(("group", group, quota, [x for x in active if x.group_name == group]))
         for kind, name, q, leases in checks:
-            taken = sum(x.gpus for x in leases)
-            if q.limit is not None and taken + gpus > q.limit:
+            taken = sum(held_weight(x) for x in leases)
+            if q.limit is not None and taken + gpus > q.limit + 1e-9:
                 raise Forbidden(
-                    f"quota: {kind} {name} holds or waits for {taken:g} GPUs; {gpus} more would "
+                    f"quota: {kind} {name} holds or waits for {taken:g} GPUs; {gpus:g} more would "
                     f"exceed the {kind} limit of {q.limit:g} GPUs"
                 )
+
+
+def held_weight(lease: Lease) -> float:
+    """Device units a lease counts for: its weight, or its whole devices."""
+    return lease.weight if lease.weight is not None else float(lease.gpus)

@@ -22,8 +22,12 @@ from .core import Broker
 from .culler import Culler
 from .devices.fake import FakeDeviceBackend
 from .devices.nvml import NVMLDeviceBackend
+from .enforce.mps import MPSControl
+from .enforce.watchdog import ShareWatchdog
 from .hub import HubClient
 from .policy_config import SchedulingPolicy
+from .pools import Pools
+from .share_guard import ShareGuard
 
 
 class GPUBrokerApp(Application):
@@ -39,7 +43,18 @@ class GPUBrokerApp(Application):
     gpubroker --help-all                # every option
     """
 
-    classes = [Broker, SchedulingPolicy, Culler, HubClient, FakeDeviceBackend, NVMLDeviceBackend]
+    classes = [
+        Broker,
+        SchedulingPolicy,
+        Pools,
+        Culler,
+        ShareGuard,
+        ShareWatchdog,
+        MPSControl,
+        HubClient,
+        FakeDeviceBackend,
+        NVMLDeviceBackend,
+    ]
 
     aliases = {
         "config": "GPUBrokerApp.config_file",

@@ -83,21 +83,64 @@ class BrokerClient:
         return await self._call("GET", "/devices")  # type: ignore[no-any-return]
 
     async def request_lease(
-        self, user: str, server_name: str, gpus: int, dry_run: bool = False, **extra: Any
+        self,
+        user: str,
+        server_name: str,
+        gpus: int | None = None,
+        dry_run: bool = False,
+        **extra: Any,
     ) -> dict[str, Any]:
         """``POST /leases``; returns the lease (``granted`` or ``pending``).
 
-        ``extra`` may hold ``priority_class``, ``time_limit`` (s), ``group``,
-        ``holder_kind``. With ``dry_run`` nothing is created: the answer says
-        whether the request would be admitted.
+        The request names exactly one kind of slot:
+
+        - ``gpus=N``: N whole devices;
+        - ``mig_profile="1g.10gb"`` (in ``extra``): one MIG instance of that profile;
+        - ``memory_gib=X`` (in ``extra``), optionally ``count=N``: N time-sliced
+          shares of X GiB each, on distinct devices.
+
+        ``gpus`` is left out of the body when it is ``None``, so a MIG or share
+        request goes through ``extra`` alone, e.g.
+        ``request_lease("ann", "", mig_profile="1g.10gb")``. ``extra`` may also
+        hold ``pool`` (a pool name), ``priority_class``, ``time_limit`` (s),
+        ``group``, ``holder_kind``. With ``dry_run`` nothing is created: the
+        answer says whether the request would be admitted.
+
+        The lease view has ``id``, ``state``, ``env`` (the variables the server
+        must get), ``devices``, ``queue`` (while pending) and, from brokers that
+        share GPUs, ``kind`` (``"gpus"``, ``"mig"`` or ``"share"``), ``summary``
+        (e.g. ``"1 x MIG 1g.10gb"``), ``guarantee`` (a sentence), ``weight``
+        (device-units charged to quotas), ``mig_profile``, ``memory_gib``,
+        ``count`` and ``pool``.
 
         Raises:
-            BrokerClientError: 400 (bad input), 403 (scope or quota), 409
-                (the server already has a lease).
+            BrokerClientError: 400 (bad input; the message names the field),
+                403 (scope or quota), 409 (the server already has a lease).
         """
-        body = {"user": user, "server_name": server_name, "gpus": gpus, **extra}
+        body: dict[str, Any] = {"user": user, "server_name": server_name}
+        if gpus is not None:
+            body["gpus"] = gpus
+        body.update(extra)
         params = {"dry_run": "true"} if dry_run else None
         return await self._call("POST", "/leases", body, params=params)  # type: ignore[no-any-return]
+
+    async def pools(self, user: str | None = None) -> dict[str, Any]:
+        """``GET /pools[?user=NAME]``: the device pools, what each could grant
+        now, and the quota of ``user`` (default: the caller).
+
+        Returns:
+            ``{"pools": [...], "quota": {...}}``. Each pool:
+            ``{"name", "mode" ("exclusive" | "mig" | "timeslice"), "purpose"
+            ("interactive" | "batch"), "devices" (int), "models" ([str]),
+            "free": {"gpus" (whole devices free now), "mig" ({profile: instances
+            that could be created now}), "share_gib" (largest share grantable
+            now on one device), "shares_total_gib"}}``. The quota, in GPU units
+            (a MIG instance counts compute slices / 7, a share its memory over
+            the device's): ``{"user", "limit" (None: none), "guaranteed",
+            "held", "pending", "remaining" (None: no limit)}``.
+        """
+        params = {"user": user} if user else None
+        return await self._call("GET", "/pools", params=params)  # type: ignore[no-any-return]
 
     async def set_server_url(self, lease_id: int, url: str) -> dict[str, Any]:
         """``PATCH /leases/{id}`` with ``server_url`` (admins: the spawner)."""

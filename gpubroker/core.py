@@ -21,17 +21,21 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from traitlets import Any as AnyTrait
-from traitlets import Float, Instance, Integer, default
+from traitlets import Bool, Enum, Float, Instance, Integer, default
 from traitlets.config import LoggingConfigurable
 
 from . import scheduler
 from .admin import AdminMixin
 from .admission import AdmissionMixin
+from .availability import AvailabilityMixin
 from .devices.base import DeviceBackend
+from .enforce.mps import MPSControl
 from .errors import BadRequest, Conflict, NotFound
 from .notices import NoticesMixin
 from .passes import apply_decisions, build_state
 from .policy_config import SchedulingPolicy
+from .pools import Pools, PoolSpec
+from .sharing_ops import SharingOpsMixin
 from .store.models import (
     ACTIVE_STATES,
     Allocation,
@@ -50,7 +54,14 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
-class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
+class Broker(
+    SharingOpsMixin,
+    AvailabilityMixin,
+    AdmissionMixin,
+    AdminMixin,
+    NoticesMixin,
+    LoggingConfigurable,
+):
     """Owns leases and devices; see the module docstring.
 
     Args:
@@ -75,9 +86,38 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
 
     policy = Instance(SchedulingPolicy, help="The scheduling policy (configure SchedulingPolicy).")
 
+    pools = Instance(Pools, help="The pools of devices (configure Pools).")
+
+    mig_placement = Enum(
+        ["least-fragmentation", "first-fit"],
+        default_value="least-fragmentation",
+        help="""Where a new MIG instance goes: "least-fragmentation" (the
+        fullest device it fits on, at the placement that keeps the largest
+        profiles placeable) or "first-fit" (the first device and the lowest
+        start slot, as a baseline).""",
+    ).tag(config=True)
+
+    framework_caps = Bool(
+        True,
+        help="""Give each share's server the framework caps (JAX, TensorFlow,
+        PyTorch memory limits through environment variables and a
+        sitecustomize hook; see gpubroker.enforce.caps). Soft: user code can
+        override them.""",
+    ).tag(config=True)
+
+    mps = Instance(MPSControl, help="CUDA MPS for shares (configure MPSControl).")
+
+    @default("mps")
+    def _default_mps(self) -> MPSControl:
+        return MPSControl(parent=self)
+
     @default("policy")
     def _default_policy(self) -> SchedulingPolicy:
         return SchedulingPolicy(parent=self)
+
+    @default("pools")
+    def _default_pools(self) -> Pools:
+        return Pools(parent=self)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -88,6 +128,7 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
         self.on_evict: Callable[[dict[str, Any]], None] | None = None
         #: server leases being evicted: when their stop was asked, and why
         self._stopping: dict[int, tuple[dt.datetime, str]] = {}
+        self._init_sharing()
 
     # -- sessions and notification -------------------------------------------------
 
@@ -127,6 +168,8 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
                 if uuid not in reported and row.present:
                     self.log.warning("Device %s (%s) is no longer reported", uuid, row.name)
                     row.present = False
+            session.flush()
+            self._refresh_pools(session)
             self._schedule(session, utcnow())
         self._notify()
         return [vars(d) for d in reported.values()]
@@ -149,13 +192,19 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
         return counts
 
     def largest_node(self) -> int:
-        """Number of present, non-drained devices on the largest node."""
-        with self._session() as session:
-            per_node: dict[str, int] = {}
-            for device in session.scalars(select(Device).where(Device.present)):
-                if not device.drained:
-                    per_node[device.node] = per_node.get(device.node, 0) + 1
+        """Number of present, non-drained devices of exclusive pools on the largest node."""
+        per_node: dict[str, int] = {}
+        for device, spec in self.pool_devices():
+            if not device.drained and spec.mode == scheduler.PoolMode.exclusive.value:
+                per_node[device.node] = per_node.get(device.node, 0) + 1
         return max(per_node.values(), default=0)
+
+    def pool_devices(self) -> list[tuple[Device, PoolSpec]]:
+        """Every present device (detached row) with its pool."""
+        with self._session() as session:
+            devices = list(session.scalars(select(Device).where(Device.present)))
+        assigned = self._pool_of(devices)
+        return [(d, assigned[d.uuid]) for d in devices]
 
     def request_limit(self) -> int:
         """Most GPUs one lease may ask for now (see ``max_gpus_per_request``)."""
@@ -170,7 +219,7 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
         self,
         user: str,
         server_name: str,
-        gpus: int,
+        gpus: int | None = None,
         holder_kind: str = HolderKind.server.value,
         priority_class: str | None = None,
         time_limit: float | None = None,
@@ -178,11 +227,20 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
         groups: list[str] | None = None,
         dry_run: bool = False,
         admin: bool = True,
+        mig_profile: str | None = None,
+        memory_gib: float | None = None,
+        count: int | None = None,
+        pool: str | None = None,
     ) -> dict[str, Any]:
-        """Ask for ``gpus`` whole devices for ``user``'s server ``server_name``.
+        """Ask for slots for ``user``'s server ``server_name``: ``gpus`` whole
+        devices, one MIG instance of ``mig_profile``, or ``count`` shares of
+        ``memory_gib`` GiB on distinct devices (exactly one of the three),
+        optionally in ``pool``.
 
         Args:
-            user, server_name, gpus, holder_kind: what and for whom.
+            user, server_name, holder_kind: for whom.
+            gpus, mig_profile, memory_gib, count, pool: what (see
+                :meth:`shape`).
             priority_class: a configured class (default
                 ``SchedulingPolicy.default_priority_class``).
             time_limit: seconds the lease may run once granted (``None``: none).
@@ -194,19 +252,20 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
 
         Returns:
             the lease view (``state`` ``granted`` or ``pending``); with
-            ``dry_run``, ``{"admitted": True, "user", "gpus", "priority_class",
-            "group"}``.
+            ``dry_run``, ``{"admitted": True, "user", "gpus", "kind",
+            "weight", "priority_class", "group"}``.
 
         Raises:
-            BadRequest: ``gpus`` outside 1..:meth:`request_limit`, unknown class,
-                non-positive time limit.
+            BadRequest: ``gpus`` outside 1..:meth:`request_limit`, a pool,
+                profile or share size the pools cannot serve (see
+                :meth:`shape`), unknown class, non-positive time limit.
             Forbidden: a user or group limit would be exceeded (held plus
                 pending), or ``group`` is not one of the user's groups.
             Conflict: the server already has an active lease.
         """
-        limit = self.request_limit()
-        if not 1 <= gpus <= limit:
-            raise BadRequest(f"gpus: must be between 1 and {limit} (the request limit), got {gpus}")
+        if [gpus, mig_profile, memory_gib].count(None) != 2:
+            raise BadRequest("gpus/mig_profile/memory_gib: give exactly one of them")
+        shape = self.shape(gpus, mig_profile, memory_gib, count, pool)
         policy = self._policy()
         self.class_for_caller(priority_class, admin, policy)
         cls = priority_class or self.policy.default_priority_class
@@ -217,17 +276,19 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
         if time_limit is not None and time_limit <= 0:
             raise BadRequest(f"time_limit: must be a positive number of seconds, got {time_limit}")
         charged = self._charge_group(user, group, groups, policy)
-        self._check_guarantee_room(policy, cls, user, charged, gpus)
+        self._check_guarantee_room(policy, cls, user, charged, shape.weight)
         now = utcnow()
         with self._session() as session, session.begin():
             if holder_kind == HolderKind.server.value:
                 self._check_no_active_lease(session, user, server_name)
-            self._check_limits(session, policy, user, charged, gpus)
+            self._check_limits(session, policy, user, charged, shape.weight)
             if dry_run:
                 return {
                     "admitted": True,
                     "user": user,
-                    "gpus": gpus,
+                    "gpus": shape.count,
+                    "kind": shape.kind,
+                    "weight": shape.weight,
                     "priority_class": cls,
                     "group": charged,
                 }
@@ -235,23 +296,28 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
                 user=user,
                 server_name=server_name,
                 holder_kind=holder_kind,
-                gpus=gpus,
+                gpus=shape.count,
                 state=LeaseState.pending.value,
                 created=now,
                 priority_class=cls,
                 time_limit=time_limit,
                 group_name=charged,
+                kind=shape.kind,
+                mig_profile=shape.mig_profile,
+                memory_mib=shape.memory_mib,
+                pool=shape.pool,
+                weight=None if shape.kind == "gpus" else shape.weight,
             )
             session.add(lease)
             session.flush()
             self._schedule(session, now)
             view = lease_view(lease)
         self.log.info(
-            "Lease %s for %s/%s (%s GPU, %s): %s",
+            "Lease %s for %s/%s (%s, %s): %s",
             view["id"],
             user,
             server_name,
-            gpus,
+            view["summary"],
             cls,
             view["state"],
         )
@@ -298,6 +364,7 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
     def _release(self, lease: Lease, reason: str, now: dt.datetime) -> None:
         if lease.state == LeaseState.granted.value:
             record_usage(self._session_of(lease), lease, now, self.policy.fairshare_half_life)
+            self._unrealize(lease)
         lease.state = LeaseState.released.value
         lease.version += 1
         lease.released_at = now
@@ -439,14 +506,27 @@ class Broker(AdmissionMixin, AdminMixin, NoticesMixin, LoggingConfigurable):
 
         When an eviction released devices, one more pass hands them on.
         """
-        state, leases = build_state(session, self._policy(session), self._topology)
+        state, leases = build_state(
+            session,
+            self._policy(session),
+            self._topology,
+            self._pools,
+            self._mig_inventory,
+            self.mig_placement,
+        )
         decisions = scheduler.schedule(state, now)
         evicted = apply_decisions(
-            session, decisions, leases, now, lambda lease, why: self._evict(lease, why, now)
+            session,
+            decisions,
+            leases,
+            now,
+            lambda lease, why: self._evict(lease, why, now),
+            self._realize,
         )
         session.flush()
         for grant in decisions.grants:
-            self.log.info("Granted lease %s: %s", grant.lease_id, ",".join(grant.devices))
+            what = grant.devices or tuple(f"{p.kind}:{p.device}" for p in grant.parts)
+            self.log.info("Granted lease %s: %s", grant.lease_id, ",".join(what))
         for preemption in decisions.preemptions:
             self.log.warning(
                 "Preempting lease %s for %s by %s: %s",

@@ -4,28 +4,47 @@ rows, and write its decisions back, all inside the caller's transaction."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from . import scheduler
-from .scheduler import Decisions, Policy, SchedulerState
+from .pools import PoolSpec
+from .scheduler import Decisions, Instance, Part, Policy, PoolMode, SchedulerState
 from .store.models import Allocation, Device, Lease, LeaseState
 from .usage import usage_records
+
+#: the MIG instances present on each device: parent UUID -> instances
+MigInventory = Mapping[str, Sequence[Instance]]
+
+
+def _part(allocation: Allocation) -> Part:
+    return Part(
+        device=allocation.device_uuid,
+        kind=allocation.kind,
+        weight=allocation.weight,
+        profile=allocation.profile or "",
+        start=allocation.placement_start or 0,
+        size=allocation.placement_size or 0,
+        memory_mib=allocation.memory_mib or 0,
+        instance=allocation.instance_uuid or "",
+    )
 
 
 def _running(lease: Lease) -> scheduler.Running:
     assert lease.granted_at is not None
+    active = [a for a in lease.allocations if a.active]
     return scheduler.Running(
         lease_id=lease.id,
         user=lease.user,
-        devices=tuple(a.device_uuid for a in lease.allocations if a.active),
+        devices=tuple(a.device_uuid for a in active if a.kind == "device"),
         started=lease.granted_at,
         group=lease.group_name,
         priority_class=lease.priority_class,
         ends=lease.ends_at,
         preempt_deadline=lease.preempt_deadline,
+        parts=tuple(_part(a) for a in active if a.kind != "device"),
     )
 
 
@@ -39,6 +58,41 @@ def _request(lease: Lease) -> scheduler.Request:
         priority_class=lease.priority_class,
         time_limit=lease.time_limit,
         earmarked=tuple(lease.earmarked or ()),
+        kind=lease.kind,
+        mig_profile=lease.mig_profile or "",
+        memory_mib=lease.memory_mib or 0,
+        pool=lease.pool,
+        weight=lease.weight,
+    )
+
+
+def _slot(
+    device: Device, spec: PoolSpec | None, instances: Sequence[Instance], held: set[str]
+) -> scheduler.Slot:
+    """A device as the scheduler sees it. A ``mig`` device whose MIG mode is
+    off, or whose mode change an admin asked for, takes no new grants."""
+    mode = spec.mode if spec else PoolMode.exclusive.value
+    drained = device.drained or device.mig_target is not None
+    static: tuple[Instance, ...] = ()
+    foreign: tuple[Instance, ...] = ()
+    if mode == PoolMode.mig.value:
+        drained = drained or not device.mig_enabled
+        if spec is not None and spec.mig_layout == "static":
+            static = tuple(instances)
+        else:
+            foreign = tuple(i for i in instances if i.uuid not in held)
+    return scheduler.Slot(
+        device.uuid,
+        device.node,
+        device.index,
+        drained,
+        pool=spec.name if spec else "default",
+        mode=mode,
+        model=device.name,
+        memory_mib=device.memory_total_mib,
+        reserve_mib=spec.reserve_mib if spec else 0,
+        static=static,
+        foreign=foreign,
     )
 
 
@@ -46,19 +100,38 @@ def build_state(
     session: Session,
     policy: Policy,
     topology: Mapping[str, scheduler.Topology],
+    pools: Mapping[str, PoolSpec] | None = None,
+    mig_instances: MigInventory | None = None,
+    sharing_strategy: str = "least-fragmentation",
 ) -> tuple[SchedulerState, dict[int, Lease]]:
-    """The scheduler's view of the store, and the active leases by id."""
-    devices = session.scalars(select(Device).where(Device.present))
+    """The scheduler's view of the store, and the active leases by id.
+
+    Args:
+        pools: the pool of each device by UUID (default: all exclusive).
+        mig_instances: MIG instances present per device (from the backend).
+    """
+    devices = list(session.scalars(select(Device).where(Device.present)))
     active = list(
         session.scalars(select(Lease).where(Lease.state.in_((LeaseState.pending.value, "granted"))))
     )
+    held = {
+        a.instance_uuid
+        for x in active
+        for a in x.allocations
+        if a.active and a.instance_uuid is not None
+    }
+    pools = pools or {}
+    mig_instances = mig_instances or {}
     state = SchedulerState(
-        slots=tuple(scheduler.Slot(d.uuid, d.node, d.index, d.drained) for d in devices),
+        slots=tuple(
+            _slot(d, pools.get(d.uuid), mig_instances.get(d.uuid, ()), held) for d in devices
+        ),
         running=tuple(_running(x) for x in active if x.state == LeaseState.granted.value),
         pending=tuple(_request(x) for x in active if x.state == LeaseState.pending.value),
         policy=policy,
         usage=usage_records(session),
         topology=topology,
+        sharing_strategy=sharing_strategy,
     )
     return state, {x.id: x for x in active}
 
@@ -67,17 +140,26 @@ def _bump(lease: Lease) -> None:
     lease.version += 1
 
 
+#: makes a grant's fractional parts real (creates MIG instances); returns
+#: the parts with their instance UUIDs, or raises with a message for the user
+Realize = Callable[[Lease, tuple[Part, ...]], tuple[Part, ...]]
+
+
 def apply_decisions(
     session: Session,
     decisions: Decisions,
     leases: Mapping[int, Lease],
     now: dt.datetime,
     evict: Callable[[Lease, str], bool],
+    realize: Realize | None = None,
 ) -> list[Lease]:
     """Write ``decisions`` to the rows; return the leases ended by eviction.
 
     ``evict(lease, reason)`` ends a lease or starts ending it (stopping its
     server first); it returns whether the lease is released now.
+    ``realize(lease, parts)`` creates what a fractional grant needs; when it
+    raises ``RuntimeError`` the lease stays pending with the error as its
+    reason's message (the next pass tries again).
     """
     evicted = []
     for eviction in decisions.evictions:
@@ -94,7 +176,19 @@ def apply_decisions(
         lease.preempted_for = lease.preempt_deadline = lease.preempt_reason = None
         _bump(lease)
     for grant in decisions.grants:
-        _grant(session, leases[grant.lease_id], grant.devices, now)
+        lease = leases[grant.lease_id]
+        if grant.parts:
+            try:
+                parts = realize(lease, grant.parts) if realize else grant.parts
+            except RuntimeError as err:
+                failed = scheduler.Wait(
+                    lease.id, 1, scheduler.WaitReason.resources, f"waiting: {err}"
+                )
+                _wait(lease, failed)
+                continue
+            _grant_parts(session, lease, parts, now)
+            continue
+        _grant(session, lease, grant.devices, now)
     for preemption in decisions.preemptions:
         victim = leases[preemption.lease_id]
         victim.preempted_for = preemption.for_lease
@@ -124,6 +218,26 @@ def _grant(session: Session, lease: Lease, uuids: tuple[str, ...], now: dt.datet
         session.add(Allocation(lease=lease, device_uuid=uuid, active=True))
     session.flush()
     _bump(lease)
+
+
+def _grant_parts(session: Session, lease: Lease, parts: tuple[Part, ...], now: dt.datetime) -> None:
+    for part in parts:
+        session.add(
+            Allocation(
+                lease=lease,
+                device_uuid=part.device,
+                active=True,
+                kind=part.kind,
+                instance_uuid=part.instance or None,
+                profile=part.profile or None,
+                placement_start=part.start if part.kind == "mig" else None,
+                placement_size=part.size if part.kind == "mig" else None,
+                memory_mib=part.memory_mib,
+                weight=part.weight,
+            )
+        )
+    lease.weight = sum(part.weight for part in parts)
+    _grant(session, lease, (), now)
 
 
 def _wait(lease: Lease, wait: scheduler.Wait) -> None:

@@ -21,6 +21,7 @@ from .core import Broker, utcnow
 from .culler import Culler
 from .devices import load_backend
 from .hub import HubClient
+from .share_guard import ShareGuard
 from .store.db import make_engine, make_session_factory, upgrade
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class BrokerService:
         self.hub_auth = HubAuth(parent=app, api_token=self.hub.api_token, api_url=self.hub.api_url)
         self.broker.on_evict = self._evicted
         self.culler = Culler(self.broker, self.hub, parent=app)
+        self.share_guard = ShareGuard(self.broker, parent=app)
         self._groups: dict[str, tuple[float, list[str]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -129,6 +131,8 @@ class BrokerService:
             tasks.append(asyncio.create_task(self._reconcile_loop()))
         if self.culler.enabled:
             tasks.append(asyncio.create_task(self.culler.run()))
+        if self.share_guard.enabled:
+            tasks.append(asyncio.create_task(self.share_guard.run()))
         await self._stop.wait()
         self.log.info("Shutting down")
         server.stop()
@@ -142,6 +146,7 @@ class BrokerService:
             await asyncio.sleep(self.app.schedule_interval)
             try:
                 self.broker.schedule_now()
+                self.broker.housekeep_mig()
             except Exception:
                 self.log.exception("Scheduling pass failed")
 

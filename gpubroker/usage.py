@@ -21,7 +21,7 @@ def record_usage(session: Session, lease: Lease, now: dt.datetime, half_life: fl
     """Add the decayed GPU-seconds of ``lease`` (granted until ``now``) to its user."""
     if lease.granted_at is None:
         return
-    gpus = float(len(lease.allocations))
+    gpus = lease.weight if lease.weight is not None else float(len(lease.allocations))
     row = session.get(UsageRow, lease.user)
     if row is None:
         row = UsageRow(user=lease.user, gpu_seconds=0.0, as_of=now)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from .store.models import Device, Lease, LeaseState
+from .store.models import Allocation, Device, Lease, LeaseState
 
 
 def isoformat(when: dt.datetime | None) -> str | None:
@@ -41,12 +41,70 @@ def lease_env(lease: Lease) -> dict[str, str]:
     """
     if lease.state != LeaseState.granted.value:
         return {}
+    if lease.grant_env:
+        return dict(lease.grant_env)
     uuids = ",".join(a.device_uuid for a in lease.allocations if a.active)
     return {
         "CUDA_VISIBLE_DEVICES": uuids,
         "NVIDIA_VISIBLE_DEVICES": uuids,
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "GPUBROKER_LEASE_ID": str(lease.id),
+    }
+
+
+#: what each kind of slot guarantees, said in the lease and the spawn form
+GUARANTEES = {
+    "gpus": "whole device: all its memory and compute, for this lease alone",
+    "mig": (
+        "MIG instance: memory and compute isolated in hardware; "
+        "compute: {slices} of the device's SMs, hard"
+    ),
+    "share": (
+        "time-sliced share: memory cap of {memory} enforced by the broker "
+        "(framework caps, watchdog; hard only where MPS runs); compute shared "
+        "with the device's other users, no guaranteed part"
+    ),
+}
+
+
+def summary(lease: Lease) -> str:
+    """One line saying what the lease asks for, e.g. ``1 x MIG 1g.10gb``."""
+    if lease.kind == "mig":
+        return f"1 x MIG {lease.mig_profile}"
+    if lease.kind == "share":
+        gib = (lease.memory_mib or 0) / 1024
+        return f"{lease.gpus} x shared GPU ({gib:g} GiB each)"
+    return f"{lease.gpus} x GPU"
+
+
+def guarantee(lease: Lease) -> str:
+    """What the lease's slots guarantee (memory hard or soft, compute share)."""
+    text = GUARANTEES.get(lease.kind, GUARANTEES["gpus"])
+    if lease.kind == "mig":
+        slices = int((lease.mig_profile or "1g").split("g.")[0])
+        total = round(slices / lease.weight) if lease.weight else 7
+        return text.format(slices=f"{slices}/{total}")
+    if lease.kind == "share":
+        return text.format(memory=f"{(lease.memory_mib or 0) / 1024:g} GiB")
+    return text
+
+
+def slot_view(allocation: Allocation) -> dict[str, Any]:
+    """One slot a lease holds: ``kind`` (``device``, ``mig``, ``share``),
+    ``device`` (GPU UUID), ``uuid`` (what CUDA sees: the GPU or ``MIG-``
+    UUID), ``profile``, ``placement`` (``start:size``), ``memory_mib``,
+    ``weight`` (device units)."""
+    placement = None
+    if allocation.placement_start is not None:
+        placement = f"{allocation.placement_start}:{allocation.placement_size}"
+    return {
+        "kind": allocation.kind,
+        "device": allocation.device_uuid,
+        "uuid": allocation.instance_uuid or allocation.device_uuid,
+        "profile": allocation.profile,
+        "placement": placement,
+        "memory_mib": allocation.memory_mib,
+        "weight": allocation.weight,
     }
 
 
@@ -75,6 +133,14 @@ def lease_view(lease: Lease) -> dict[str, Any]:
         "server_name": lease.server_name,
         "holder_kind": lease.holder_kind,
         "gpus": lease.gpus,
+        "kind": lease.kind,
+        "mig_profile": lease.mig_profile,
+        "memory_gib": None if lease.memory_mib is None else lease.memory_mib / 1024,
+        "count": lease.gpus,
+        "pool": lease.pool,
+        "weight": lease.weight if lease.weight is not None else float(lease.gpus),
+        "summary": summary(lease),
+        "guarantee": guarantee(lease),
         "priority_class": lease.priority_class,
         "group": lease.group_name,
         "time_limit": lease.time_limit,
@@ -88,6 +154,7 @@ def lease_view(lease: Lease) -> dict[str, Any]:
         "reclaimable": lease.reclaimable,
         "preemption": preemption,
         "devices": [device_view(a.device) for a in lease.allocations if a.active or not granted],
+        "slots": [slot_view(a) for a in lease.allocations if a.active or not granted],
         "env": lease_env(lease),
         "queue": queue,
     }

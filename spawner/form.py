@@ -1,15 +1,22 @@
 """The spawn form and the parsing and checking of ``user_options``.
 
-The form and the hub REST API share one ``user_options`` shape,
-``{"gpus": N}``, and one check (:func:`check_gpu_options`), so a request that
-the form could not make is refused the same way when posted to the API.
+The form and the hub REST API share one ``user_options`` shape and one
+check, so a request that the form could not make is refused the same way
+when posted to the API:
+
+- without profiles: ``{"gpus": N}``, checked by :func:`check_gpu_options`;
+- with ``gpu_profiles``: ``{"profile": SLUG}`` (KubeSpawner's key), checked by
+  :func:`select_profile` and shown by :func:`render_profiles`.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import re
 from typing import Any
+
+from . import profiles as _profiles
 
 #: keys ``user_options`` may have
 OPTION_KEYS = ("gpus",)
@@ -95,6 +102,246 @@ def render_form(limit: int, devices: dict[str, Any], default: int = 0) -> str:
   </select>
   <p class="help-block">{free} of {total} GPUs free now{model}. If none are free,
   your server waits in the queue and this page shows your position.</p>
+  {note}
+</div>
+"""
+
+
+# -- profiles ------------------------------------------------------------------------
+
+#: the kind of pool each kind of request is placed in
+POOL_MODES = {"gpus": "exclusive", "mig": "mig", "share": "timeslice"}
+#: device memory assumed for a share's weight when the broker does not say
+DEFAULT_DEVICE_GIB = 80.0
+
+
+def profile_options_from_form(formdata: dict[str, list[str]]) -> dict[str, Any]:
+    """The profile form's POST data (``{"profile": ["mig-small"]}``) →
+    ``{"profile": "mig-small"}``; ``{}`` when no profile was chosen."""
+    values = formdata.get("profile")
+    if values and values[0].strip():
+        return {"profile": values[0].strip()}
+    return {}
+
+
+def select_profile(
+    profiles: list[dict[str, Any]], user_options: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Validate ``user_options`` against checked ``profiles``; return the chosen one.
+
+    Args:
+        profiles: ``gpu_profiles`` as checked by
+            :func:`~gpubroker_spawner.profiles.check_profiles`.
+        user_options: ``{"profile": SLUG}``, or ``{}``/``None`` for the default
+            profile (the one marked ``default``, else the first).
+
+    Raises:
+        OptionsError: a request field (``gpus``, ``mig_profile``, …) posted
+            directly, an unknown option, or an unknown slug.
+    """
+    options = dict(user_options or {})
+    slugs = ", ".join(p["slug"] for p in profiles)
+    for key in _profiles.REQUEST_KEYS:
+        if key in options:
+            raise OptionsError(f"{key}: choose a profile (profile: {slugs})")
+    unknown = sorted(set(options) - {"profile"}, key=str)
+    if unknown:
+        raise OptionsError(f"{unknown[0]}: unknown option (allowed: profile)")
+    slug = options.get("profile")
+    if slug is None:
+        return _profiles.default_profile(profiles)
+    if not isinstance(slug, str):
+        raise OptionsError(
+            f"profile: must be the slug of a profile (choices: {slugs}), got {json.dumps(slug)}"
+        )
+    for profile in profiles:
+        if profile["slug"] == slug:
+            return profile
+    raise OptionsError(f"profile: unknown profile {slug!r} (choices: {slugs})")
+
+
+def _pools_for(request: dict[str, Any], pools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pools a request may be placed in: its ``pool``, else the pools of
+    its kind's mode (interactive ones first), else all (the broker decides)."""
+    if "pool" in request:
+        return [p for p in pools if p.get("name") == request["pool"]]
+    mode = POOL_MODES[_profiles.request_kind(request)]
+    same = [p for p in pools if p.get("mode") == mode]
+    interactive = [p for p in same if p.get("purpose", "interactive") == "interactive"]
+    return interactive or same or list(pools)
+
+
+def device_gib(pools: list[dict[str, Any]], devices: list[dict[str, Any]]) -> float:
+    """Memory (GiB) of the largest device of ``pools``: from ``GET /devices``
+    (``memory_total_mib`` of the devices in the pool, or of its models), else
+    from the model names ("... 80GB ..."), else :data:`DEFAULT_DEVICE_GIB`.
+
+    The largest device gives a share its smallest weight, so the form greys out
+    only what the broker would surely refuse; the dry run at spawn decides."""
+    names = {p.get("name") for p in pools}
+    models = {m for p in pools for m in p.get("models") or []}
+    mibs = [
+        float(d["memory_total_mib"])
+        for d in devices
+        if d.get("memory_total_mib")
+        and d.get("present", True)
+        and (d["pool"] in names if d.get("pool") else d.get("name") in models)
+    ]
+    if mibs:
+        return max(mibs) / 1024
+    sizes = [float(m.group(1)) for m in map(re.compile(r"(\d+)\s*GB").search, models) if m]
+    return max(sizes) if sizes else DEFAULT_DEVICE_GIB
+
+
+def _availability(request: dict[str, Any], pools: list[dict[str, Any]]) -> str:
+    kind = _profiles.request_kind(request)
+    if kind == "none":
+        return "starts at once"
+    free = [p.get("free") or {} for p in pools]
+    if kind == "gpus":
+        count = sum(int(f.get("gpus", 0)) for f in free)
+        return f"{count} free now" if count >= request["gpus"] else "will queue"
+    if kind == "mig":
+        count = sum(int((f.get("mig") or {}).get(request["mig_profile"], 0)) for f in free)
+        return f"{count} free now" if count else "will queue"
+    largest = max((float(f.get("share_gib", 0)) for f in free), default=0.0)
+    if largest >= float(request["memory_gib"]):
+        return f"free now: up to {_profiles.fmt(largest)} GiB on one GPU"
+    return "will queue"
+
+
+def _quota_line(quota: dict[str, Any]) -> str:
+    held = float(quota.get("held") or 0)
+    pending = float(quota.get("pending") or 0)
+    now = f"you hold {_profiles.fmt(held)}"
+    if pending:
+        now += f" and wait for {_profiles.fmt(pending)}"
+    remaining = quota.get("remaining")
+    if remaining is None:
+        return f"No GPU quota limit applies to you ({now} GPU-equivalents)."
+    return (
+        f"You may hold {_equivalents(max(float(remaining), 0), 'more ')} "
+        f"({now} of your limit of {_profiles.fmt(float(quota.get('limit') or 0))})."
+    )
+
+
+def _equivalents(value: float, between: str = "") -> str:
+    """``1 GPU-equivalent``, ``1.5 more GPU-equivalents``."""
+    text = _profiles.fmt(value)
+    return f"{text} {between}GPU-equivalent" + ("" if text == "1" else "s")
+
+
+def profile_choices(
+    profiles: list[dict[str, Any]], pools: dict[str, Any], devices: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """What the form shows for each profile, unescaped: ``{"profile", "weight",
+    "availability", "disabled" (a reason, or "")}``.
+
+    Args:
+        profiles: the checked ``gpu_profiles``.
+        pools: the broker's ``GET /pools?user=NAME`` answer.
+        devices: the broker's ``GET /devices`` answer (for device memory).
+    """
+    pool_list = list(pools.get("pools") or [])
+    device_list = list((devices or {}).get("devices") or [])
+    remaining = (pools.get("quota") or {}).get("remaining")
+    choices = []
+    for profile in profiles:
+        request = profile["request"]
+        kind = _profiles.request_kind(request)
+        candidates = _pools_for(request, pool_list) if kind != "none" else []
+        weight = _profiles.request_weight(request, device_gib(candidates, device_list))
+        disabled = ""
+        if "pool" in request and not candidates:
+            disabled = f"the broker has no pool {request['pool']!r}"
+        elif remaining is not None and weight > 0 and weight > float(remaining) + 1e-9:
+            disabled = (
+                f"needs {_equivalents(weight)}; you may hold "
+                f"{_profiles.fmt(max(float(remaining), 0))} more"
+            )
+        choices.append(
+            {
+                "profile": profile,
+                "weight": weight,
+                "availability": "" if disabled else _availability(request, candidates),
+                "disabled": disabled,
+            }
+        )
+    return choices
+
+
+def render_profiles(
+    profiles: list[dict[str, Any]], pools: dict[str, Any], devices: dict[str, Any] | None = None
+) -> str:
+    """HTML of the spawn form with profiles: one radio choice per profile.
+
+    Each choice shows the profile's name, description, guarantee, what is
+    free now and its weight against the quota; a profile heavier than the
+    user's remaining quota (or in a pool the broker lacks) is ``disabled``
+    with the reason. The ``default`` profile is preselected, or the first
+    that is not disabled. Every text is escaped.
+
+    Args:
+        profiles: the checked ``gpu_profiles``.
+        pools: the broker's ``GET /pools?user=NAME`` answer.
+        devices: the broker's ``GET /devices`` answer (device memory, and
+            whether the GPUs are simulated).
+    """
+    choices = profile_choices(profiles, pools, devices)
+    enabled = [c["profile"]["slug"] for c in choices if not c["disabled"]]
+    default = _profiles.default_profile(profiles)["slug"] if profiles else None
+    checked = default if default in enabled else (enabled[0] if enabled else None)
+    items = []
+    for choice in choices:
+        profile = choice["profile"]
+        slug = html.escape(profile["slug"])
+        attrs = " checked" if profile["slug"] == checked else ""
+        attrs += " disabled" if choice["disabled"] else ""
+        lines = [f"<strong>{html.escape(profile['display_name'])}</strong>"]
+        if choice["availability"]:
+            lines[0] += (
+                f' <span class="gpubroker-availability text-muted">'
+                f"({html.escape(choice['availability'])})</span>"
+            )
+        if profile["description"]:
+            lines.append(f"<span>{html.escape(profile['description'])}</span>")
+        lines.append(
+            f'<small class="gpubroker-guarantee text-muted">Guarantee: '
+            f"{html.escape(profile['guarantee'])}</small>"
+        )
+        if choice["weight"]:
+            summary = html.escape(_profiles.request_summary(profile["request"]))
+            lines.append(
+                f'<small class="text-muted">{summary}; counts as '
+                f"{_equivalents(choice['weight'])} against your quota</small>"
+            )
+        if choice["disabled"]:
+            lines.append(
+                f'<small class="gpubroker-disabled text-danger">Not available: '
+                f"{html.escape(choice['disabled'])}</small>"
+            )
+        muted = " text-muted" if choice["disabled"] else ""
+        items.append(
+            f"""  <div class="form-check gpubroker-profile{muted}">
+    <input class="form-check-input" type="radio" name="profile"
+      id="gpubroker-profile-{slug}" value="{slug}"{attrs}>
+    <label class="form-check-label" for="gpubroker-profile-{slug}">
+      {"<br>".join(lines)}
+    </label>
+  </div>"""
+        )
+    quota = html.escape(_quota_line(pools.get("quota") or {}))
+    note = ""
+    if ((devices or {}).get("backend") or {}).get("simulated"):
+        note = '<p class="text-warning">Simulated GPUs: these are not real NVIDIA GPUs.</p>'
+    body = "\n".join(items)
+    return f"""
+<div class="form-group gpubroker-profiles">
+  <label>GPU profile</label>
+  <p class="help-block gpubroker-quota">{quota}</p>
+{body}
+  <p class="help-block">If what you choose is not free, your server waits in the queue
+  and this page shows your position.</p>
   {note}
 </div>
 """

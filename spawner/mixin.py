@@ -1,11 +1,13 @@
 """GPUSpawnerMixin: ask the broker for a lease before starting a server.
 
-Flow: ``apply_user_options`` checks ``{"gpus": N}``; ``start()`` requests a
-lease, waits in the queue (reporting position and reason through
-``progress()``), sets the device variables from the grant and starts the
-server; ``stop()`` releases the lease. The lease id is kept in the spawner's
-state so a hub restart keeps the lease. Every way out of a start that fails
-(error, time-out, cancel) releases the lease.
+Flow: ``apply_user_options`` checks the options (``{"gpus": N}``, or
+``{"profile": SLUG}`` when ``gpu_profiles`` are configured, whose
+``spawner_override`` it then applies) and turns them into a lease request;
+``start()`` requests the lease, waits in the queue (reporting position and
+reason through ``progress()``), sets the device variables from the grant and
+starts the server; ``stop()`` releases the lease. The lease id is kept in the
+spawner's state so a hub restart keeps the lease. Every way out of a start
+that fails (error, time-out, cancel) releases the lease.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from typing import Any
 
 from jupyterhub.utils import maybe_future
 from tornado import web
-from traitlets import Float, Integer, Unicode, default
+from traitlets import Dict, Float, Integer, List, TraitError, Unicode, default, validate
 from traitlets.config import LoggingConfigurable
 
 from gpubroker.client import BrokerClient, BrokerClientError
 
-from . import form
+from . import form, profiles
 
 try:
     from jupyterhub.spawner import SpawnException
@@ -45,7 +47,8 @@ NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"}
 
 
 async def _apply_gpu_options(spawner: GPUSpawnerMixin, user_options: dict[str, Any]) -> None:
-    """Default ``Spawner.apply_user_options``: check and remember the GPU count."""
+    """Default ``Spawner.apply_user_options``: check the options, apply the
+    chosen profile, and remember the lease request."""
     spawner.gpu_request = await spawner.check_user_options(user_options)
 
 
@@ -104,14 +107,66 @@ class GPUSpawnerMixin(LoggingConfigurable):
         reservations and backfill (None: no limit).""",
     ).tag(config=True)
 
+    gpu_profiles = List(
+        Dict(),
+        help="""Profiles offered on the spawn form instead of the GPU count menu,
+        in the style of KubeSpawner's ``profile_list``. Each is a dict with:
+
+        - ``display_name`` (str, required): the choice's title;
+        - ``slug`` (str): its ``user_options`` value, ``{"profile": SLUG}``
+          (default: ``display_name`` in lower case, runs of other characters
+          turned into ``-``);
+        - ``description`` (str): a line under the title;
+        - ``request`` (dict): the GPU part of the lease request: ``{}`` (no
+          GPU), ``{"gpus": N}`` (whole devices), ``{"mig_profile": "1g.10gb"}``
+          (one MIG instance) or ``{"memory_gib": X, "count": N}`` (N
+          time-sliced shares of X GiB on distinct devices), each optionally
+          with ``"pool": NAME``;
+        - ``default`` (bool): preselected, and used when ``user_options`` name
+          no profile (default: the first profile);
+        - ``spawner_override`` (dict): spawner settings applied when the
+          profile is chosen, e.g. ``{"mem_limit": "32G", "cmd": [...]}``; a
+          callable value is called with the spawner, a dict value is merged
+          into the current dict (``None`` removes a key);
+        - ``guarantee`` (str): what the tier guarantees (default: a sentence
+          for the request's kind).
+
+        The list is checked when it is set; a mistake raises an error naming
+        the item and the field. With profiles, ``user_options`` posted to the
+        hub API must be ``{"profile": SLUG}`` (or ``{}`` for the default);
+        ``gpus``, ``max_gpus`` and ``default_gpus`` are not used. Empty (the
+        default): the spawn form offers 0 to ``max_gpus`` whole GPUs.""",
+    ).tag(config=True)
+
     gpu_lease_id: int | None = None
-    gpu_request: int | None = None
+    #: the checked lease request (``{}``: no GPU); None until options are checked
+    gpu_request: dict[str, Any] | None = None
+    #: slug of the profile chosen for this spawn (None without profiles)
+    gpu_profile: str | None = None
     #: why the broker ended this server's last lease (preemption, reconcile), shown once
     gpu_last_end: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: the values the applied profile's spawner_override replaced
+        self._gpu_saved_settings: dict[str, Any] = {}
         self._reset_progress()
+
+    @validate("gpu_profiles")
+    def _validate_gpu_profiles(self, proposal: Any) -> list[dict[str, Any]]:
+        try:
+            return profiles.check_profiles(list(proposal["value"]), self._may_override)
+        except ValueError as err:
+            raise TraitError(str(err)) from None
+
+    def _may_override(self, name: str) -> bool:
+        """Whether a profile's ``spawner_override`` may set ``name``: a
+        configurable setting of this spawner, other than the profiles."""
+        return (
+            name != "gpu_profiles"
+            and self.has_trait(name)
+            and bool(self.trait_metadata(name, "config"))
+        )
 
     def _reset_progress(self) -> None:
         self._gpu_events: list[dict[str, Any]] = []
@@ -154,38 +209,118 @@ class GPUSpawnerMixin(LoggingConfigurable):
 
     async def _gpu_options_form(self) -> str:
         try:
+            if self.gpu_profiles:
+                pools = await self.broker.pools(self.user.name)
             devices = await self.broker.devices()
         except BrokerClientError as err:
             self.log.error("Cannot reach the GPU broker for the spawn form: %s", err)
             return (
                 '<p class="text-danger">The GPU broker is unavailable; GPUs cannot be chosen.</p>'
             )
-        limit = int(devices["summary"]["request_limit"])
-        limit = min(limit, self.max_gpus) if self.max_gpus else limit
-        page = form.render_form(limit, devices, self.default_gpus)
+        if self.gpu_profiles:
+            page = form.render_profiles(self.gpu_profiles, pools, devices)
+        else:
+            limit = int(devices["summary"]["request_limit"])
+            limit = min(limit, self.max_gpus) if self.max_gpus else limit
+            page = form.render_form(limit, devices, self.default_gpus)
         if self.gpu_last_end:
             note = html.escape(f"Your previous server lost its GPUs: {self.gpu_last_end}")
             page = f'<p class="alert alert-warning">{note}</p>' + page
         return page
 
     def options_from_form(self, formdata: dict[str, list[str]]) -> dict[str, Any]:
-        """Form data → ``{"gpus": N}`` (checked later, like API-posted options)."""
+        """Form data → ``{"gpus": N}``, or ``{"profile": SLUG}`` with
+        ``gpu_profiles`` (checked later, like API-posted options)."""
+        if self.gpu_profiles:
+            return form.profile_options_from_form(formdata)
         return form.options_from_form(formdata)
 
-    async def check_user_options(self, user_options: dict[str, Any] | None) -> int:
-        """Validate ``user_options``; return the GPU count.
+    async def check_user_options(self, user_options: dict[str, Any] | None) -> dict[str, Any]:
+        """Validate ``user_options`` and return the GPU part of the lease request.
+
+        Without profiles, ``{"gpus": N}`` becomes ``{"gpus": N}`` (``{}`` for
+        none). With ``gpu_profiles``, ``{"profile": SLUG}`` (or ``{}``: the
+        default profile) becomes that profile's ``request``, and the profile's
+        ``spawner_override`` is applied to this spawner (undoing the overrides
+        of a profile applied before). A request for a GPU is then tried on the
+        broker as a dry run, so a refusal (e.g. quota) is the hub's answer.
+
+        Returns:
+            ``{}`` (no GPU), ``{"gpus": N}``, ``{"mig_profile": P}`` or
+            ``{"memory_gib": X[, "count": N]}``, maybe with ``"pool"``.
 
         Raises:
-            tornado.web.HTTPError: 400 naming the field and the limit.
+            tornado.web.HTTPError: 400 naming the field (and the limit or the
+                choices); the broker's 400/403 for the dry run.
         """
-        limit = await self.gpu_limit() if (user_options or {}).get("gpus") else 0
+        if self.gpu_profiles:
+            try:
+                profile = form.select_profile(self.gpu_profiles, user_options)
+            except form.OptionsError as err:
+                raise web.HTTPError(400, str(err)) from None
+            await self.apply_gpu_profile(profile)
+            request = dict(profile["request"])
+        else:
+            limit = await self.gpu_limit() if (user_options or {}).get("gpus") else 0
+            try:
+                gpus = form.check_gpu_options(user_options, limit, self.default_gpus)
+            except form.OptionsError as err:
+                raise web.HTTPError(400, str(err)) from None
+            request = {"gpus": gpus} if gpus else {}
+        if request:
+            try:
+                await self._admission(request)
+            except web.HTTPError:
+                self._undo_gpu_profile()
+                raise
+        return request
+
+    async def apply_gpu_profile(self, profile: dict[str, Any]) -> None:
+        """Apply a checked profile's ``spawner_override`` to this spawner, as
+        KubeSpawner applies ``kubespawner_override``: a callable value is
+        called with the spawner, a dict value is merged into the current dict
+        (``None`` removes a key), any other value replaces the setting. The
+        settings a previous profile changed are first set back.
+
+        Raises:
+            tornado.web.HTTPError: 400 naming the profile and the setting when
+                a key is not a setting profiles may change or a value is refused.
+        """
+        self._undo_gpu_profile()
+        slug = profile["slug"]
+        override = profile.get("spawner_override") or {}
+        for key in override:
+            if not self._may_override(key):
+                raise web.HTTPError(
+                    400, f"profile {slug!r}: spawner_override.{key}: not a setting of this spawner"
+                )
+        saved: dict[str, Any] = {}
         try:
-            gpus = form.check_gpu_options(user_options, limit, self.default_gpus)
-        except form.OptionsError as err:
-            raise web.HTTPError(400, str(err)) from None
-        if gpus:
-            await self._admission(gpus)
-        return gpus
+            for key, value in override.items():
+                if callable(value):
+                    value = await maybe_future(value(self))
+                current = getattr(self, key)
+                saved.setdefault(key, current)
+                if isinstance(value, dict) and isinstance(current, dict):
+                    value = profiles.merged(current, value)
+                setattr(self, key, value)
+        except Exception as err:
+            for key, value in saved.items():
+                setattr(self, key, value)
+            raise web.HTTPError(400, f"profile {slug!r}: spawner_override.{key}: {err}") from None
+        self._gpu_saved_settings = saved
+        self.gpu_profile = slug
+        if override:
+            self.log.info(
+                "%s: profile %s sets %s", self._log_name, slug, ", ".join(sorted(override))
+            )
+
+    def _undo_gpu_profile(self) -> None:
+        """Set back the settings the last applied profile changed."""
+        saved, self._gpu_saved_settings = self._gpu_saved_settings, {}
+        for key, value in saved.items():
+            setattr(self, key, value)
+        self.gpu_profile = None
 
     def _lease_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {}
@@ -195,12 +330,12 @@ class GPUSpawnerMixin(LoggingConfigurable):
             fields["time_limit"] = self.time_limit
         return fields
 
-    async def _admission(self, gpus: int) -> None:
+    async def _admission(self, request: dict[str, Any]) -> None:
         """Ask the broker (dry run) whether the request would be admitted, so a
         quota refusal reaches the user as the hub's answer (403), not a failed spawn."""
         try:
             await self.broker.request_lease(
-                self.user.name, self.name, gpus, dry_run=True, **self._lease_fields()
+                self.user.name, self.name, dry_run=True, **request, **self._lease_fields()
             )
         except BrokerClientError as err:
             if 400 <= err.status < 500 and err.status != 409:
@@ -248,9 +383,9 @@ class GPUSpawnerMixin(LoggingConfigurable):
             SpawnException: the request was refused, or waited longer than
                 ``queue_timeout``; the lease is released.
         """
-        gpus = self.gpu_request
-        if gpus is None:
-            gpus = await self.check_user_options(self.user_options)
+        request = self.gpu_request
+        if request is None:
+            request = await self.check_user_options(self.user_options)
         self.gpu_request = None
         self._gpu_env = dict(NO_GPU_ENV)
         if self.gpu_last_end:
@@ -259,8 +394,8 @@ class GPUSpawnerMixin(LoggingConfigurable):
             self.gpu_last_end = None
         await self._drop_stale_lease()
         try:
-            if gpus:
-                lease = await self._acquire(gpus)
+            if request:
+                lease = await self._acquire(request)
                 self._gpu_env = dict(lease["env"])
         except BaseException:
             await self._release("spawn failed or was cancelled while waiting for GPUs")
@@ -292,10 +427,10 @@ class GPUSpawnerMixin(LoggingConfigurable):
         if self.gpu_lease_id is not None:
             await self._release("server restarted; previous lease replaced")
 
-    async def _acquire(self, gpus: int) -> dict[str, Any]:
+    async def _acquire(self, request: dict[str, Any]) -> dict[str, Any]:
         try:
             lease = await self.broker.request_lease(
-                self.user.name, self.name, gpus, **self._lease_fields()
+                self.user.name, self.name, **request, **self._lease_fields()
             )
         except BrokerClientError as err:
             raise spawn_error(f"GPU request refused: {err.message}", "gpu-refused") from err
@@ -337,14 +472,19 @@ class GPUSpawnerMixin(LoggingConfigurable):
             return lease
 
     def _event(self, lease: dict[str, Any]) -> None:
+        summary = lease.get("summary")
         if lease["state"] == "granted":
-            names = ", ".join(f"{d['name']} ({d['uuid']})" for d in lease["devices"])
-            event = {"progress": 40, "message": f"GPUs granted: {names}"}
+            names = ", ".join(
+                f"{d.get('name')} ({d.get('uuid')})" for d in lease.get("devices") or []
+            )
+            what = f"{summary} on {names}" if summary else names
+            event = {"progress": 40, "message": f"GPUs granted: {what}"}
         else:
-            queue = lease["queue"] or {}
+            queue = lease.get("queue") or {}
+            what = summary or f"{lease.get('gpus')} GPU(s)"
             event = {
                 "progress": 10,
-                "message": f"Queued for {lease['gpus']} GPU(s): position {queue.get('position')}"
+                "message": f"Queued for {what}: position {queue.get('position')}"
                 f" ({queue.get('reason')}) - {queue.get('message')}",
             }
         if not self._gpu_events or self._gpu_events[-1] != event:

@@ -18,6 +18,7 @@ ROUTES: list[tuple[str, type[web.RequestHandler]]] = [
     ("/leases", handlers.LeasesHandler),
     ("/leases/{id}", handlers.LeaseHandler),
     ("/queue", handlers.QueueHandler),
+    ("/pools", handlers.PoolsHandler),
     ("/notices", handlers.NoticesHandler),
     ("/quotas", handlers.QuotasHandler),
     ("/quotas/{kind}/{name}", handlers.QuotaHandler),

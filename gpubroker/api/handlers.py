@@ -138,7 +138,13 @@ class DevicesHandler(APIHandler):
     def _device(self, device: Any, lease_id: int | None, admin: bool) -> dict[str, Any]:
         view = device_view(device)
         state = "leased" if lease_id is not None else "drained" if device.drained else "free"
+        pool = self.broker.pool_spec(device.uuid)
+        if pool.mode != "exclusive" and lease_id is not None:
+            state = "shared"
         view.update(
+            pool=pool.name,
+            pool_mode=pool.mode,
+            mig_target=device.mig_target,
             present=device.present,
             drained=device.drained,
             mig_enabled=device.mig_enabled,
@@ -296,14 +302,35 @@ class QuotaHandler(AdminOnlyMixin, APIHandler):
 
 class DeviceHandler(AdminOnlyMixin, APIHandler):
     """``PATCH /api/v1/devices/{uuid}`` with ``{"drained": bool}``: drain a
-    device (no new grants; running leases continue) or undrain it (admins)."""
+    device (no new grants; running leases continue) or undrain it; or with
+    ``{"mig_mode": bool}``: switch MIG mode once the device is empty (a drain
+    operation: no new grants meanwhile). Admins only."""
 
     def patch(self, uuid: str) -> None:
         self.require_admin(self.caller())
         body = validation.parse_json_object(self.request.body)
+        if set(body) == {"mig_mode"} and isinstance(body["mig_mode"], bool):
+            self.write_json(self.broker.request_mig_mode(uuid, body["mig_mode"]))
+            return
         if set(body) != {"drained"} or not isinstance(body["drained"], bool):
-            raise validation.BadRequest('drained: body must be {"drained": true|false}')
+            raise validation.BadRequest(
+                'drained/mig_mode: body must be {"drained": true|false} or {"mig_mode": true|false}'
+            )
         self.write_json(self.broker.set_drained(uuid, body["drained"]))
+
+
+class PoolsHandler(APIHandler):
+    """``GET /api/v1/pools[?user=NAME]``: every pool with what is free now, and
+    the user's quota room (the caller's own unless an admin names another)."""
+
+    def get(self) -> None:
+        model = self.caller()
+        user = self.get_argument("user", None)
+        if user is not None:
+            auth.check_owner(model, user)
+        else:
+            user = auth.caller_name(model)
+        self.write_json(self.broker.availability(user))
 
 
 class OpenAPIHandler(APIHandler):

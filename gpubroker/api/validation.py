@@ -24,7 +24,19 @@ LEASE_FIELDS = {
     "priority_class",
     "time_limit",
     "group",
+    "mig_profile",
+    "memory_gib",
+    "count",
+    "pool",
 }
+
+#: what a request may ask for: whole devices, one MIG instance, or shares
+SLOT_FIELDS = ("gpus", "mig_profile", "memory_gib")
+
+#: largest share one request may ask for, GiB (above any GPU made so far)
+MAX_SHARE_GIB = 1024.0
+
+_PROFILE = re.compile(r"^(MIG )?\d+g\.\d+gb(\+me)?$")
 
 #: longest time limit a lease may ask for, seconds (one year)
 MAX_TIME_LIMIT = 365 * 86400.0
@@ -103,12 +115,62 @@ def lease_request(data: dict[str, Any]) -> dict[str, Any]:
     return {
         "user": require_name(data, "user"),
         "server_name": require_name(data, "server_name", allow_empty=True),
-        "gpus": require_int(data, "gpus", 1),
+        **slot_request(data),
         "holder_kind": holder_kind,
         "priority_class": optional_name(data, "priority_class"),
         "time_limit": optional_seconds(data, "time_limit", MAX_TIME_LIMIT),
         "group": optional_name(data, "group"),
+        "pool": optional_name(data, "pool"),
     }
+
+
+def slot_request(data: dict[str, Any]) -> dict[str, Any]:
+    """What a request asks for: exactly one of ``gpus`` (whole devices, >= 1),
+    ``mig_profile`` (one MIG instance, e.g. ``1g.10gb``) or ``memory_gib``
+    (a share of that many GiB, > 0; ``count`` shares on distinct devices,
+    default 1).
+
+    Returns:
+        ``{"gpus": int | None, "mig_profile": str | None, "memory_gib":
+        float | None, "count": int | None}``; limits that depend on the
+        inventory (largest node, profiles of the pool's GPUs, device
+        memory) are checked by the broker core.
+
+    Raises:
+        BadRequest: none or several of the three, wrong types or ranges,
+            ``count`` without ``memory_gib``.
+    """
+    given = [k for k in SLOT_FIELDS if data.get(k) is not None]
+    if len(given) != 1:
+        raise BadRequest(
+            f"{'/'.join(SLOT_FIELDS)}: give exactly one of them, got "
+            + (", ".join(given) if given else "none")
+        )
+    shape: dict[str, Any] = {"gpus": None, "mig_profile": None, "memory_gib": None, "count": None}
+    if given == ["gpus"]:
+        shape["gpus"] = require_int(data, "gpus", 1)
+    elif given == ["mig_profile"]:
+        profile = data["mig_profile"]
+        if not isinstance(profile, str) or not _PROFILE.match(profile.strip()):
+            raise BadRequest(
+                f"mig_profile: must be a MIG profile name such as '1g.10gb', got "
+                f"{json.dumps(profile)}"
+            )
+        shape["mig_profile"] = profile.strip().removeprefix("MIG ")
+    else:
+        memory = data["memory_gib"]
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)):
+            raise BadRequest(f"memory_gib: must be a number of GiB, got {json.dumps(memory)}")
+        if not 0 < memory <= MAX_SHARE_GIB:
+            raise BadRequest(
+                f"memory_gib: must be more than 0 and at most {MAX_SHARE_GIB:g} GiB, got {memory}"
+            )
+        shape["memory_gib"] = float(memory)
+    if data.get("count") is not None:
+        if shape["memory_gib"] is None:
+            raise BadRequest("count: only with memory_gib (the number of shares)")
+        shape["count"] = require_int(data, "count", 1)
+    return shape
 
 
 def optional_name(data: dict[str, Any], key: str) -> str | None:

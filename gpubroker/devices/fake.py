@@ -2,6 +2,8 @@
 
 Nothing here touches a GPU. The inventory comes from configuration, the
 usage from a JSON state file (or memory) that tests and the demo write.
+MIG mode and MIG instances are simulated too, following NVIDIA's rules as
+encoded in :mod:`gpubroker.devices.mig`, and kept in the same state.
 """
 
 from __future__ import annotations
@@ -13,11 +15,23 @@ import socket
 import tempfile
 import uuid as uuid_module
 from collections.abc import Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
-from traitlets import Enum, List, Unicode, default
+from traitlets import Dict, Enum, Int, List, Unicode, default
 
-from .base import DeviceBackend, DeviceBackendError, DeviceInfo, DeviceUsage, ProcessInfo
+from . import mig
+from .base import (
+    DeviceBackend,
+    DeviceBackendError,
+    DeviceInfo,
+    DeviceInUseError,
+    DeviceUsage,
+    MigDevice,
+    MigPlacementError,
+    ProcessInfo,
+)
+from .mig import Placement
 from .models import GPUModel, known_model_names, lookup_model
 from .topology import LinkLevel, Topology, dgx_like, uniform
 
@@ -27,6 +41,10 @@ FAKE_UUID_NAMESPACE = uuid_module.UUID("6b1f3c52-52b8-4c1e-9d0c-5a7e1f0b9a11")
 #: PCI buses of the eight GPUs of a DGX H100 (``nvidia-smi`` Bus-Id column);
 #: index 8 and up reuse them in the next PCI domain.
 DGX_PCI_BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
+
+#: top-level key of the state that holds MIG mode and instances per GPU UUID
+#: (cannot clash with a ``GPU-``/``MIG-`` UUID key)
+MIG_STATE_KEY = "_mig"
 
 _ENTRY = re.compile(r"^\s*(?:(?P<count>\d+)\s*[xX\u00d7]\s*)?(?P<model>\S.*?)\s*$")
 
@@ -82,6 +100,27 @@ def fake_pci_bus_id(index: int) -> str:
     return f"{domain:08X}:{DGX_PCI_BUSES[slot]:02X}:00.0"
 
 
+@dataclass(frozen=True)
+class _Gpu:
+    """One fake GPU: its inventory position, model, UUID and MIG geometry."""
+
+    index: int
+    model: GPUModel
+    uuid: str
+    spec: mig.GpuMigSpec | None
+
+    def describe(self) -> str:
+        """``device 0 (GPU-..., NVIDIA H100 80GB HBM3)``, for messages."""
+        return f"device {self.index} ({self.uuid}, {self.model.name})"
+
+
+class _MigRecord(NamedTuple):
+    """The MIG state of one fake GPU: mode and the MIG devices on it."""
+
+    enabled: bool
+    instances: list[MigDevice]
+
+
 class FakeDeviceBackend(DeviceBackend):
     """SIMULATION: GPUs that do not exist. Never use it to schedule real work.
 
@@ -91,6 +130,15 @@ class FakeDeviceBackend(DeviceBackend):
     NVML's formats. Usage (utilization percent, memory MiB, processes) is
     whatever was written with :meth:`set_usage` or into :attr:`state_file`;
     by default every device is idle (0 %, 0 MiB).
+
+    MIG: devices listed in :attr:`mig_enabled` start with MIG mode on, and
+    :attr:`mig_layout` creates static MIG instances at start-up. The broker
+    then creates and destroys MIG devices with :meth:`create_mig_device` and
+    :meth:`destroy_mig_device`, following NVIDIA's rules as encoded in
+    :mod:`gpubroker.devices.mig` (profiles, placements, instance limits per
+    GPU model). MIG mode and instances are kept in the same state as usage
+    (under the key ``"_mig"``), so they survive a broker restart when
+    :attr:`state_file` is set.
     """
 
     kind = "fake"
@@ -115,12 +163,17 @@ class FakeDeviceBackend(DeviceBackend):
 
     state_file = Unicode(
         "",
-        help="""JSON file holding the SIMULATED usage of each device.
+        help="""JSON file holding the SIMULATED usage of each device and the MIG state.
 
         Format: {"GPU-...": {"utilization_gpu": 80, "memory_used_mib": 20480,
-        "processes": [{"pid": 123, "used_memory_mib": 20480}]}}. Re-read on
-        every usage query, so tests and the demo can change it while the broker
-        runs. Empty: keep usage in memory only.
+        "processes": [{"pid": 123, "used_memory_mib": 20480}]}}. MIG devices
+        have usage entries too, keyed by their "MIG-..." UUID. MIG mode and
+        instances live under the key "_mig": {"_mig": {"GPU-...": {"enabled":
+        true, "instances": [{"gi_id": 1, "ci_id": 0, "profile": "1g.10gb",
+        "start": 6, "size": 1}]}}}; once a GPU has an entry there, its mode
+        there overrides mig_enabled. Re-read on every query, so tests and the
+        demo can change it while the broker runs. Empty: keep everything in
+        memory only.
         """,
     ).tag(config=True)
 
@@ -138,35 +191,69 @@ class FakeDeviceBackend(DeviceBackend):
         """,
     ).tag(config=True)
 
+    mig_enabled = List(
+        Int(),
+        help="""Indices of the SIMULATED GPUs that start with MIG mode on.
+
+        Only MIG-capable models (A30, A100, H100, H200) may be listed; any
+        other is an error at start-up. Once the state (state_file) holds a
+        GPU's MIG mode, for example after set_mig_mode or after a MIG device
+        was created, the state wins over this list.
+        """,
+    ).tag(config=True)
+
+    mig_layout = Dict(
+        help="""Static SIMULATED MIG instances to create at start-up, by device index.
+
+        Maps a device index (an integer, or a string of digits) to a list of
+        GPU-instance profiles, each "PROFILE" or "PROFILE@START", e.g.
+        {0: ["3g.40gb@4", "1g.10gb"]}. START is the first memory slice
+        (nvidia-smi mig -lgipp); without it the placement that fragments the
+        GPU least is chosen (gpubroker.devices.mig.best_placement), after all
+        placed entries. Each device listed must be in mig_enabled. Instances
+        already in the state are kept, and only missing ones are created. A
+        layout NVIDIA's rules forbid is an error at start-up.
+        """,
+    ).tag(config=True)
+
     @default("node_name")
     def _default_node_name(self) -> str:
         return socket.gethostname()
 
     def __init__(self, **kwargs: Any) -> None:
-        """Create the backend; raises DeviceBackendError for a bad inventory."""
+        """Create the backend.
+
+        Raises:
+            DeviceBackendError: a bad inventory, a non-MIG GPU in
+                :attr:`mig_enabled`, an invalid :attr:`mig_layout`, or an
+                unreadable / unwritable state file.
+        """
         super().__init__(**kwargs)
         self._memory_state: dict[str, Any] = {}
-        devices = self.devices()
+        gpus = self._gpus()
+        self._check_mig_enabled(gpus)
+        self._apply_mig_layout(gpus, self._parse_mig_layout(gpus))
         self.log.info(
             "SIMULATED GPUs on node %s: %d device(s) from %s",
             self.node_name,
-            len(devices),
+            len(gpus),
             self.inventory,
         )
+
+    # --- inventory ---------------------------------------------------------------
 
     def devices(self) -> list[DeviceInfo]:
         """Return the simulated inventory, ordered by index (0-based, across entries).
 
+        :attr:`DeviceInfo.mig_enabled` is the current simulated MIG mode
+        (the state's, else :attr:`mig_enabled`).
+
         Raises:
             DeviceBackendError: an inventory entry is malformed or names an
-                unknown model.
+                unknown model, or the state file is unreadable.
         """
-        result: list[DeviceInfo] = []
-        for entry in self.inventory:
-            count, model = parse_inventory_entry(entry)
-            for _ in range(count):
-                result.append(self._device(len(result), model))
-        return result
+        state = self._read_state()
+        return [self._device(gpu, self._mig_record(state, gpu).enabled) for gpu in self._gpus()]
 
     def topology(self) -> Topology:
         """Return the SIMULATED interconnect chosen by :attr:`topology_model`.
@@ -179,42 +266,62 @@ class FakeDeviceBackend(DeviceBackend):
         Raises:
             DeviceBackendError: an inventory entry is malformed.
         """
-        n = len(self.devices())
+        n = len(self._gpus())
         if self.topology_model == "uniform":
             return uniform(n, LinkLevel.PCIE_MULTI)
         return dgx_like(n)
 
-    def _device(self, index: int, model: GPUModel) -> DeviceInfo:
+    def _gpus(self) -> list[_Gpu]:
+        result: list[_Gpu] = []
+        for entry in self.inventory:
+            count, model = parse_inventory_entry(entry)
+            for _ in range(count):
+                index = len(result)
+                uuid = fake_uuid(self.node_name, index, model.name)
+                spec = mig.spec_for(model.name) if model.mig_capable else None
+                result.append(_Gpu(index, model, uuid, spec))
+        return result
+
+    def _device(self, gpu: _Gpu, mig_enabled: bool) -> DeviceInfo:
         return DeviceInfo(
             node=self.node_name,
-            index=index,
-            uuid=fake_uuid(self.node_name, index, model.name),
-            name=model.name,
-            memory_total_mib=model.memory_total_mib,
-            pci_bus_id=fake_pci_bus_id(index),
-            mig_enabled=False,
+            index=gpu.index,
+            uuid=gpu.uuid,
+            name=gpu.model.name,
+            memory_total_mib=gpu.model.memory_total_mib,
+            pci_bus_id=fake_pci_bus_id(gpu.index),
+            mig_enabled=mig_enabled,
         )
 
-    def _device_by_uuid(self, uuid: str) -> DeviceInfo:
-        for device in self.devices():
-            if device.uuid == uuid:
-                return device
+    def _gpu(self, uuid: str) -> _Gpu:
+        for gpu in self._gpus():
+            if gpu.uuid == uuid:
+                return gpu
         raise KeyError(uuid)
+
+    # --- usage -------------------------------------------------------------------
 
     def usage(self, uuid: str) -> DeviceUsage:
         """Return the simulated usage of ``uuid`` (percent, MiB, processes).
 
-        A device absent from the state (or a missing state file) is idle:
-        0 %, 0 MiB, no processes.
+        ``uuid`` is a GPU (``GPU-...``) or one of its current MIG devices
+        (``MIG-...``). A device absent from the state (or a missing state
+        file) is idle: 0 MiB, no processes, and 0 % utilization -- except
+        that, as with NVML (``nvmlDeviceGetUtilizationRates`` is not
+        supported there), a MIG device or a GPU with MIG mode on reports
+        ``None``.
 
         Raises:
-            KeyError: ``uuid`` is not a device of this backend.
+            KeyError: ``uuid`` is not a device or MIG device of this backend.
             DeviceBackendError: the state file is unreadable or malformed.
         """
-        self._device_by_uuid(uuid)
-        entry = self._read_state().get(uuid)
+        state = self._read_state()
+        _bound, mig_like = self._usage_target(state, uuid)
+        entry = state.get(uuid)
         if entry is None:
-            return DeviceUsage(uuid=uuid, utilization_gpu=0, memory_used_mib=0)
+            return DeviceUsage(
+                uuid=uuid, utilization_gpu=None if mig_like else 0, memory_used_mib=0
+            )
         try:
             return _usage_from_entry(uuid, entry)
         except (TypeError, ValueError, KeyError) as err:
@@ -232,10 +339,11 @@ class FakeDeviceBackend(DeviceBackend):
         """Set the simulated usage of ``uuid`` and return it.
 
         Args:
-            uuid: a device of this backend.
+            uuid: a device of this backend, or one of its current MIG devices.
             utilization_gpu: percent 0-100, or ``None`` (not reported).
-            memory_used_mib: MiB in use, 0 to the device's total; ``None``
-                means the sum of the processes' memory.
+            memory_used_mib: MiB in use, 0 to the device's total (a MIG
+                device's :attr:`MigDevice.memory_mib`); ``None`` means the sum
+                of the processes' memory.
             processes: :class:`ProcessInfo` objects or mappings with ``pid``
                 and ``used_memory_mib`` (MiB).
 
@@ -249,18 +357,315 @@ class FakeDeviceBackend(DeviceBackend):
             ValueError: a value out of range.
             DeviceBackendError: the state file cannot be read or written.
         """
-        device = self._device_by_uuid(uuid)
+        state = dict(self._read_state())
+        memory_total_mib, _mig_like = self._usage_target(state, uuid)
         procs = tuple(_process(p) for p in processes)
         if utilization_gpu is not None:
             utilization_gpu = _int(utilization_gpu, "utilization_gpu")
         if memory_used_mib is None:
             memory_used_mib = sum(p.used_memory_mib for p in procs)
         usage = DeviceUsage(uuid, utilization_gpu, _int(memory_used_mib, "memory_used_mib"), procs)
-        _check_usage(usage, device.memory_total_mib)
-        state = dict(self._read_state())
+        _check_usage(usage, memory_total_mib)
         state[uuid] = _entry_from_usage(usage)
         self._write_state(state)
         return usage
+
+    def _usage_target(self, state: Mapping[str, Any], uuid: str) -> tuple[int, bool]:
+        """``(memory bound in MiB, reports no utilization)`` of a GPU or MIG device.
+
+        Raises KeyError for an unknown UUID.
+        """
+        gpus = self._gpus()
+        for gpu in gpus:
+            if gpu.uuid == uuid:
+                return gpu.model.memory_total_mib, self._mig_record(state, gpu).enabled
+        if uuid.startswith("MIG-"):
+            for gpu in gpus:
+                for device in self._mig_record(state, gpu).instances:
+                    if device.uuid == uuid:
+                        return device.memory_mib, True
+        raise KeyError(uuid)
+
+    # --- MIG -----------------------------------------------------------------------
+
+    def mig_devices(self, parent_uuid: str) -> list[MigDevice]:
+        """Return the simulated MIG devices of ``parent_uuid``, by GPU-instance ID.
+
+        Returns:
+            ``[]`` when MIG mode is off or the model is not MIG-capable.
+
+        Raises:
+            KeyError: ``parent_uuid`` is not a GPU of this backend.
+            DeviceBackendError: the state file is unreadable or malformed.
+        """
+        gpu = self._gpu(parent_uuid)
+        record = self._mig_record(self._read_state(), gpu)
+        return sorted(record.instances, key=lambda d: d.gi_id) if record.enabled else []
+
+    def create_mig_device(self, parent_uuid: str, profile: str, placement: Placement) -> MigDevice:
+        """Create a simulated MIG device (GPU instance + one compute instance).
+
+        Refused exactly where :func:`gpubroker.devices.mig.can_place` says no,
+        with the rule :func:`~gpubroker.devices.mig.placement_problem` names
+        (allowed start slots from ``nvidia-smi mig -lgipp``, no overlapping
+        memory slices, compute slices, the profile's instance limit, one
+        ``+me`` per GPU; NVIDIA MIG User Guide).
+
+        IDs: the GPU instance gets the lowest free ID from 1 up and the
+        compute instance ID 0. That is what the FAKE does; the real driver
+        numbers GPU instances from its own per-placement table (e.g. on an
+        A100 a ``7g`` instance gets ID 0 and ``1g`` ones 7-13), so nothing
+        should rely on the numbers. The UUID is
+        :func:`gpubroker.devices.mig.mig_uuid` of parent, GI and CI IDs.
+
+        Memory (MiB): the profile's ``nvidia-smi mig -lgip`` figure where the
+        catalog has it (:attr:`MigProfile.memory_mib`), else
+        ``floor(GPU memory MiB * profile memory slices / GPU memory slices)``.
+
+        Returns:
+            The new :class:`MigDevice`.
+
+        Raises:
+            KeyError: ``parent_uuid`` is not a GPU of this backend.
+            MigPlacementError: the model has no MIG catalog entry, the profile
+                is not one of the model's, MIG mode is off, or the placement
+                breaks a rule; the message names device, profile, placement
+                and rule.
+            DeviceBackendError: the state file cannot be read or written.
+        """
+        gpu = self._gpu(parent_uuid)
+        state = self._read_state()
+        record = self._mig_record(state, gpu)
+        prefix = f"cannot create MIG {profile} at {placement} on {gpu.describe()}"
+        if gpu.spec is None:
+            raise MigPlacementError(f"{prefix}: the model does not support MIG")
+        try:
+            wanted = gpu.spec.profile(profile)
+        except KeyError as err:
+            raise MigPlacementError(f"{prefix}: {err.args[0]}") from None
+        if not record.enabled:
+            raise MigPlacementError(f"{prefix}: MIG mode is off")
+        layout = [(d.profile, d.placement) for d in record.instances]
+        problem = mig.placement_problem(gpu.spec, layout, wanted, placement)
+        if problem is not None:
+            raise MigPlacementError(f"{prefix}: {problem}")
+        used = {d.gi_id for d in record.instances}
+        gi_id = next(i for i in range(1, len(used) + 2) if i not in used)
+        device = _mig_device(gpu, wanted, placement, gi_id, 0)
+        self._save_mig(state, gpu, _MigRecord(True, [*record.instances, device]))
+        self.log.info(
+            "SIMULATED MIG device %s (%s at %s, GI %d) created on device %d",
+            device.uuid,
+            device.profile,
+            placement,
+            gi_id,
+            gpu.index,
+        )
+        return device
+
+    def destroy_mig_device(self, parent_uuid: str, mig_uuid: str) -> None:
+        """Destroy a simulated MIG device (its compute, then its GPU instance).
+
+        Refused while the state records processes on ``mig_uuid`` (NVML would
+        answer ``NVML_ERROR_IN_USE``). Its usage entry is removed with it.
+
+        Raises:
+            KeyError: ``parent_uuid`` is not a GPU of this backend, or
+                ``mig_uuid`` is not one of its MIG devices.
+            DeviceInUseError: processes run on it ("in use").
+            DeviceBackendError: the state file cannot be read or written.
+        """
+        gpu = self._gpu(parent_uuid)
+        state = self._read_state()
+        record = self._mig_record(state, gpu)
+        target = next((d for d in record.instances if d.uuid == mig_uuid), None)
+        if target is None or not record.enabled:
+            raise KeyError(mig_uuid)
+        pids = self._pids(state, mig_uuid)
+        if pids:
+            raise DeviceInUseError(
+                f"cannot destroy MIG {target.profile} {mig_uuid} at {target.placement} on "
+                f"{gpu.describe()}: in use by process(es) {', '.join(map(str, pids))}"
+            )
+        remaining = [d for d in record.instances if d.uuid != mig_uuid]
+        state = {key: value for key, value in state.items() if key != mig_uuid}
+        self._save_mig(state, gpu, _MigRecord(True, remaining))
+        self.log.info("SIMULATED MIG device %s destroyed on device %d", mig_uuid, gpu.index)
+
+    def set_mig_mode(self, uuid: str, enabled: bool) -> None:
+        """Turn simulated MIG mode on or off; takes effect at once (no GPU reset).
+
+        Setting the current mode does nothing. Otherwise refused while MIG
+        devices exist on the GPU or the state records processes on it (NVML
+        answers ``NVML_ERROR_IN_USE``).
+
+        Raises:
+            KeyError: ``uuid`` is not a GPU of this backend.
+            DeviceBackendError: the model does not support MIG (NVML:
+                ``NVML_ERROR_NOT_SUPPORTED``), or the state file cannot be
+                read or written.
+            DeviceInUseError: MIG devices or processes on the GPU ("in use").
+        """
+        gpu = self._gpu(uuid)
+        state = self._read_state()
+        record = self._mig_record(state, gpu)
+        mode = "on" if enabled else "off"
+        if gpu.spec is None:
+            raise DeviceBackendError(
+                f"cannot turn MIG mode {mode} on {gpu.describe()}: the model does not support MIG"
+            )
+        if record.enabled == enabled:
+            return
+        if record.instances:
+            names = ", ".join(f"{d.profile} at {d.placement} ({d.uuid})" for d in record.instances)
+            raise DeviceInUseError(
+                f"cannot turn MIG mode {mode} on {gpu.describe()}: in use by "
+                f"{len(record.instances)} MIG device(s): {names}"
+            )
+        pids = self._pids(state, gpu.uuid)
+        if pids:
+            raise DeviceInUseError(
+                f"cannot turn MIG mode {mode} on {gpu.describe()}: in use by process(es) "
+                f"{', '.join(map(str, pids))}"
+            )
+        self._save_mig(state, gpu, _MigRecord(enabled, []))
+        self.log.info("SIMULATED MIG mode %s on device %d", mode, gpu.index)
+
+    def _pids(self, state: Mapping[str, Any], uuid: str) -> list[int]:
+        entry = state.get(uuid)
+        if entry is None:
+            return []
+        try:
+            return [p.pid for p in _usage_from_entry(uuid, entry).processes]
+        except (TypeError, ValueError, KeyError) as err:
+            raise DeviceBackendError(
+                f"bad entry for {uuid} in fake GPU state {self._state_name()}: {err}"
+            ) from err
+
+    def _mig_record(self, state: Mapping[str, Any], gpu: _Gpu) -> _MigRecord:
+        """The MIG mode and instances of ``gpu``: from the state, else the traits."""
+        if gpu.spec is None:
+            return _MigRecord(False, [])
+        section = state.get(MIG_STATE_KEY, {})
+        if not isinstance(section, dict):
+            raise DeviceBackendError(
+                f"fake GPU state {self._state_name()}: {MIG_STATE_KEY!r} must be a JSON object"
+            )
+        raw = section.get(gpu.uuid)
+        if raw is None:
+            return _MigRecord(gpu.index in self.mig_enabled, [])
+        try:
+            return _record_from_json(gpu, raw)
+        except (TypeError, ValueError, KeyError) as err:
+            raise DeviceBackendError(
+                f"bad MIG entry for {gpu.uuid} in fake GPU state {self._state_name()}: {err}"
+            ) from err
+
+    def _save_mig(self, state: Mapping[str, Any], gpu: _Gpu, record: _MigRecord) -> None:
+        new_state = dict(state)
+        section = dict(new_state.get(MIG_STATE_KEY) or {})
+        section[gpu.uuid] = {
+            "enabled": record.enabled,
+            "instances": [
+                {
+                    "gi_id": d.gi_id,
+                    "ci_id": d.ci_id,
+                    "profile": d.profile,
+                    "start": d.placement.start,
+                    "size": d.placement.size,
+                }
+                for d in sorted(record.instances, key=lambda d: d.gi_id)
+            ],
+        }
+        new_state[MIG_STATE_KEY] = section
+        self._write_state(new_state)
+
+    # --- MIG configuration at start-up --------------------------------------------------
+
+    def _check_mig_enabled(self, gpus: list[_Gpu]) -> None:
+        for index in self.mig_enabled:
+            if not 0 <= index < len(gpus):
+                raise DeviceBackendError(
+                    f"FakeDeviceBackend.mig_enabled: no fake device {index}"
+                    f" (the inventory has {len(gpus)})"
+                )
+            gpu = gpus[index]
+            if gpu.spec is None:
+                raise DeviceBackendError(
+                    f"FakeDeviceBackend.mig_enabled: device {index} is a {gpu.model.name},"
+                    " which does not support MIG (MIG-capable: A30, A100, H100, H200)"
+                )
+
+    def _parse_mig_layout(self, gpus: list[_Gpu]) -> dict[int, list[_LayoutEntry]]:
+        """Parse and check :attr:`mig_layout` against NVIDIA's rules (state not read)."""
+        result: dict[int, list[_LayoutEntry]] = {}
+        for key, entries in self.mig_layout.items():
+            where = f"FakeDeviceBackend.mig_layout[{key!r}]"
+            if isinstance(key, bool) or not (
+                isinstance(key, int) or (isinstance(key, str) and key.strip().isdigit())
+            ):
+                raise DeviceBackendError(f"{where}: the key must be a device index")
+            index = int(key)
+            if not 0 <= index < len(gpus):
+                raise DeviceBackendError(
+                    f"{where}: no fake device {index} (the inventory has {len(gpus)})"
+                )
+            if index in result:
+                raise DeviceBackendError(f"{where}: device {index} is listed twice")
+            gpu = gpus[index]
+            if gpu.spec is None:
+                raise DeviceBackendError(
+                    f"{where}: device {index} is a {gpu.model.name}, which does not support MIG"
+                )
+            if index not in self.mig_enabled:
+                raise DeviceBackendError(
+                    f"{where}: MIG mode is off on device {index}; add {index} to"
+                    " FakeDeviceBackend.mig_enabled"
+                )
+            if not isinstance(entries, (list, tuple)) or not all(
+                isinstance(e, str) for e in entries
+            ):
+                raise DeviceBackendError(
+                    f"{where}: expected a list of 'PROFILE' or 'PROFILE@START' strings,"
+                    f" not {entries!r}"
+                )
+            parsed = [_parse_layout_entry(gpu, gpu.spec, where, e) for e in entries]
+            _plan_layout(gpu, gpu.spec, where, parsed, [])  # the layout alone must be valid
+            result[index] = parsed
+        return result
+
+    def _apply_mig_layout(self, gpus: list[_Gpu], layouts: dict[int, list[_LayoutEntry]]) -> None:
+        """Create the static instances of :attr:`mig_layout` that the state lacks."""
+        for index, entries in sorted(layouts.items()):
+            gpu = gpus[index]
+            assert gpu.spec is not None  # checked by _parse_mig_layout
+            state = self._read_state()
+            record = self._mig_record(state, gpu)
+            if not record.enabled:
+                self.log.warning(
+                    "SIMULATED MIG mode is off on device %d (set in the state %s);"
+                    " its mig_layout is not applied",
+                    index,
+                    self._state_name(),
+                )
+                continue
+            where = f"FakeDeviceBackend.mig_layout[{index}]"
+            missing = _plan_layout(gpu, gpu.spec, where, entries, record.instances)
+            if not missing:
+                continue
+            instances = list(record.instances)
+            for name, placement in missing:
+                used = {d.gi_id for d in instances}
+                gi_id = next(i for i in range(1, len(used) + 2) if i not in used)
+                instances.append(_mig_device(gpu, gpu.spec.profile(name), placement, gi_id, 0))
+            self._save_mig(state, gpu, _MigRecord(True, instances))
+            self.log.info(
+                "SIMULATED MIG layout on device %d: created %s",
+                index,
+                ", ".join(f"{name} at {placement}" for name, placement in missing),
+            )
+
+    # --- state ---------------------------------------------------------------------------
 
     def _state_name(self) -> str:
         return repr(self.state_file) if self.state_file else "(in memory)"
@@ -301,6 +706,144 @@ class FakeDeviceBackend(DeviceBackend):
             raise DeviceBackendError(
                 f"cannot write fake GPU state file {self.state_file!r}: {err}"
             ) from err
+
+
+# --- MIG helpers ---------------------------------------------------------------------
+
+
+class _LayoutEntry(NamedTuple):
+    """One parsed :attr:`FakeDeviceBackend.mig_layout` entry."""
+
+    text: str
+    profile: mig.MigProfile
+    placement: Placement | None
+
+
+def _parse_layout_entry(gpu: _Gpu, spec: mig.GpuMigSpec, where: str, text: str) -> _LayoutEntry:
+    """Parse ``"PROFILE"`` or ``"PROFILE@START"`` for ``gpu``; DeviceBackendError if bad."""
+    name, sep, start = text.partition("@")
+    try:
+        profile = spec.profile(name.strip())
+    except KeyError as err:
+        raise DeviceBackendError(
+            f"{where}: {text!r} on device {gpu.index}: {err.args[0]}"
+        ) from None
+    if not sep:
+        return _LayoutEntry(text, profile, None)
+    if not start.strip().isdigit():
+        raise DeviceBackendError(
+            f"{where}: {text!r}: START must be a memory-slice number, e.g. '{profile.name}@0'"
+        )
+    return _LayoutEntry(text, profile, Placement(int(start), profile.memory_slices))
+
+
+def _plan_layout(
+    gpu: _Gpu,
+    spec: mig.GpuMigSpec,
+    where: str,
+    entries: list[_LayoutEntry],
+    existing: list[MigDevice],
+) -> list[tuple[str, Placement]]:
+    """The instances of ``entries`` to create next to ``existing``, in order.
+
+    An entry already satisfied by an existing instance (same profile, and
+    same start when the entry has one) is not created again. Entries with a
+    placement go first, then the others at :func:`mig.best_placement`.
+
+    Raises:
+        DeviceBackendError: an entry cannot be placed; the message names the
+            device, the entry and the rule broken.
+    """
+    layout: list[tuple[str, Placement]] = [(d.profile, d.placement) for d in existing]
+    unmatched = list(existing)
+    missing: list[tuple[str, Placement]] = []
+    placed = [e for e in entries if e.placement is not None]
+    floating = [e for e in entries if e.placement is None]
+    for entry in [*placed, *floating]:
+        match = next(
+            (
+                d
+                for d in unmatched
+                if d.profile == entry.profile.name
+                and (entry.placement is None or d.placement == entry.placement)
+            ),
+            None,
+        )
+        if match is not None:
+            unmatched.remove(match)
+            continue
+        placement = entry.placement
+        prefix = f"{where}: cannot create {entry.text!r} on {gpu.describe()}"
+        if placement is None:
+            placement = mig.best_placement(spec, layout, entry.profile)
+            if placement is None:
+                raise DeviceBackendError(f"{prefix}: {_no_room(spec, layout, entry.profile)}")
+        problem = mig.placement_problem(spec, layout, entry.profile, placement)
+        if problem is not None:
+            raise DeviceBackendError(f"{prefix}: {problem}")
+        layout.append((entry.profile.name, placement))
+        missing.append((entry.profile.name, placement))
+    return missing
+
+
+def _no_room(spec: mig.GpuMigSpec, layout: mig.Layout, profile: mig.MigProfile) -> str:
+    """Why ``profile`` fits nowhere next to ``layout`` (no valid placement left)."""
+    problems = [mig.placement_problem(spec, layout, profile, p) for p in profile.placements]
+    # compute slices, instance limit and +me do not depend on the placement
+    for problem in problems:
+        if problem is not None and not problem.startswith("overlaps"):
+            return problem
+    taken = ", ".join(f"{name} at {placement}" for name, placement in layout)
+    starts = ",".join(str(p.start) for p in profile.placements)
+    return f"no valid placement left: every allowed start ({starts}) overlaps {taken}"
+
+
+def _mig_device(
+    gpu: _Gpu, profile: mig.MigProfile, placement: Placement, gi_id: int, ci_id: int
+) -> MigDevice:
+    """A simulated :class:`MigDevice`; memory as documented in ``create_mig_device``."""
+    assert gpu.spec is not None
+    if profile.memory_mib is not None:
+        memory_mib = profile.memory_mib
+    else:
+        memory_mib = gpu.model.memory_total_mib * profile.memory_slices // gpu.spec.memory_slices
+    return MigDevice(
+        parent_uuid=gpu.uuid,
+        uuid=mig.mig_uuid(gpu.uuid, gi_id, ci_id),
+        profile=profile.name,
+        placement=placement,
+        gi_id=gi_id,
+        ci_id=ci_id,
+        memory_mib=memory_mib,
+    )
+
+
+def _record_from_json(gpu: _Gpu, raw: Any) -> _MigRecord:
+    """Parse one ``"_mig"`` entry of the state; TypeError/ValueError/KeyError if bad."""
+    assert gpu.spec is not None
+    if not isinstance(raw, dict):
+        raise TypeError(f"expected an object, not {raw!r}")
+    enabled = raw.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"'enabled' must be true or false, not {enabled!r}")
+    instances: list[MigDevice] = []
+    for item in raw.get("instances", []):
+        if not isinstance(item, dict):
+            raise TypeError(f"expected an instance object, not {item!r}")
+        profile = gpu.spec.profile(str(item["profile"]))
+        placement = Placement(_int(item["start"], "start"), _int(item["size"], "size"))
+        if placement.size != profile.memory_slices:
+            raise ValueError(
+                f"{profile.name} occupies {profile.memory_slices} memory slices,"
+                f" not {placement.size}"
+            )
+        gi_id = _int(item["gi_id"], "gi_id")
+        ci_id = _int(item.get("ci_id", 0), "ci_id")
+        if any(d.gi_id == gi_id for d in instances):
+            raise ValueError(f"GPU instance ID {gi_id} appears twice")
+        instances.append(_mig_device(gpu, profile, placement, gi_id, ci_id))
+    # instances cannot exist with MIG mode off; a hand-edited state may say so anyway
+    return _MigRecord(enabled, instances if enabled else [])
 
 
 def _int(value: Any, what: str) -> int:

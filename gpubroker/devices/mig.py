@@ -82,6 +82,7 @@ __all__ = [
     "is_valid_layout",
     "legacy_mig_uuid",
     "mig_uuid",
+    "placement_problem",
     "spec_for",
     "valid_placements",
 ]
@@ -554,6 +555,50 @@ def can_place(
         if wanted.media_extensions and held.media_extensions:
             return False
     return compute <= spec.compute_slices and same < wanted.max_count
+
+
+def placement_problem(
+    spec: GpuMigSpec, layout: Layout, profile: str | MigProfile, placement: Placement
+) -> str | None:
+    """Why :func:`can_place` refuses ``profile`` at ``placement``, or ``None``.
+
+    Returns ``None`` exactly when ``can_place(spec, layout, profile,
+    placement)`` is true; otherwise a short phrase naming the first rule
+    broken, in the order of the module docstring, e.g.
+    ``"placement 3:2 not allowed for 2g.20gb (allowed starts 0,2,4)"``,
+    ``"overlaps 1g.10gb at 2:1"``, ``"needs 3 compute slices, 2 of 7 free"``,
+    ``"at most 7 1g.10gb instances per GPU (7 exist)"`` or
+    ``"only one media-extension (+me) instance per GPU (1g.10gb+me at 0:1
+    exists)"``.  Used to explain a refusal to the user.
+
+    Raises:
+        KeyError: ``profile`` or a profile in ``layout`` is not one of ``spec``.
+    """
+    wanted = _resolve(spec, profile)
+    if placement not in wanted.placements:
+        starts = ",".join(str(p.start) for p in wanted.placements)
+        return (
+            f"placement {placement} not allowed for {wanted.name} "
+            f"(allowed starts {starts}, size {wanted.memory_slices})"
+        )
+    held = [(_resolve(spec, name), existing) for name, existing in layout]
+    for other, existing in held:
+        if existing.overlaps(placement):
+            return f"overlaps {other.name} at {existing}"
+    if wanted.media_extensions:
+        for other, existing in held:
+            if other.media_extensions:
+                return (
+                    "only one media-extension (+me) instance per GPU "
+                    f"({other.name} at {existing} exists)"
+                )
+    free = spec.compute_slices - sum(other.compute_slices for other, _ in held)
+    if wanted.compute_slices > free:
+        return f"needs {wanted.compute_slices} compute slices, {free} of {spec.compute_slices} free"
+    same = sum(other.name == wanted.name for other, _ in held)
+    if same >= wanted.max_count:
+        return f"at most {wanted.max_count} {wanted.name} instances per GPU ({same} exist)"
+    return None
 
 
 def valid_placements(

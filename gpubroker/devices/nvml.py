@@ -2,8 +2,19 @@
 
 Calls and units follow the NVML API reference (docs.nvidia.com/deploy/nvml-api)
 as wrapped by ``nvidia-ml-py``: memory arrives in bytes and is reported here
-in MiB (``// 2**20``), utilization in percent. Every call is a read-only query
-(``nvmlDeviceGet*``); the backend never changes a GPU setting.
+in MiB (``// 2**20``), utilization in percent.
+
+Inventory, usage and topology are read-only queries (``nvmlDeviceGet*``).
+The backend changes the GPUs in exactly four ways, and only when the broker
+asks: it creates and destroys MIG devices (GPU instance + compute instance:
+``nvmlDeviceCreateGpuInstanceWithPlacement``,
+``nvmlGpuInstanceCreateComputeInstance``, ``nvmlComputeInstanceDestroy``,
+``nvmlGpuInstanceDestroy``) and turns MIG mode on or off
+(``nvmlDeviceSetMigMode``). Those calls need root (or the
+``/dev/nvidia-caps`` ``mig/config`` capability); NVML refuses them otherwise
+and the backend reports that as :class:`DeviceBackendError`. NVIDIA's own
+placement rules are in :mod:`gpubroker.devices.mig`; the driver has the last
+word.
 """
 
 from __future__ import annotations
@@ -14,10 +25,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import pynvml
+import pynvml  # type: ignore[import-untyped]
 from traitlets import Unicode, default
 
-from .base import DeviceBackend, DeviceBackendError, DeviceInfo, DeviceUsage, ProcessInfo
+from . import mig
+from .base import (
+    DeviceBackend,
+    DeviceBackendError,
+    DeviceInfo,
+    DeviceInUseError,
+    DeviceUsage,
+    MigDevice,
+    MigPlacementError,
+    ProcessInfo,
+)
+from .mig import Placement
 from .topology import LinkLevel, Topology
 
 _MIB = 2**20
@@ -41,6 +63,33 @@ _NOT_APPLICABLE = (
     pynvml.NVMLError_InvalidArgument,
     pynvml.NVMLError_FunctionNotFound,
 )
+
+
+#: compute slices of a GPU instance -> the compute-instance profile that uses all of
+#: them (``nvmlComputeInstanceProfileInfo_t.sliceCount``); tried first, before a scan
+#: of every ``NVML_COMPUTE_INSTANCE_PROFILE_*``
+_CI_PROFILE_BY_SLICES: dict[int, int] = {
+    1: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
+    2: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE,
+    3: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE,
+    4: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE,
+    6: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE,
+    7: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE,
+    8: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE,
+}
+
+
+def _error_text(err: Exception) -> str:
+    """``NVML_ERROR_IN_USE (In use)``-style text of an NVML error, for messages.
+
+    pynvml's own text is "NVML Error with code N" for codes it has no words for
+    (e.g. ``NVML_ERROR_INSUFFICIENT_RESOURCES``), so the constant's name is added.
+    """
+    value = getattr(err, "value", None)
+    for name in dir(pynvml):
+        if name.startswith("NVML_ERROR_") and getattr(pynvml, name) == value:
+            return f"{name} ({err})"
+    return str(err)
 
 
 def _text(value: str | bytes) -> str:
@@ -111,6 +160,11 @@ class NVMLDeviceBackend(DeviceBackend):
         """Return utilization (percent, ``None`` where unsupported), memory used (MiB)
         and compute processes of ``uuid``.
 
+        ``uuid`` may be a GPU (``GPU-...``) or a MIG device (``MIG-...``):
+        ``nvmlDeviceGetHandleByUUID`` accepts both. For a MIG device memory
+        and processes are the instance's own, and utilization is ``None``
+        (``nvmlDeviceGetUtilizationRates`` is not supported on MIG devices).
+
         Raises:
             KeyError: no device with this UUID on this node.
             DeviceBackendError: an NVML query failed.
@@ -158,6 +212,282 @@ class NVMLDeviceBackend(DeviceBackend):
             links = [_nvlinks(h) for h in handles]
             return _matrix(handles, buses, links)
 
+    # --- MIG management ---------------------------------------------------------
+
+    def mig_devices(self, parent_uuid: str) -> list[MigDevice]:
+        """Return the MIG devices of the GPU ``parent_uuid``, by GPU-instance ID.
+
+        NVML: ``nvmlDeviceGetMaxMigDeviceCount``, then for each index
+        ``nvmlDeviceGetMigDeviceHandleByIndex`` (indices without a MIG device
+        are skipped), ``nvmlDeviceGetUUID``, ``nvmlDeviceGetGpuInstanceId``,
+        ``nvmlDeviceGetComputeInstanceId``, ``nvmlDeviceGetMemoryInfo``
+        (MiB) and the GPU instance's ``nvmlGpuInstanceGetInfo`` (placement,
+        profile ID). The profile ID is mapped to a catalog name through
+        ``nvmlDeviceGetGpuInstanceProfileInfo`` of each catalog profile of the
+        model (:func:`gpubroker.devices.mig.spec_for`), else to the name the
+        driver gives (``nvmlGpuInstanceProfileInfo_v2_t.name`` without
+        ``MIG ``).
+
+        Returns:
+            ``[]`` when MIG mode is off or not supported.
+
+        Raises:
+            KeyError: ``parent_uuid`` is not a GPU (``GPU-...``) on this node.
+            DeviceBackendError: an NVML query failed; NVML documents
+                ``nvmlDeviceGetGpuInstanceById`` as "requires privileged user"
+                (root or the ``mig/monitor`` capability), so a non-root broker
+                may get ``NVML_ERROR_NO_PERMISSION`` here once MIG devices exist.
+        """
+        handle = self._parent_handle(parent_uuid)
+        try:
+            with _nvml_errors(f"list the MIG devices of {parent_uuid}"):
+                if not _mig_enabled(handle):
+                    return []
+                names = _ProfileNames(handle)
+                found = [
+                    _mig_device(parent_uuid, handle, mig_handle, names)
+                    for mig_handle in _mig_handles(handle)
+                ]
+        except DeviceBackendError as err:
+            if isinstance(err.__cause__, pynvml.NVMLError_NoPermission):
+                raise DeviceBackendError(
+                    f"{err} (reading GPU instances, nvmlDeviceGetGpuInstanceById, needs root"
+                    " or the mig/monitor capability)"
+                ) from err.__cause__
+            raise
+        return sorted(found, key=lambda d: (d.gi_id, d.ci_id))
+
+    def create_mig_device(self, parent_uuid: str, profile: str, placement: Placement) -> MigDevice:
+        """Create a GPU instance of ``profile`` at ``placement`` plus one compute
+        instance using all its compute slices, on ``parent_uuid``.
+
+        NVML: ``nvmlDeviceGetGpuInstanceProfileInfo`` (profile constant from
+        the catalog, :attr:`MigProfile.nvml_profile`, else found by the
+        driver's profile name), ``nvmlDeviceCreateGpuInstanceWithPlacement``,
+        then ``nvmlGpuInstanceGetComputeInstanceProfileInfo`` for the
+        compute-instance profile whose ``sliceCount`` equals the GPU
+        instance's and ``nvmlGpuInstanceCreateComputeInstance``. If the
+        compute instance cannot be created the GPU instance is destroyed
+        (``nvmlGpuInstanceDestroy``). Needs root or the ``mig/config``
+        capability. The driver decides; when it refuses, the message adds the
+        rule :func:`gpubroker.devices.mig.placement_problem` names, if any.
+
+        Returns:
+            The new :class:`MigDevice` as :meth:`mig_devices` reports it.
+
+        Raises:
+            KeyError: ``parent_uuid`` is not a GPU on this node.
+            MigPlacementError: MIG mode is off, the profile is unknown for this
+                GPU, or NVML refused the placement
+                (``NVML_ERROR_INSUFFICIENT_RESOURCES``, ``..._INVALID_ARGUMENT``,
+                ``..._NOT_SUPPORTED``).
+            DeviceBackendError: any other NVML failure (e.g.
+                ``NVML_ERROR_NO_PERMISSION``: not root).
+        """
+        handle = self._parent_handle(parent_uuid)
+        with _nvml_errors(f"read {parent_uuid}"):
+            name = _text(pynvml.nvmlDeviceGetName(handle))
+            enabled = _mig_enabled(handle)
+        prefix = f"cannot create MIG {profile} at {placement} on {parent_uuid} ({name})"
+        if not enabled:
+            raise MigPlacementError(f"{prefix}: MIG mode is off")
+        spec = mig.spec_for(name)
+        with _nvml_errors(f"read the MIG profiles of {parent_uuid}"):
+            names = _ProfileNames(handle)
+            resolved = names.constant(profile)
+        if resolved is None:
+            known = ", ".join(names.all_names()) or "none"
+            raise MigPlacementError(f"{prefix}: no such MIG profile on this GPU (known: {known})")
+        constant, profile_name = resolved
+        with _nvml_errors(f"read MIG profile {profile_name} of {parent_uuid}"):
+            info = _gi_profile_info(handle, constant)
+        c_placement = pynvml.c_nvmlGpuInstancePlacement_t()
+        c_placement.start = placement.start
+        c_placement.size = placement.size
+        try:
+            gpu_instance = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+                handle, info.id, c_placement
+            )
+        except pynvml.NVMLError as err:
+            raise self._create_error(
+                prefix, err, parent_uuid, spec, profile_name, placement
+            ) from err
+        try:
+            compute_instance = _create_full_compute_instance(gpu_instance, int(info.sliceCount))
+            gi_id = int(pynvml.nvmlGpuInstanceGetInfo(gpu_instance).id)
+            ci_id = int(pynvml.nvmlComputeInstanceGetInfo(compute_instance).id)
+        except (pynvml.NVMLError, DeviceBackendError) as err:
+            try:
+                pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+            except pynvml.NVMLError as undo:
+                self.log.error(
+                    "NVML: GPU instance of %s at %s on %s left behind: destroy failed: %s",
+                    profile_name,
+                    placement,
+                    parent_uuid,
+                    undo,
+                )
+            raise DeviceBackendError(f"{prefix}: compute instance: {_error_text(err)}") from err
+        self.log.info(
+            "MIG device %s at %s created on %s (GPU instance %d, compute instance %d)",
+            profile_name,
+            placement,
+            parent_uuid,
+            gi_id,
+            ci_id,
+        )
+        for device in self.mig_devices(parent_uuid):
+            if (device.gi_id, device.ci_id) == (gi_id, ci_id):
+                return device
+        raise DeviceBackendError(
+            f"NVML: created GPU instance {gi_id} / compute instance {ci_id} on {parent_uuid}"
+            " but no MIG device handle shows it"
+        )
+
+    def _create_error(
+        self,
+        prefix: str,
+        err: Exception,
+        parent_uuid: str,
+        spec: mig.GpuMigSpec | None,
+        profile: str,
+        placement: Placement,
+    ) -> DeviceBackendError:
+        """Turn a failed ``nvmlDeviceCreateGpuInstanceWithPlacement`` into an error."""
+        if isinstance(err, pynvml.NVMLError_NoPermission):
+            return DeviceBackendError(
+                f"{prefix}: NVML: {_error_text(err)} (creating MIG instances needs root or the"
+                " mig/config capability)"
+            )
+        refused = (
+            pynvml.NVMLError_InsufficientResources,
+            pynvml.NVMLError_InvalidArgument,
+            pynvml.NVMLError_NotSupported,
+        )
+        if not isinstance(err, refused):
+            return DeviceBackendError(f"{prefix}: NVML: {_error_text(err)}")
+        why = ""
+        if spec is not None and profile in spec.profiles:
+            try:
+                layout = [(d.profile, d.placement) for d in self.mig_devices(parent_uuid)]
+                problem = mig.placement_problem(spec, layout, profile, placement)
+            except (KeyError, DeviceBackendError):
+                problem = None  # a profile outside the catalog: no explanation
+            if problem is not None:
+                why = f"; {problem}"
+        return MigPlacementError(f"{prefix}: NVML: {_error_text(err)}{why}")
+
+    def destroy_mig_device(self, parent_uuid: str, mig_uuid: str) -> None:
+        """Destroy the MIG device ``mig_uuid``: its compute instance, then its GPU instance.
+
+        NVML: ``nvmlDeviceGetGpuInstanceById``,
+        ``nvmlGpuInstanceGetComputeInstanceById``,
+        ``nvmlComputeInstanceDestroy``, ``nvmlGpuInstanceDestroy`` (needs
+        root or ``mig/config``). The driver refuses with
+        ``NVML_ERROR_IN_USE`` while a process runs on it. Where other compute
+        instances (made outside the broker) share the GPU instance, only the
+        compute instance is destroyed.
+
+        Raises:
+            KeyError: ``parent_uuid`` is not a GPU on this node, or
+                ``mig_uuid`` is not one of its MIG devices.
+            DeviceInUseError: NVML said ``NVML_ERROR_IN_USE`` ("in use").
+            DeviceBackendError: any other NVML failure.
+        """
+        handle = self._parent_handle(parent_uuid)
+        devices = self.mig_devices(parent_uuid)
+        target = next((d for d in devices if d.uuid == mig_uuid), None)
+        if target is None:
+            raise KeyError(mig_uuid)
+        prefix = f"cannot destroy MIG {target.profile} {mig_uuid} on {parent_uuid}"
+        shared = any(d.gi_id == target.gi_id and d.uuid != mig_uuid for d in devices)
+        try:
+            gpu_instance = pynvml.nvmlDeviceGetGpuInstanceById(handle, target.gi_id)
+            compute_instance = pynvml.nvmlGpuInstanceGetComputeInstanceById(
+                gpu_instance, target.ci_id
+            )
+            pynvml.nvmlComputeInstanceDestroy(compute_instance)
+            if not shared:
+                pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+        except pynvml.NVMLError_InUse as err:
+            raise DeviceInUseError(f"{prefix}: in use (NVML: {_error_text(err)})") from err
+        except pynvml.NVMLError_NoPermission as err:
+            raise DeviceBackendError(
+                f"{prefix}: NVML: {_error_text(err)} (destroying MIG instances needs root or the"
+                " mig/config capability)"
+            ) from err
+        except pynvml.NVMLError as err:
+            raise DeviceBackendError(f"{prefix}: NVML: {_error_text(err)}") from err
+        self.log.info("MIG device %s destroyed on %s", mig_uuid, parent_uuid)
+
+    def set_mig_mode(self, uuid: str, enabled: bool) -> None:
+        """Turn MIG mode of ``uuid`` on or off (``nvmlDeviceSetMigMode``).
+
+        Needs root. Does nothing when the current and pending modes
+        (``nvmlDeviceGetMigMode``) already equal the wanted one. Refused
+        before calling NVML while MIG devices exist or compute processes run
+        (``nvmlDeviceGetComputeRunningProcesses``). On some GPUs and
+        platforms (e.g. A100 and pass-through VMs) the new mode stays
+        *pending* until the GPU is reset (``nvidia-smi -r``) or the VM
+        reboots; that is reported as an error saying "pending", and
+        :attr:`DeviceInfo.mig_enabled` keeps showing the current mode.
+
+        Raises:
+            KeyError: ``uuid`` is not a GPU on this node.
+            DeviceInUseError: MIG devices or processes on the GPU, or NVML said
+                ``NVML_ERROR_IN_USE`` ("in use").
+            DeviceBackendError: MIG not supported, no permission, the change is
+                pending a GPU reset, or another NVML failure.
+        """
+        handle = self._parent_handle(uuid)
+        mode = "on" if enabled else "off"
+        wanted = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+        prefix = f"cannot turn MIG mode {mode} on {uuid}"
+        try:
+            current, pending = pynvml.nvmlDeviceGetMigMode(handle)
+        except pynvml.NVMLError_NotSupported as err:
+            raise DeviceBackendError(f"{prefix}: the GPU does not support MIG ({err})") from err
+        except pynvml.NVMLError as err:
+            raise DeviceBackendError(f"{prefix}: NVML: {_error_text(err)}") from err
+        if current == wanted and pending == wanted:
+            return
+        devices = self.mig_devices(uuid)
+        if devices:
+            names = ", ".join(f"{d.profile} at {d.placement} ({d.uuid})" for d in devices)
+            raise DeviceInUseError(f"{prefix}: in use by {len(devices)} MIG device(s): {names}")
+        with _nvml_errors(f"list the processes of {uuid}"):
+            try:
+                pids = [p.pid for p in _processes(handle)]
+            except pynvml.NVMLError_NotSupported:
+                pids = []
+        if pids:
+            raise DeviceInUseError(f"{prefix}: in use by process(es) {', '.join(map(str, pids))}")
+        try:
+            status = pynvml.nvmlDeviceSetMigMode(handle, wanted)
+        except pynvml.NVMLError_InUse as err:
+            raise DeviceInUseError(f"{prefix}: in use (NVML: {_error_text(err)})") from err
+        except pynvml.NVMLError_NoPermission as err:
+            raise DeviceBackendError(f"{prefix}: NVML: {_error_text(err)} (needs root)") from err
+        except pynvml.NVMLError as err:
+            raise DeviceBackendError(f"{prefix}: NVML: {_error_text(err)}") from err
+        with _nvml_errors(f"read the MIG mode of {uuid}"):
+            current, pending = pynvml.nvmlDeviceGetMigMode(handle)
+        if status != pynvml.NVML_SUCCESS or current != wanted:
+            activation = (
+                _error_text(pynvml.NVMLError(status)) if status != pynvml.NVML_SUCCESS else "ok"
+            )
+            raise DeviceBackendError(
+                f"MIG mode {mode} on {uuid} is pending (activation: {activation}); reset the"
+                " GPU (nvidia-smi -r) or reboot to apply it"
+            )
+        self.log.info("MIG mode %s on %s", mode, uuid)
+
+    def _parent_handle(self, uuid: str) -> Any:
+        """The handle of GPU ``uuid``; KeyError for an unknown or a MIG UUID."""
+        if not uuid.startswith("GPU-"):
+            raise KeyError(uuid)
+        return self._handle(uuid)
+
     def _handle(self, uuid: str) -> Any:
         try:
             return pynvml.nvmlDeviceGetHandleByUUID(uuid)
@@ -199,6 +529,136 @@ def _processes(handle: Any) -> tuple[ProcessInfo, ...]:
     return tuple(
         ProcessInfo(pid=int(p.pid), used_memory_mib=(p.usedGpuMemory or 0) // _MIB)
         for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    )
+
+
+# --- MIG helpers ---------------------------------------------------------------------
+
+
+def _gi_profile_info(handle: Any, constant: int) -> Any:
+    """``nvmlDeviceGetGpuInstanceProfileInfo``: v2 (with the profile name), else v1."""
+    try:
+        return pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, constant)
+    except pynvml.NVMLError_FunctionNotFound:
+        return pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, constant, version=1)
+
+
+def _ci_profile_info(gpu_instance: Any, constant: int) -> Any:
+    """``nvmlGpuInstanceGetComputeInstanceProfileInfo`` (v2, else v1), shared engines."""
+    engines = pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+    try:
+        return pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(gpu_instance, constant, engines)
+    except pynvml.NVMLError_FunctionNotFound:
+        return pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+            gpu_instance, constant, engines, version=1
+        )
+
+
+def _create_full_compute_instance(gpu_instance: Any, slices: int) -> Any:
+    """Create the compute instance that uses all ``slices`` compute slices of the GPU instance.
+
+    Tries :data:`_CI_PROFILE_BY_SLICES` first, then every
+    ``NVML_COMPUTE_INSTANCE_PROFILE_*`` whose ``sliceCount`` is ``slices``.
+
+    Raises:
+        pynvml.NVMLError: creation failed.
+        DeviceBackendError: no compute-instance profile has that many slices.
+    """
+    first = _CI_PROFILE_BY_SLICES.get(slices)
+    count = getattr(pynvml, "NVML_COMPUTE_INSTANCE_PROFILE_COUNT", 9)
+    candidates = [c for c in (first, *range(count)) if c is not None]
+    for constant in dict.fromkeys(candidates):
+        try:
+            info = _ci_profile_info(gpu_instance, constant)
+        except _NOT_APPLICABLE:
+            continue
+        if int(info.sliceCount) == slices:
+            return pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, info.id)
+    raise DeviceBackendError(f"no compute-instance profile with {slices} slice(s)")
+
+
+class _ProfileNames:
+    """GPU-instance profile IDs of one GPU and their names.
+
+    Catalog names (:func:`gpubroker.devices.mig.spec_for`) come first: each
+    catalog profile's NVML constant is asked for its ID. Profiles outside the
+    catalog get the driver's name (``nvmlGpuInstanceProfileInfo_v2_t.name``
+    without the ``MIG `` prefix), read on first need.
+    """
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self._spec = mig.spec_for(_text(pynvml.nvmlDeviceGetName(handle)))
+        #: profile ID -> (NVML constant, name)
+        self._by_id: dict[int, tuple[int, str]] = {}
+        self._scanned = False
+        if self._spec is not None:
+            for profile in self._spec.profiles.values():
+                try:
+                    info = _gi_profile_info(handle, profile.nvml_profile_value)
+                except _NOT_APPLICABLE:
+                    continue
+                self._by_id[int(info.id)] = (profile.nvml_profile_value, profile.name)
+
+    def _scan(self) -> None:
+        if self._scanned:
+            return
+        self._scanned = True
+        count = getattr(pynvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", 10)
+        for constant in range(count):
+            try:
+                info = _gi_profile_info(self._handle, constant)
+            except _NOT_APPLICABLE:
+                continue
+            name = _text(getattr(info, "name", b"")).removeprefix("MIG ").strip()
+            self._by_id.setdefault(int(info.id), (constant, name or f"profile-{int(info.id)}"))
+
+    def name(self, profile_id: int) -> str:
+        """Name of the GPU-instance profile ``profile_id`` (e.g. ``1g.10gb``)."""
+        if profile_id not in self._by_id:
+            self._scan()
+        return self._by_id.get(profile_id, (-1, f"profile-{profile_id}"))[1]
+
+    def constant(self, profile: str) -> tuple[int, str] | None:
+        """``(NVML constant, name)`` of the profile called ``profile``, or ``None``."""
+        key = profile.removeprefix("MIG ").strip()
+        if self._spec is not None and key in self._spec.profiles:
+            wanted = self._spec.profiles[key]
+            return wanted.nvml_profile_value, wanted.name
+        self._scan()
+        for constant, name in self._by_id.values():
+            if name == key:
+                return constant, name
+        return None
+
+    def all_names(self) -> list[str]:
+        """Every profile name this GPU offers."""
+        self._scan()
+        return sorted({name for _constant, name in self._by_id.values()})
+
+
+def _mig_handles(handle: Any) -> Iterator[Any]:
+    """MIG device handles of ``handle`` (indices without one are skipped)."""
+    for index in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            yield pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+        except (pynvml.NVMLError_NotFound, pynvml.NVMLError_InvalidArgument):
+            continue
+
+
+def _mig_device(parent_uuid: str, handle: Any, mig_handle: Any, names: _ProfileNames) -> MigDevice:
+    """Read one MIG device (see :meth:`NVMLDeviceBackend.mig_devices`)."""
+    gi_id = int(pynvml.nvmlDeviceGetGpuInstanceId(mig_handle))
+    ci_id = int(pynvml.nvmlDeviceGetComputeInstanceId(mig_handle))
+    info = pynvml.nvmlGpuInstanceGetInfo(pynvml.nvmlDeviceGetGpuInstanceById(handle, gi_id))
+    return MigDevice(
+        parent_uuid=parent_uuid,
+        uuid=_text(pynvml.nvmlDeviceGetUUID(mig_handle)),
+        profile=names.name(int(info.profileId)),
+        placement=Placement(int(info.placement.start), int(info.placement.size)),
+        gi_id=gi_id,
+        ci_id=ci_id,
+        memory_mib=int(pynvml.nvmlDeviceGetMemoryInfo(mig_handle).total) // _MIB,
     )
 
 

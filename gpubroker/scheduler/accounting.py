@@ -77,12 +77,12 @@ class Accounting:
         """
         limit = self.policy.user_quota(request.user).limit
         held = self.user_held[request.user]
-        if limit is not None and held + request.gpus > limit + _EPS:
+        if limit is not None and held + request.amount > limit + _EPS:
             return ("user", request.user, held, limit)
         quota = self.policy.group_quota(request.group)
         if quota is not None and quota.limit is not None and request.group is not None:
             held = self.group_held[request.group]
-            if held + request.gpus > quota.limit + _EPS:
+            if held + request.amount > quota.limit + _EPS:
                 return ("group", request.group, held, quota.limit)
         return None
 

@@ -52,6 +52,7 @@ def wait_message(
         WaitReason.quota_group: "your group is at its GPU limit",
         WaitReason.over_guarantee: "this priority class only runs within guarantees",
         WaitReason.pool_drained: "no node has that many GPUs in service",
+        WaitReason.fragmented: "the free MIG slices are scattered by other instances",
     }[reason]
     text = detail or lead
     why = ""

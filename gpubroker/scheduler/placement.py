@@ -144,19 +144,23 @@ class Pool:
             if not free:
                 del self.free[node]
 
-    def usable(self, node: str, ends: dt.datetime) -> list[Slot]:
-        """Free devices of ``node`` a request ending at ``ends`` may use now."""
+    def usable(self, node: str, ends: dt.datetime, pool: str | None = None) -> list[Slot]:
+        """Free devices of ``node`` (of pool ``pool`` when given) a request
+        ending at ``ends`` may use now."""
         return [
             s
             for s in self.free.get(node, {}).values()
-            if ends <= self.reserved_from.get(s.uuid, NEVER)
+            if ends <= self.reserved_from.get(s.uuid, NEVER) and (pool is None or s.pool == pool)
         ]
 
-    def place(self, gpus: int, ends: dt.datetime) -> tuple[str, ...] | None:
+    def place(
+        self, gpus: int, ends: dt.datetime, pool: str | None = None
+    ) -> tuple[str, ...] | None:
         """Devices for a request of ``gpus`` ending at ``ends``, or ``None``.
 
         Among nodes with room, the one with the fewest usable devices (best
-        fit), then the closest set by topology.
+        fit), then the closest set by topology. ``pool``: only devices of
+        that pool.
         """
         if gpus > self.largest_free():
             return None
@@ -164,7 +168,7 @@ class Pool:
         for node, free in self.free.items():
             if len(free) < gpus:
                 continue
-            usable = self.usable(node, ends)
+            usable = self.usable(node, ends, pool)
             if len(usable) < gpus:
                 continue
             chosen = closest_set(usable, gpus, self.topology.get(node))

@@ -33,10 +33,13 @@ from .messages import clock, wait_message
 from .messages import gpus as gpus_text
 from .placement import NEVER, Pool
 from .preemption import VictimIndex, find_victims
+from .sharing import SharingPool
 from .types import (
     Decisions,
     Eviction,
     Grant,
+    Part,
+    PoolMode,
     Preemption,
     Request,
     Running,
@@ -73,6 +76,7 @@ class _Pass:
     acct: Accounting
     pool: Pool
     running: list[Running]
+    sharing: SharingPool
     grants: list[Grant] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
     waits: list[Wait] = field(default_factory=list)
@@ -100,6 +104,12 @@ class _Pass:
         self.pool.take(devices, ends)
         self.acct.add(request.lease_id, request.user, request.group, float(len(devices)))
         self.grants.append(Grant(request.lease_id, devices))
+
+    def grant_parts(self, request: Request, parts: tuple[Part, ...]) -> None:
+        self.sharing.take(request.lease_id, parts)
+        weight = sum(part.weight for part in parts)
+        self.acct.add(request.lease_id, request.user, request.group, weight)
+        self.grants.append(Grant(request.lease_id, (), parts))
 
 
 def _evictions(state: SchedulerState, now: dt.datetime) -> tuple[list[Eviction], list[int]]:
@@ -129,9 +139,32 @@ def _start(state: SchedulerState, now: dt.datetime) -> _Pass:
         end = max(end, now + dt.timedelta(seconds=1)) if end < NEVER else NEVER
         for uuid in lease.devices:
             busy_until[uuid] = end
+        for part in lease.parts:  # a device with parts is never free as a whole
+            busy_until[part.device] = NEVER
     earmarked = [d for r in state.pending for d in r.earmarked]
-    pool = Pool.build(state.slots, busy_until, earmarked, state.topology, now)
-    return _Pass(state, now, Accounting.of(state.policy, tuple(running)), pool, running)
+    exclusive = [s for s in state.slots if s.mode == PoolMode.exclusive.value]
+    pool = Pool.build(exclusive, busy_until, earmarked, state.topology, now)
+    sharing = SharingPool.build(state.slots, running, state.sharing_strategy)
+    acct = Accounting.of(state.policy, tuple(running))
+    return _Pass(state, now, acct, pool, running, sharing)
+
+
+def _fractional(p: _Pass, request: Request) -> None:
+    """A MIG instance or shares: granted when they fit now, else a wait with
+    ``Resources``, ``Fragmented`` (naming the instances in the way) or
+    ``PoolDrained``. Fractional requests are not given reservations and do
+    not preempt (their pools hold no whole-device leases)."""
+    parts: tuple[Part, ...] | None
+    if request.kind == "mig":
+        part, miss = p.sharing.place_mig(request)
+        parts = (part,) if part is not None else None
+    else:
+        parts, miss = p.sharing.place_shares(request)
+    if parts is not None:
+        p.grant_parts(request, parts)
+        return
+    assert miss is not None
+    p.wait(request, miss.reason, None, miss.detail)
 
 
 def _held(p: _Pass, request: Request) -> bool:
@@ -144,13 +177,13 @@ def _held(p: _Pass, request: Request) -> bool:
         detail = f"{who} {held:g} of {'your' if kind == 'user' else 'its'} {gpus_text(limit)} limit"
         p.wait(request, reason, None, detail)
         return True
-    if request.gpus > p.pool.largest_node():
+    if request.whole and request.gpus > p.pool.largest_node():
         detail = f"no node has {request.gpus} GPUs in service (largest: {p.pool.largest_node()})"
         p.wait(request, WaitReason.pool_drained, None, detail)
         return True
     cls = p.state.policy.class_of(request.priority_class)
     if not cls.preemptible and not p.acct.within_guarantee(
-        request.user, request.group, request.gpus
+        request.user, request.group, request.amount
     ):
         detail = f"class {cls.name} is not preemptible, so it only runs within your guarantee"
         p.wait(request, WaitReason.over_guarantee, None, detail)
@@ -173,7 +206,7 @@ def _earmarked(p: _Pass, request: Request) -> None:
 def _counts_as_held(p: _Pass, request: Request) -> None:
     """A request with devices reclaimed for it counts as held from now on, so
     its guarantee and limits are not used twice."""
-    p.acct.add(-request.lease_id, request.user, request.group, float(request.gpus))
+    p.acct.add(-request.lease_id, request.user, request.group, request.amount)
     p.acct.borrowed.discard(-request.lease_id)  # not a lease yet: never reported
 
 
@@ -185,7 +218,7 @@ def _preempt(p: _Pass, request: Request, index: VictimIndex, window: bool) -> bo
     """
     policy = p.state.policy
     in_guarantee = policy.has_guarantees and p.acct.within_guarantee(
-        request.user, request.group, request.gpus
+        request.user, request.group, request.amount
     )
     preempting = window and policy.class_of(request.priority_class).preempting
     if not in_guarantee and not preempting:
@@ -262,18 +295,21 @@ def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:
     for request in queue_order(state, now):
         if _held(p, request):
             continue
+        if not request.whole:
+            _fractional(p, request)
+            continue
         if request.earmarked and all(d in p.pool.slots for d in request.earmarked):
             _earmarked(p, request)
             continue
         ends = (
             NEVER if request.time_limit is None else now + dt.timedelta(seconds=request.time_limit)
         )
-        devices = p.pool.place(request.gpus, ends)
+        devices = p.pool.place(request.gpus, ends, request.pool)
         if devices is not None:
             p.grant(request, devices)
             continue
         window = p.reservations < state.policy.max_reservations
-        if _preempt(p, request, index, window):
+        if request.pool is None and _preempt(p, request, index, window):
             continue
         _reserve(p, request)
     return Decisions(

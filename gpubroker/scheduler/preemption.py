@@ -55,7 +55,7 @@ class VictimIndex:
         self.by_node: dict[str, list[Running]] = {}
         for victim in running:
             vcls = policy.class_of(victim.priority_class)
-            if not vcls.preemptible or victim.preempt_deadline is not None:
+            if not vcls.preemptible or victim.preempt_deadline is not None or not victim.devices:
                 continue
             if victim.lease_id in told or (now - victim.started).total_seconds() < vcls.min_runtime:
                 continue

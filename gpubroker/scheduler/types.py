@@ -25,7 +25,11 @@ class WaitReason(str, enum.Enum):
     - ``QuotaUserLimit`` / ``QuotaGroupLimit``: granting it would exceed a limit.
     - ``OverGuarantee``: its priority class is not preemptible, so it may only
       run within a guarantee, and the guarantee is used up.
-    - ``PoolDrained``: no node has that many devices in service.
+    - ``PoolDrained``: no node has that many devices in service (or, for a
+      MIG instance or a share, no device of the pool can ever hold it).
+    - ``Fragmented``: a MIG profile does not fit although enough compute and
+      memory slices are free on some device: existing instances sit where it
+      would go (the message names them).
     """
 
     resources = "Resources"
@@ -36,6 +40,28 @@ class WaitReason(str, enum.Enum):
     quota_group = "QuotaGroupLimit"
     over_guarantee = "OverGuarantee"
     pool_drained = "PoolDrained"
+    fragmented = "Fragmented"
+
+
+class SlotKind(str, enum.Enum):
+    """What a lease holds: whole devices, one MIG instance, or time-sliced shares."""
+
+    gpus = "gpus"
+    mig = "mig"
+    share = "share"
+
+
+class PoolMode(str, enum.Enum):
+    """How the devices of a pool are handed out (DESIGN.md, "pool").
+
+    - ``exclusive``: whole devices only.
+    - ``mig``: MIG instances (created on demand or listed by the admin).
+    - ``timeslice``: shares sized by memory, several per device.
+    """
+
+    exclusive = "exclusive"
+    mig = "mig"
+    timeslice = "timeslice"
 
 
 @dataclass(frozen=True)
@@ -133,20 +159,82 @@ class Policy:
 
 
 @dataclass(frozen=True)
+class Instance:
+    """A MIG instance that exists on a device independently of any new grant.
+
+    Attributes:
+        profile: its profile name, e.g. ``1g.10gb``.
+        start: first memory slice of its placement.
+        size: memory slices it occupies.
+        uuid: its ``MIG-`` UUID (``""`` when unknown).
+    """
+
+    profile: str
+    start: int
+    size: int
+    uuid: str = ""
+
+
+@dataclass(frozen=True)
 class Slot:
-    """An allocatable device.
+    """A device and how it may be handed out.
 
     Attributes:
         uuid: NVML UUID of the device.
         node: node the device is on.
         index: NVML index on that node (row/column in the node's topology).
         drained: no new grants (running leases continue).
+        pool: the name of its pool.
+        mode: its pool's :class:`PoolMode` value.
+        model: NVML product name (selects the MIG catalog entry).
+        memory_mib: total memory, MiB.
+        reserve_mib: memory of a ``timeslice`` device never handed out as
+            shares (for the driver, the CUDA context of each process), MiB.
+        static: in a ``mig`` pool with an admin-made layout, the instances
+            that may be granted (the broker never creates or destroys any);
+            empty: instances are created on demand.
+        foreign: MIG instances present on the device that belong to no
+            lease and are not ``static`` (left over, made by hand): they
+            occupy their slices.
     """
 
     uuid: str
     node: str
     index: int
     drained: bool = False
+    pool: str = "default"
+    mode: str = PoolMode.exclusive.value
+    model: str = ""
+    memory_mib: int = 0
+    reserve_mib: int = 0
+    static: tuple[Instance, ...] = ()
+    foreign: tuple[Instance, ...] = ()
+
+
+@dataclass(frozen=True)
+class Part:
+    """One fractional slot held by a lease: a MIG instance or a share.
+
+    Attributes:
+        device: UUID of the physical device.
+        kind: ``mig`` or ``share`` (:class:`SlotKind` value).
+        weight: fraction of the device it counts for in quotas and usage:
+            a MIG instance its compute slices / the device's, a share its
+            memory / the device's memory.
+        profile: MIG profile name (``mig`` only).
+        start, size: MIG placement, memory slices (``mig`` only).
+        memory_mib: memory of the share or the MIG instance, MiB.
+        instance: the MIG instance's ``MIG-`` UUID, ``""`` until created.
+    """
+
+    device: str
+    kind: str
+    weight: float
+    profile: str = ""
+    start: int = 0
+    size: int = 0
+    memory_mib: int = 0
+    instance: str = ""
 
 
 @dataclass(frozen=True)
@@ -163,6 +251,8 @@ class Running:
         ends: when its time limit runs out, ``None`` if it has none.
         preempt_deadline: set once it has been told it is preempted: when it
             will be evicted.
+        parts: the MIG instances or shares it holds (then ``devices`` is
+            empty: it holds no whole device).
     """
 
     lease_id: int
@@ -173,11 +263,12 @@ class Running:
     priority_class: str = "interactive"
     ends: dt.datetime | None = None
     preempt_deadline: dt.datetime | None = None
+    parts: tuple[Part, ...] = ()
 
     @property
     def gpus(self) -> float:
-        """GPUs held (whole devices)."""
-        return float(len(self.devices))
+        """GPUs held, in device units: whole devices plus the parts' weights."""
+        return float(len(self.devices)) + sum(p.weight for p in self.parts)
 
 
 @dataclass(frozen=True)
@@ -193,6 +284,15 @@ class Request:
         priority_class: its class name.
         time_limit: seconds it will run at most once granted; ``None``: no limit.
         earmarked: devices being reclaimed for it (set after a preemption).
+        kind: :class:`SlotKind` value: ``gpus`` (``gpus`` whole devices),
+            ``mig`` (one instance of ``mig_profile``) or ``share`` (``gpus``
+            shares of ``memory_mib`` each, on distinct devices of one node).
+        mig_profile: the MIG profile asked for (``mig`` only).
+        memory_mib: memory of each share, MiB (``share`` only).
+        pool: the pool asked for; ``None``: any pool of the right mode.
+        weight: device units charged to quotas while it waits and when
+            granted (whole devices: ``gpus``; else the broker's estimate from
+            the pool's devices, see :func:`gpubroker.scheduler.sharing.weight_of`).
     """
 
     lease_id: int
@@ -203,6 +303,21 @@ class Request:
     priority_class: str = "interactive"
     time_limit: float | None = None
     earmarked: tuple[str, ...] = ()
+    kind: str = SlotKind.gpus.value
+    mig_profile: str = ""
+    memory_mib: int = 0
+    pool: str | None = None
+    weight: float | None = None
+
+    @property
+    def amount(self) -> float:
+        """Device units this request counts for in quotas (``weight`` or ``gpus``)."""
+        return float(self.gpus) if self.weight is None else self.weight
+
+    @property
+    def whole(self) -> bool:
+        """Whether it asks for whole devices."""
+        return self.kind == SlotKind.gpus.value
 
 
 @dataclass(frozen=True)
@@ -229,6 +344,9 @@ class SchedulerState:
         usage: past usage by user, for fair share.
         topology: link matrix per node, indexed by device index; a node
             without one counts every pair as equally far.
+        sharing_strategy: MIG placement, ``least-fragmentation`` (the
+            broker's) or ``first-fit`` (a baseline), see
+            :mod:`gpubroker.scheduler.sharing`.
     """
 
     slots: tuple[Slot, ...]
@@ -237,14 +355,17 @@ class SchedulerState:
     policy: Policy = Policy()
     usage: Mapping[str, UsageRecord] = field(default_factory=dict)
     topology: Mapping[str, Topology] = field(default_factory=dict)
+    sharing_strategy: str = "least-fragmentation"
 
 
 @dataclass(frozen=True)
 class Grant:
-    """Decision: bind ``devices`` (UUIDs) to ``lease_id``."""
+    """Decision: bind ``devices`` (UUIDs) to ``lease_id``, or, for a MIG or
+    share request, ``parts`` (a MIG instance to create or take, shares)."""
 
     lease_id: int
     devices: tuple[str, ...]
+    parts: tuple[Part, ...] = ()
 
 
 @dataclass(frozen=True)

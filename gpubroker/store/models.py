@@ -105,6 +105,8 @@ class Device(Base):
     mig_enabled: Mapped[bool] = mapped_column(Boolean, default=False)
     present: Mapped[bool] = mapped_column(Boolean, default=True)
     drained: Mapped[bool] = mapped_column(Boolean, default=False)
+    #: MIG mode an admin asked for; set once the device is empty (a drain operation)
+    mig_target: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
 
 
 class Lease(Base):
@@ -143,6 +145,12 @@ class Lease(Base):
     preempt_deadline: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
     preempt_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     server_url: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    kind: Mapped[str] = mapped_column(String(8), default="gpus", server_default="gpus")
+    mig_profile: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    memory_mib: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    pool: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    weight: Mapped[float | None] = mapped_column(Float, nullable=True)
+    grant_env: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
 
     allocations: Mapped[list[Allocation]] = relationship(
         back_populates="lease", order_by="Allocation.id", lazy="selectin"
@@ -161,7 +169,16 @@ class Lease(Base):
 
 
 class Allocation(Base):
-    """One device bound to one lease; ``active`` until the lease is released."""
+    """One slot bound to one lease; ``active`` until the lease is released.
+
+    ``kind`` ``device``: the whole device (at most one active per device,
+    by a partial unique index). ``mig``: a MIG instance of ``profile`` at
+    ``placement_start``/``placement_size`` whose ``MIG-`` UUID is
+    ``instance_uuid`` (unique among active allocations). ``share``:
+    ``memory_mib`` of the device. ``weight``: device units it counts for.
+    Overlapping MIG placements and oversubscribed shares cannot be expressed
+    as indexes; the scheduler prevents them (property-tested).
+    """
 
     __tablename__ = "allocations"
 
@@ -169,6 +186,13 @@ class Allocation(Base):
     lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"))
     device_uuid: Mapped[str] = mapped_column(ForeignKey("devices.uuid"))
     active: Mapped[bool] = mapped_column(Boolean, default=True)
+    kind: Mapped[str] = mapped_column(String(8), default="device", server_default="device")
+    instance_uuid: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    profile: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    placement_start: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    placement_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    memory_mib: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1.0")
 
     lease: Mapped[Lease] = relationship(back_populates="allocations")
     device: Mapped[Device] = relationship(lazy="joined")
@@ -178,8 +202,15 @@ class Allocation(Base):
             "uq_allocations_active_device",
             "device_uuid",
             unique=True,
-            sqlite_where=text("active = 1"),
-            postgresql_where=text("active"),
+            sqlite_where=text("active = 1 AND kind = 'device'"),
+            postgresql_where=text("active AND kind = 'device'"),
+        ),
+        Index(
+            "uq_allocations_active_instance",
+            "instance_uuid",
+            unique=True,
+            sqlite_where=text("active = 1 AND instance_uuid IS NOT NULL"),
+            postgresql_where=text("active AND instance_uuid IS NOT NULL"),
         ),
     )
 

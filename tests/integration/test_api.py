@@ -100,7 +100,9 @@ def test_bad_requests_get_400_naming_the_field_and_allocate_nothing(clean_hub: R
     cases = [
         ({"user": "ann", "gpus": 99}, "gpus: must be between 1 and 8 (the request limit), got 99"),
         ({"user": "ann", "gpus": "two"}, 'gpus: must be an integer, got "two"'),
-        ({"user": "ann"}, "gpus: required"),
+        ({"user": "ann"}, "gpus/mig_profile/memory_gib: give exactly one of them, got none"),
+        ({"user": "ann", "mig_profile": "1g.10gb"}, "mig_profile: no mig pool has devices"),
+        ({"user": "ann", "memory_gib": 8, "pool": "x"}, "pool: no pool 'x' has devices"),
         ({"user": "ann", "gpus": 1, "extra": 1}, "extra: unknown field"),
     ]
     for body, message in cases:

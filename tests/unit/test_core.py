@@ -241,6 +241,8 @@ def test_dry_run_checks_everything_and_creates_nothing(db_url: str) -> None:
         "admitted": True,
         "user": "ann",
         "gpus": 1,
+        "kind": "gpus",
+        "weight": 1.0,
         "priority_class": "interactive",
         "group": None,
     }

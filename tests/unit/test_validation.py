@@ -18,13 +18,35 @@ def test_lease_request_defaults_and_types() -> None:
         "priority_class": None,
         "time_limit": None,
         "group": None,
+        "mig_profile": None,
+        "memory_gib": None,
+        "count": None,
+        "pool": None,
     }
+    share = {"user": "ann", "memory_gib": 10, "count": 2, "pool": "shared"}
+    assert validation.lease_request(share) | {} == validation.lease_request(share)
+    parsed = validation.lease_request(share)
+    assert (parsed["gpus"], parsed["memory_gib"], parsed["count"], parsed["pool"]) == (
+        None,
+        10.0,
+        2,
+        "shared",
+    )
+    parsed = validation.lease_request({"user": "ann", "mig_profile": "MIG 1g.10gb"})
+    assert parsed["mig_profile"] == "1g.10gb"
 
 
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ({"user": "ann"}, "gpus: required"),
+        ({"user": "ann"}, "gpus/mig_profile/memory_gib: give exactly one of them, got none"),
+        ({"user": "ann", "gpus": 1, "memory_gib": 2}, "give exactly one of them, got gpus, memory"),
+        ({"user": "ann", "mig_profile": "big"}, "mig_profile: must be a MIG profile name"),
+        ({"user": "ann", "memory_gib": 0}, "memory_gib: must be more than 0 and at most 1024"),
+        ({"user": "ann", "memory_gib": "10G"}, "memory_gib: must be a number of GiB"),
+        ({"user": "ann", "gpus": 1, "count": 2}, "count: only with memory_gib"),
+        ({"user": "ann", "memory_gib": 4, "count": 0}, "count: must be between 1, got 0"),
+        ({"user": "ann", "gpus": 1, "pool": "a/b"}, "pool: must be 1-255 characters"),
         ({"user": "ann", "gpus": "two"}, 'gpus: must be an integer, got "two"'),
         ({"user": "ann", "gpus": True}, "gpus: must be an integer, got true"),
         ({"user": "ann", "gpus": 1.5}, "gpus: must be an integer, got 1.5"),

@@ -1,0 +1,122 @@
+"""What is free now, per pool, and what a user may still take: the answer of
+``GET /api/v1/pools`` that the spawn form shows. Part of
+:class:`gpubroker.core.Broker` (a mixin); reads only."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from . import scheduler
+from .admission import held_weight
+from .devices import mig
+from .passes import build_state
+from .scheduler.sharing import SharingPool
+from .store.models import ACTIVE_STATES, LeaseState
+
+#: MIG instances counted at most per profile and pool (the form says "N+")
+MAX_COUNTED = 50
+
+
+def _free_mig(state: scheduler.SchedulerState, pool: str, profiles: list[str]) -> dict[str, int]:
+    """Instances of each profile that could be created now, one profile at a
+    time (each count assumes only that profile is created)."""
+    counts = {}
+    for profile in profiles:
+        sharing = SharingPool.build(state.slots, state.running, "first-fit")
+        request = scheduler.Request(
+            0, "", 1, dt.datetime.now(dt.timezone.utc), kind="mig", mig_profile=profile, pool=pool
+        )
+        n = 0
+        while n < MAX_COUNTED:
+            part, _miss = sharing.place_mig(request)
+            if part is None:
+                break
+            sharing.take(-1 - n, (part,))
+            n += 1
+        counts[profile] = n
+    return counts
+
+
+def _share_room(state: scheduler.SchedulerState, pool: str) -> tuple[float, float]:
+    """(largest share grantable now on one device, total share room), GiB."""
+    sharing = SharingPool.build(state.slots, state.running)
+    rooms = [
+        d.share_room
+        for d in sharing.devices.values()
+        if d.slot.pool == pool and d.slot.mode == "timeslice" and not d.slot.drained
+    ]
+    return max(rooms, default=0) / 1024, sum(max(r, 0) for r in rooms) / 1024
+
+
+class AvailabilityMixin:
+    """``availability(user)`` for the spawn form and ``GET /pools``."""
+
+    def availability(self, user: str | None = None) -> dict[str, Any]:
+        """Each pool with what is free now, and ``user``'s quota room.
+
+        Returns:
+            ``{"pools": [{"name", "mode", "purpose", "description",
+            "devices" (count), "models" (NVML names), "free": {"gpus" (whole
+            devices free now), "mig" ({profile: instances creatable now}),
+            "share_gib" (largest share grantable now), "shares_total_gib"}}],
+            "quota": {"user", "limit", "guaranteed", "held", "pending",
+            "remaining"} | None}``; amounts in device units (a MIG instance
+            counts compute slices / the device's, a share memory / the
+            device's memory); ``limit``/``remaining`` ``None``: no limit.
+        """
+        with self._session() as session:  # type: ignore[attr-defined]
+            state, leases = build_state(
+                session,
+                self._policy(session),  # type: ignore[attr-defined]
+                self._topology,  # type: ignore[attr-defined]
+                self._pools,  # type: ignore[attr-defined]
+                self._mig_inventory,  # type: ignore[attr-defined]
+            )
+            quota = self._quota_view(state.policy, user, leases.values()) if user else None
+        held = {d for r in state.running for d in r.devices} | {
+            d for r in state.pending for d in r.earmarked
+        }
+        pools = []
+        for spec in self.pools.specs():  # type: ignore[attr-defined]
+            slots = [s for s in state.slots if s.pool == spec.name]
+            if not slots and spec.name != self.pools.default_pool:  # type: ignore[attr-defined]
+                continue
+            free: dict[str, Any] = {"gpus": 0, "mig": {}, "share_gib": 0.0, "shares_total_gib": 0.0}
+            if spec.mode == "exclusive":
+                free["gpus"] = sum(1 for s in slots if not s.drained and s.uuid not in held)
+            elif spec.mode == "mig":
+                offered = sorted(
+                    {p for s in slots if (m := mig.spec_for(s.model)) for p in m.profiles}
+                )
+                free["mig"] = _free_mig(state, spec.name, offered)
+            else:
+                free["share_gib"], free["shares_total_gib"] = _share_room(state, spec.name)
+            pools.append(
+                {
+                    "name": spec.name,
+                    "mode": spec.mode,
+                    "purpose": spec.purpose,
+                    "description": spec.description,
+                    "devices": len(slots),
+                    "models": sorted({s.model for s in slots}),
+                    "free": free,
+                }
+            )
+        return {"pools": pools, "quota": quota}
+
+    @staticmethod
+    def _quota_view(policy: scheduler.Policy, user: str, leases: Any) -> dict[str, Any]:
+        quota = policy.user_quota(user)
+        mine = [x for x in leases if x.user == user and x.state in ACTIVE_STATES]
+        held = sum(held_weight(x) for x in mine if x.state == LeaseState.granted.value)
+        pending = sum(held_weight(x) for x in mine if x.state == LeaseState.pending.value)
+        remaining = None if quota.limit is None else max(quota.limit - held - pending, 0.0)
+        return {
+            "user": user,
+            "limit": quota.limit,
+            "guaranteed": quota.guaranteed,
+            "held": round(held, 4),
+            "pending": round(pending, 4),
+            "remaining": None if remaining is None else round(remaining, 4),
+        }

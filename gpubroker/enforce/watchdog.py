@@ -1,0 +1,432 @@
+"""The memory-cap watchdog for shares: warn, then end over-cap processes.
+
+Each check, the broker samples the compute processes of its shared devices
+(NVML ``nvmlDeviceGetComputeRunningProcesses``, as
+:class:`~gpubroker.devices.base.ProcessInfo`: pid and used memory in MiB)
+and calls :meth:`ShareWatchdog.judge`, which is pure (no clock, no OS):
+
+- a process belongs to the lease named by ``GPUBROKER_LEASE_ID`` in its
+  environment or its parents' (:func:`lease_of_pid`); processes of no lease
+  are ignored (debug log);
+- the memory a lease uses on its share's device is the sum of its
+  processes' memory there; the lease is *over* when that sum exceeds
+  ``cap_mib + tolerance_mib``;
+- when over, its largest processes on that device (largest first, as many
+  as it takes to get back under the limit) are warned (:class:`Overuse`,
+  with a deadline ``grace`` seconds later) and, if the lease is still over
+  at the deadline, ended (:class:`Terminate`); a process is warned once and
+  ended once;
+- when the lease is back under the limit before the deadline, each warning
+  is withdrawn (:class:`Withdrawn`);
+- other leases' processes on the same device are never touched.
+
+The broker then tells users (notices) and calls :func:`end_process` for
+each :class:`Terminate`. A Jupyter server usually restarts a kernel that was
+ended, which frees its memory.
+
+Limits: after the fact (memory over the cap is held until the deadline);
+sees what NVML reports, in the host's PID namespace, so the broker must run
+in the host's PID namespace (not in a container of its own). Attribution
+trusts the processes' environment: a user can clear or forge
+``GPUBROKER_LEASE_ID`` in a process they start with a fresh environment, so
+this stops accidents, not attacks; MPS (:mod:`gpubroker.enforce.mps`) is the
+hard cap. On a real node the broker must run as root (or as the notebook
+users' owner) to read ``/proc/<pid>/environ`` of users' processes and to
+signal them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from traitlets import Bool, Float, Integer
+from traitlets.config import LoggingConfigurable
+
+#: the environment variable that names a process's lease (set by the broker
+#: in the lease environment, see :mod:`gpubroker.views`)
+LEASE_ENV = "GPUBROKER_LEASE_ID"
+
+
+@dataclass(frozen=True)
+class ShareCap:
+    """The memory cap of one share lease.
+
+    Attributes:
+        lease_id: the lease.
+        user: its holder.
+        device_uuid: NVML UUID of the shared device.
+        cap_mib: device memory the lease may use on it, MiB (its ``memory_mib``).
+    """
+
+    lease_id: int
+    user: str
+    device_uuid: str
+    cap_mib: int
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """A compute process on a device as NVML reported it.
+
+    Attributes:
+        device_uuid: NVML UUID of the device.
+        pid: process id (host PID namespace).
+        used_memory_mib: device memory the process holds, MiB.
+    """
+
+    device_uuid: str
+    pid: int
+    used_memory_mib: int
+
+
+@dataclass(frozen=True)
+class Overuse:
+    """First seen over the cap: warn; the process is ended at ``deadline``
+    unless the lease gets back under the cap.
+
+    Attributes:
+        lease_id, user, device_uuid: the lease, its holder and the device.
+        pid: the process warned.
+        used_mib: memory the process holds, MiB.
+        cap_mib: the lease's cap, MiB.
+        deadline: when the process will be ended (aware UTC, ``now + grace``).
+        lease_used_mib: memory all the lease's processes hold on the device, MiB.
+    """
+
+    lease_id: int
+    user: str
+    device_uuid: str
+    pid: int
+    used_mib: int
+    cap_mib: int
+    deadline: dt.datetime
+    lease_used_mib: int = 0
+
+
+@dataclass(frozen=True)
+class Withdrawn:
+    """The lease got back under its cap before the deadline: the warning of
+    ``pid`` is withdrawn."""
+
+    lease_id: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Terminate:
+    """End this process: its lease is still over its cap after the grace period.
+
+    Attributes:
+        lease_id, user, device_uuid, pid, used_mib, cap_mib: as in :class:`Overuse`.
+        reason: a sentence for the user and the log.
+        lease_used_mib: memory all the lease's processes hold on the device, MiB.
+    """
+
+    lease_id: int
+    user: str
+    device_uuid: str
+    pid: int
+    used_mib: int
+    cap_mib: int
+    reason: str
+    lease_used_mib: int = 0
+
+
+Action = Overuse | Withdrawn | Terminate
+
+
+class ShareWatchdog(LoggingConfigurable):
+    """Judges shares' memory use against their caps (see the module docstring).
+
+    Keeps, in memory, the deadline of each warned process and which
+    processes it ended; :meth:`judge` forgets leases and processes that are
+    gone. ``enabled`` is read by the broker, not by :meth:`judge`.
+    """
+
+    enabled = Bool(
+        True,
+        help="Watch the memory of time-sliced shares (NVML per-process memory) and end the "
+        "processes of a share over its cap after a warning and a grace period.",
+    ).tag(config=True)
+    grace = Float(
+        60,
+        help="Seconds between the warning that a share is over its memory cap and ending its "
+        "largest processes; getting back under the cap withdraws the warning.",
+    ).tag(config=True)
+    tolerance_mib = Integer(
+        256,
+        help="MiB a share may use above its cap before it counts as over (CUDA context and "
+        "allocator slack).",
+    ).tag(config=True)
+    term_timeout = Float(
+        5,
+        help="Seconds an ended process gets between SIGTERM and SIGKILL.",
+    ).tag(config=True)
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        #: (lease id, device uuid, pid) -> deadline of its warning (aware UTC)
+        self.warned: dict[tuple[int, str, int], dt.datetime] = {}
+        #: (lease id, device uuid, pid) of processes a Terminate was issued for
+        self.ended: set[tuple[int, str, int]] = set()
+
+    def judge(
+        self,
+        samples: Iterable[ProcessSample],
+        caps_by_lease: Mapping[int, ShareCap],
+        lease_of_pid: Callable[[int], int | None],
+        now: dt.datetime,
+    ) -> list[Action]:
+        """Judge one sample of the shared devices' processes.
+
+        Args:
+            samples: every compute process on the watched devices now.
+            caps_by_lease: the share leases to enforce, by lease id.
+            lease_of_pid: the lease of a process, or ``None`` (e.g.
+                :func:`lease_of_pid`); called once per pid.
+            now: the time of the sample (aware UTC); no clock is read here.
+
+        Returns:
+            Actions in order of leases and, within a lease, largest process
+            first: :class:`Withdrawn` for warnings no longer needed,
+            :class:`Terminate` for processes whose deadline passed while the
+            lease is still over, :class:`Overuse` for newly warned processes.
+            Processes already ended are left out of the lease's sum while
+            NVML still reports them (their memory is being freed).
+        """
+        by_lease: dict[int, list[ProcessSample]] = {}
+        seen: set[tuple[int, str, int]] = set()
+        owners: dict[int, int | None] = {}
+        for sample in samples:
+            if sample.pid not in owners:
+                owners[sample.pid] = lease_of_pid(sample.pid)
+            lease_id = owners[sample.pid]
+            if lease_id is None:
+                self.log.debug(
+                    "Process %s on %s (%s MiB) belongs to no lease; ignored",
+                    sample.pid,
+                    sample.device_uuid,
+                    sample.used_memory_mib,
+                )
+                continue
+            cap = caps_by_lease.get(lease_id)
+            if cap is None or cap.device_uuid != sample.device_uuid:
+                continue  # not a share lease, or not its share's device
+            seen.add((lease_id, sample.device_uuid, sample.pid))
+            by_lease.setdefault(lease_id, []).append(sample)
+        self.warned = {k: v for k, v in self.warned.items() if k in seen}
+        self.ended &= seen
+        actions: list[Action] = []
+        for lease_id in sorted(by_lease):
+            actions.extend(self._judge_lease(caps_by_lease[lease_id], by_lease[lease_id], now))
+        return actions
+
+    def _judge_lease(
+        self, cap: ShareCap, procs: list[ProcessSample], now: dt.datetime
+    ) -> list[Action]:
+        """Actions for one lease's processes on its share's device."""
+        key = (cap.lease_id, cap.device_uuid)
+        live = [p for p in procs if (*key, p.pid) not in self.ended]
+        live.sort(key=lambda p: (-p.used_memory_mib, p.pid))
+        total = sum(p.used_memory_mib for p in live)
+        limit = cap.cap_mib + self.tolerance_mib
+        actions: list[Action] = []
+        if total <= limit:
+            for proc in live:
+                if self.warned.pop((*key, proc.pid), None) is not None:
+                    actions.append(Withdrawn(cap.lease_id, proc.pid))
+                    self.log.info(
+                        "Lease %s back under its cap on %s (%s of %s MiB); warning of %s withdrawn",
+                        cap.lease_id,
+                        cap.device_uuid,
+                        total,
+                        cap.cap_mib,
+                        proc.pid,
+                    )
+            return actions
+        culprits, remaining = [], total
+        for proc in live:  # largest first, until the rest fits
+            culprits.append(proc)
+            remaining -= proc.used_memory_mib
+            if remaining <= limit:
+                break
+        for proc in culprits:
+            pid_key = (*key, proc.pid)
+            deadline = self.warned.get(pid_key)
+            if deadline is None:
+                deadline = now + dt.timedelta(seconds=self.grace)
+                self.warned[pid_key] = deadline
+                actions.append(
+                    Overuse(
+                        cap.lease_id,
+                        cap.user,
+                        cap.device_uuid,
+                        proc.pid,
+                        proc.used_memory_mib,
+                        cap.cap_mib,
+                        deadline,
+                        total,
+                    )
+                )
+                self.log.warning(
+                    "Lease %s of %s uses %s MiB on %s, cap %s MiB: process %s (%s MiB) "
+                    "will be ended at %s",
+                    cap.lease_id,
+                    cap.user,
+                    total,
+                    cap.device_uuid,
+                    cap.cap_mib,
+                    proc.pid,
+                    proc.used_memory_mib,
+                    deadline.isoformat(),
+                )
+            elif now >= deadline:
+                del self.warned[pid_key]
+                self.ended.add(pid_key)
+                reason = (
+                    f"share over its memory cap on {cap.device_uuid}: the lease used "
+                    f"{total} MiB of {cap.cap_mib} MiB (+{self.tolerance_mib} MiB tolerance) "
+                    f"{self.grace:g} s after a warning; process {proc.pid} held "
+                    f"{proc.used_memory_mib} MiB"
+                )
+                actions.append(
+                    Terminate(
+                        cap.lease_id,
+                        cap.user,
+                        cap.device_uuid,
+                        proc.pid,
+                        proc.used_memory_mib,
+                        cap.cap_mib,
+                        reason,
+                        total,
+                    )
+                )
+                self.log.warning(
+                    "Ending process %s of lease %s: %s", proc.pid, cap.lease_id, reason
+                )
+        return actions
+
+
+# -- the OS part ----------------------------------------------------------------------
+
+
+def _environ_value(pid: int, name: str) -> str | None:
+    """``name``'s value in ``/proc/<pid>/environ`` (the environment the
+    process was started with); ``None`` when unset or unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:  # gone, not permitted, no /proc
+        return None
+    prefix = name.encode() + b"="
+    for entry in data.split(b"\0"):
+        if entry.startswith(prefix):
+            return entry[len(prefix) :].decode(errors="replace")
+    return None
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after ``comm`` (state first, ppid
+    second); ``None`` when unreadable. ``comm`` may hold spaces and
+    parentheses, so split after its last ``)``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    end = text.rfind(")")
+    return text[end + 2 :].split() if end >= 0 else None
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid`` (``/proc/<pid>/stat``), or ``None`` when unreadable."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[1]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def lease_of_pid(pid: int, max_depth: int = 4) -> int | None:
+    """The lease a process belongs to: ``GPUBROKER_LEASE_ID`` in its
+    environment (``/proc/<pid>/environ``, NUL-separated), else in its
+    parent's, up to ``max_depth`` ancestors (not init, pid 1).
+
+    Args:
+        pid: a process id in the broker's PID namespace.
+        max_depth: how many ancestors to try after the process itself.
+
+    Returns:
+        The lease id, or ``None``: no such variable (or not an integer),
+        the process is gone, or its environment may not be read (the broker
+        must run as root or as the users' owner).
+    """
+    current: int | None = pid
+    for _ in range(max_depth + 1):
+        if current is None or current <= 1:
+            return None
+        value = _environ_value(current, LEASE_ENV)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+        current = parent_pid(current)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an ended, unreaped process)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    fields = _stat_fields(pid)
+    if fields is None:  # gone meanwhile; or no /proc, where kill() is all we know
+        return not os.path.isdir("/proc/self")
+    return bool(fields) and fields[0] not in ("Z", "X")
+
+
+def end_process(pid: int, term_timeout: float = 5.0) -> None:
+    """End a process: SIGTERM, then SIGKILL if it still runs after
+    ``term_timeout`` seconds (polled every 50 ms). A process already gone
+    (or gone meanwhile) is fine. A zombie counts as ended; it is not reaped
+    here (its parent does that). Blocks up to ``term_timeout`` seconds: call
+    it from a thread (``asyncio.to_thread``) in the broker's event loop.
+
+    Args:
+        pid: process id (> 1, not the broker itself).
+        term_timeout: seconds between SIGTERM and SIGKILL (>= 0).
+
+    Raises:
+        ValueError: ``pid`` is 0, 1, negative or the broker's own, or
+            ``term_timeout`` is negative.
+        PermissionError: the process may not be signalled (the broker must
+            run as root or as the notebook users' owner).
+    """
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1 or pid == os.getpid():
+        raise ValueError(f"pid must be a process id > 1 other than the broker's, got {pid!r}")
+    if term_timeout < 0:
+        raise ValueError(f"term_timeout must be >= 0 seconds, got {term_timeout}")
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + term_timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return
+        time.sleep(0.05)
+    if not _alive(pid):
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return

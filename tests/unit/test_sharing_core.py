@@ -1,0 +1,194 @@
+"""Sharing through the broker core: MIG instances made on demand by the fake
+backend (which enforces NVIDIA's placement rules), time-sliced shares, pools,
+weights in quotas. Real SQLite store; only the GPUs are simulated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from traitlets.config import Config
+
+from gpubroker.core import Broker
+from gpubroker.devices import mig
+from gpubroker.devices.fake import FakeDeviceBackend
+from gpubroker.errors import BadRequest, Forbidden
+from gpubroker.store.db import make_engine, make_session_factory
+
+H100 = mig.spec_for("NVIDIA H100 80GB HBM3")
+assert H100 is not None
+
+POOLS = [
+    {"name": "mig", "mode": "mig", "devices": ["node-a:0-1"]},
+    {"name": "shared", "mode": "timeslice", "devices": ["node-a:2-3"], "reserve_gib": 2},
+]
+
+
+def sharing_broker(db_url: str, tmp_path: Path, **policy: object) -> Broker:
+    config = Config()
+    config.Pools.pools = POOLS
+    backend = FakeDeviceBackend(
+        inventory=["8 x H100"],
+        node_name="node-a",
+        mig_enabled=[0, 1],
+        state_file=str(tmp_path / "fake-gpus.json"),
+    )
+    engine = make_engine(db_url)
+    broker = Broker(session_factory=make_session_factory(engine), backend=backend, config=config)
+    for key, value in policy.items():
+        setattr(broker.policy, key, value)
+    broker.sync_inventory()
+    broker.adopt()
+    return broker
+
+
+@pytest.fixture
+def broker(db_url: str, tmp_path: Path) -> Broker:
+    return sharing_broker(db_url, tmp_path)
+
+
+def layout_of(broker: Broker, device: str) -> list[tuple[str, mig.Placement]]:
+    return [(m.profile, m.placement) for m in broker.backend.mig_devices(device)]
+
+
+def test_seven_1g_instances_on_one_h100_then_the_eighth_waits(broker: Broker) -> None:
+    gpu0 = broker.backend.devices()[0].uuid
+    leases = [
+        broker.request_lease(f"u{i}", "", mig_profile="1g.10gb", pool="mig") for i in range(16)
+    ]
+    granted = [x for x in leases if x["state"] == "granted"]
+    assert len(granted) == 14  # seven on each of the two MIG devices
+    first_seven = [x for x in granted if x["slots"][0]["device"] == gpu0]
+    assert len(first_seven) == 7
+    uuids = {x["env"]["CUDA_VISIBLE_DEVICES"] for x in granted}
+    assert len(uuids) == 14 and all(mig.is_mig_uuid(u) for u in uuids)
+    assert mig.is_valid_layout(H100, layout_of(broker, gpu0))
+    assert {str(p) for _n, p in layout_of(broker, gpu0)} == {f"{i}:1" for i in range(7)}
+    for lease in granted:
+        assert lease["kind"] == "mig" and lease["summary"] == "1 x MIG 1g.10gb"
+        assert lease["weight"] == pytest.approx(1 / 7)
+        assert "isolated in hardware" in lease["guarantee"] and "1/7" in lease["guarantee"]
+    waiting = [x for x in leases if x["state"] == "pending"]
+    assert len(waiting) == 2
+    assert waiting[0]["queue"]["reason"] == "Resources"
+    assert "no free slot for MIG 1g.10gb in pool mig" in waiting[0]["queue"]["message"]
+
+
+def test_3g_fits_after_releases_else_waits_fragmented_naming_blockers(broker: Broker) -> None:
+    gpu0, gpu1 = (d.uuid for d in broker.backend.devices()[:2])
+    broker.request_mig_mode(gpu1, False)  # one MIG device only
+    leases = [broker.request_lease(f"u{i}", "", mig_profile="1g.10gb") for i in range(7)]
+    by_start = {x["slots"][0]["placement"]: x for x in leases}
+    # free slots 1, 2 and 5 (and 7): 4 memory and 3 compute slices free, but
+    # scattered: no 3g placement (start 0 or 4, four slices) is free
+    for start in ("1:1", "2:1", "5:1"):
+        broker.release_lease(by_start[start]["id"], "done")
+    big = broker.request_lease("big", "", mig_profile="3g.40gb")
+    assert big["state"] == "pending"
+    assert big["queue"]["reason"] == "Fragmented"
+    message = big["queue"]["message"]
+    for start in ("0:1", "3:1", "4:1", "6:1"):
+        assert f"1g.10gb at {start} (lease {by_start[start]['id']})" in message
+    # free slots 4 and 6 too: 3g at 4:4 fits
+    for start in ("4:1", "6:1"):
+        broker.release_lease(by_start[start]["id"], "done")
+    granted = broker.get_lease(big["id"])
+    assert granted["state"] == "granted"
+    assert granted["slots"][0]["placement"] == "4:4"
+    assert mig.is_valid_layout(H100, layout_of(broker, gpu0))
+
+
+def test_release_destroys_the_instance(broker: Broker) -> None:
+    gpu0 = broker.backend.devices()[0].uuid
+    lease = broker.request_lease("ann", "", mig_profile="3g.40gb")
+    device = lease["slots"][0]["device"]
+    assert len(layout_of(broker, device)) == 1
+    broker.release_lease(lease["id"], "done")
+    assert layout_of(broker, device) == [] and layout_of(broker, gpu0) == []
+
+
+def test_two_40gib_shares_with_reserve_land_on_two_devices(broker: Broker) -> None:
+    first = broker.request_lease("ann", "", memory_gib=40)
+    second = broker.request_lease("bob", "", memory_gib=40)
+    assert first["state"] == second["state"] == "granted"
+    assert first["slots"][0]["device"] != second["slots"][0]["device"]
+    assert first["kind"] == "share" and "memory cap of 40 GiB" in first["guarantee"]
+    env = first["env"]
+    assert env["CUDA_VISIBLE_DEVICES"] == first["slots"][0]["device"]
+    assert env["GPUBROKER_SHARE_MEMORY_MIB"] == str(40 * 1024)
+    assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) <= 40 * 1024 / 81559
+    third = broker.request_lease("cat", "", memory_gib=40)
+    assert third["state"] == "pending" and third["queue"]["reason"] == "Resources"
+
+
+def test_two_shares_of_one_request_go_to_two_devices(broker: Broker) -> None:
+    lease = broker.request_lease("ann", "", memory_gib=10, count=2)
+    assert lease["state"] == "granted"
+    devices = [s["device"] for s in lease["slots"]]
+    assert len(set(devices)) == 2
+    assert lease["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(devices)
+    assert lease["weight"] == pytest.approx(2 * 10 * 1024 / 81559)
+
+
+def test_bad_requests_name_the_field_and_limit(broker: Broker) -> None:
+    cases = [
+        ({"mig_profile": "5g.1gb"}, "mig_profile: no device of the MIG pools offers '5g.1gb'"),
+        ({"memory_gib": 79}, "memory_gib: at most 77.6"),
+        ({"memory_gib": 10, "count": 3}, "count: at most 2 shares"),
+        ({"gpus": 1, "pool": "mig"}, "pool: 'mig' is a mig pool; gpus needs a exclusive pool"),
+        ({"mig_profile": "1g.10gb", "pool": "nope"}, "pool: no pool 'nope' has devices"),
+        ({"gpus": 5}, "gpus: must be between 1 and 4"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(BadRequest, match=message.replace("(", r"\(")):
+            broker.request_lease("ann", "", **kwargs)
+    assert broker.list_leases() == []
+
+
+def test_quota_counts_mig_and_share_weights(db_url: str, tmp_path: Path) -> None:
+    broker = sharing_broker(db_url, tmp_path, user_quotas={"ann": {"limit": 0.5}})
+    broker.request_lease("ann", "a", mig_profile="2g.20gb")  # 2/7
+    broker.request_lease("ann", "b", mig_profile="1g.10gb")  # 1/7: 3/7 in all
+    with pytest.raises(Forbidden, match=r"more would exceed the user limit of 0\.5"):
+        broker.request_lease("ann", "c", mig_profile="1g.10gb")
+    quota = broker.availability("ann")["quota"]
+    assert quota["held"] == pytest.approx(3 / 7, abs=1e-3)
+    assert quota["remaining"] == pytest.approx(0.5 - 3 / 7, abs=1e-3)
+
+
+def test_availability_per_pool(broker: Broker) -> None:
+    broker.request_lease("ann", "", mig_profile="3g.40gb")
+    broker.request_lease("bob", "", memory_gib=30)
+    pools = {p["name"]: p for p in broker.availability("ann")["pools"]}
+    assert set(pools) == {"mig", "shared", "default"}
+    assert pools["default"]["free"]["gpus"] == 4
+    assert pools["mig"]["free"]["mig"]["7g.80gb"] == 1
+    assert pools["mig"]["free"]["mig"]["1g.10gb"] == 7 + 4
+    assert pools["shared"]["free"]["share_gib"] == pytest.approx(81559 / 1024 - 2)
+
+
+def test_mig_mode_change_waits_until_the_device_is_empty(broker: Broker) -> None:
+    gpu0 = broker.backend.devices()[0].uuid
+    broker.request_mig_mode(broker.backend.devices()[1].uuid, False)
+    lease = broker.request_lease("ann", "", mig_profile="1g.10gb")
+    answer = broker.request_mig_mode(gpu0, False)
+    assert answer == {"uuid": gpu0, "mig_enabled": True, "mig_target": False}
+    queued = broker.request_lease("bob", "", mig_profile="1g.10gb")
+    assert queued["state"] == "pending"  # drained meanwhile
+    broker.release_lease(lease["id"], "done")
+    assert broker.apply_mig_modes() == [gpu0]
+    assert broker.backend.devices()[0].mig_enabled is False
+
+
+def test_restart_keeps_instances_of_active_leases(db_url: str, tmp_path: Path) -> None:
+    broker = sharing_broker(db_url, tmp_path)
+    lease = broker.request_lease("ann", "", mig_profile="1g.10gb")
+    again = sharing_broker(db_url, tmp_path)
+    device = lease["slots"][0]["device"]
+    assert [m.uuid for m in again.backend.mig_devices(device)] == [
+        lease["env"]["CUDA_VISIBLE_DEVICES"]
+    ]
+    with again._session() as session:
+        assert again.clean_mig(session) == []  # held: not foreign
+    again.release_lease(lease["id"], "done")
+    assert again.backend.mig_devices(device) == []
