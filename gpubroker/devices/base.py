@@ -104,7 +104,7 @@ class MigDevice:
         parent_uuid: UUID of the physical GPU, ``GPU-...``.
         uuid: the MIG device's UUID, ``MIG-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``
             (R470+ drivers, ``nvmlDeviceGetUUID`` of the MIG device handle).
-        profile: GPU-instance profile name without the ``MIG `` prefix, e.g.
+        profile: GPU-instance profile name without the ``MIG`` prefix, e.g.
             ``1g.10gb`` (:attr:`gpubroker.devices.mig.MigProfile.name`).
         placement: the memory slices the GPU instance occupies,
             ``start:size`` (``nvmlGpuInstanceInfo_t.placement``).
@@ -227,8 +227,8 @@ class DeviceBackend(LoggingConfigurable, metaclass=_BackendMeta):
 
         Args:
             parent_uuid: a GPU of this backend with MIG mode on.
-            profile: GPU-instance profile name, e.g. ``1g.10gb`` (``MIG ``
-                prefix optional).
+            profile: GPU-instance profile name, e.g. ``1g.10gb`` (a ``MIG``
+                prefix is optional).
             placement: start memory slot and size in memory slices; the size
                 must be the profile's.
 

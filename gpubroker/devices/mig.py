@@ -228,7 +228,7 @@ class GpuMigSpec:
     source: str
 
     def profile(self, name: str) -> MigProfile:
-        """The profile called ``name`` (``MIG `` prefix optional).
+        """The profile called ``name`` (a ``MIG`` prefix is optional).
 
         Raises:
             KeyError: the GPU has no such profile.

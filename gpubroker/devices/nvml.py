@@ -226,7 +226,7 @@ class NVMLDeviceBackend(DeviceBackend):
         ``nvmlDeviceGetGpuInstanceProfileInfo`` of each catalog profile of the
         model (:func:`gpubroker.devices.mig.spec_for`), else to the name the
         driver gives (``nvmlGpuInstanceProfileInfo_v2_t.name`` without
-        ``MIG ``).
+        its ``MIG`` prefix).
 
         Returns:
             ``[]`` when MIG mode is off or not supported.
@@ -583,7 +583,7 @@ class _ProfileNames:
     Catalog names (:func:`gpubroker.devices.mig.spec_for`) come first: each
     catalog profile's NVML constant is asked for its ID. Profiles outside the
     catalog get the driver's name (``nvmlGpuInstanceProfileInfo_v2_t.name``
-    without the ``MIG `` prefix), read on first need.
+    without the ``MIG`` prefix), read on first need.
     """
 
     def __init__(self, handle: Any) -> None:
