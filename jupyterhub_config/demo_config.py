@@ -21,6 +21,11 @@ config on free ports):
 - ``GPUBROKER_DEMO_EXTRA_CONFIG``: a hub config file loaded after this one.
 - ``GPUBROKER_DEMO_BROKER_CONFIG``: the broker's config file (default
   ``gpubroker_config.py`` in the state dir, if it exists): quotas, classes…
+- ``GPUBROKER_DEMO_SHARING``: ``1`` (the default) splits the eight fake
+  H100s into pools -- GPUs 0-3 whole, 4-5 MIG (MIG mode on), 6-7 time-sliced
+  shares -- and gives the spawn form profiles ("Full H100", "MIG 1g.10gb",
+  "MIG 3g.40gb", "Shared GPU, 10 GiB", "No GPU"); ``0``: eight whole GPUs
+  and a GPU-count form (the tests' default).
 """
 
 import os
@@ -77,6 +82,16 @@ c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
 # -- the broker, a hub-managed service ------------------------------------------------
 c.JupyterHub.custom_scopes = CUSTOM_SCOPES
 inventory = os.environ.get("GPUBROKER_DEMO_INVENTORY", "8 x NVIDIA H100 80GB HBM3")
+sharing = os.environ.get("GPUBROKER_DEMO_SHARING", "1") == "1"
+broker_config = os.environ.get("GPUBROKER_DEMO_BROKER_CONFIG", str(state / "gpubroker_config.py"))
+sharing_args = []
+if sharing:
+    sharing_args = [
+        # pools and MIG mode on the command line, so a broker config file stays free
+        '--Pools.pools=[{"name": "mig", "mode": "mig", "devices": ["*:4-5"]},'
+        ' {"name": "shared", "mode": "timeslice", "devices": ["*:6-7"], "reserve_gib": 2}]',
+        "--FakeDeviceBackend.mig_enabled=[4, 5]",
+    ]
 c.JupyterHub.services = [
     {
         "name": "gpubroker",
@@ -95,8 +110,8 @@ c.JupyterHub.services = [
             f"--FakeDeviceBackend.state_file={state / 'fake-gpu-usage.json'}",
             f"--GPUBrokerApp.reconcile_interval="
             f"{os.environ.get('GPUBROKER_DEMO_RECONCILE_INTERVAL', '30')}",
-            "--config="
-            + os.environ.get("GPUBROKER_DEMO_BROKER_CONFIG", str(state / "gpubroker_config.py")),
+            f"--config={broker_config}",
+            *sharing_args,
         ],
         "cwd": str(state),
     }
@@ -158,6 +173,32 @@ c.Spawner.server_token_scopes = [
     "access:servers!server",
     "access:services!service=gpubroker",
 ]
+if sharing:
+    c.SimpleLocalGPUSpawner.gpu_profiles = [
+        {
+            "display_name": "Full H100",
+            "description": "One whole NVIDIA H100 80GB.",
+            "request": {"gpus": 1},
+        },
+        {
+            "display_name": "MIG 1g.10gb",
+            "description": "A 1/7 slice of an H100 with 10 GB, isolated in hardware.",
+            "request": {"mig_profile": "1g.10gb"},
+            "default": True,
+        },
+        {
+            "display_name": "MIG 3g.40gb",
+            "description": "A 3/7 slice of an H100 with 40 GB, isolated in hardware.",
+            "request": {"mig_profile": "3g.40gb"},
+        },
+        {
+            "display_name": "Shared GPU, 10 GiB",
+            "description": "10 GiB of an H100 shared with others (time-sliced).",
+            "request": {"memory_gib": 10},
+        },
+        {"display_name": "No GPU", "request": {}},
+    ]
+
 # a spawn may wait in the GPU queue: answer the spawn request quickly
 c.JupyterHub.tornado_settings = {"slow_spawn_timeout": 3}
 

@@ -71,6 +71,7 @@ class RunningHub:
             "GPUBROKER_DEMO_PROXY_API_PORT": str(free_port()),
             "GPUBROKER_DEMO_BROKER_PORT": str(self.broker_port),
             "GPUBROKER_DEMO_API_TOKEN": self.token,
+            "GPUBROKER_DEMO_SHARING": "0",
             **env,
         }
         self.proc: subprocess.Popen[bytes] | None = None
