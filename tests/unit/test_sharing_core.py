@@ -192,3 +192,36 @@ def test_restart_keeps_instances_of_active_leases(db_url: str, tmp_path: Path) -
         assert again.clean_mig(session) == []  # held: not foreign
     again.release_lease(lease["id"], "done")
     assert again.backend.mig_devices(device) == []
+
+
+def test_static_layout_hands_out_the_admins_instances_and_keeps_them(
+    db_url: str, tmp_path: Path
+) -> None:
+    config = Config()
+    config.Pools.pools = [
+        {"name": "static", "mode": "mig", "devices": ["node-a:0"], "mig_layout": "static"}
+    ]
+    backend = FakeDeviceBackend(
+        inventory=["2 x H100"],
+        node_name="node-a",
+        mig_enabled=[0],
+        mig_layout={0: ["3g.40gb@4", "1g.10gb@0", "1g.10gb@1"]},
+        state_file=str(tmp_path / "static.json"),
+    )
+    broker = Broker(
+        session_factory=make_session_factory(make_engine(db_url)), backend=backend, config=config
+    )
+    broker.sync_inventory()
+    gpu0 = backend.devices()[0].uuid
+    made = {m.uuid for m in backend.mig_devices(gpu0)}
+    first = broker.request_lease("ann", "", mig_profile="1g.10gb")
+    second = broker.request_lease("bob", "", mig_profile="1g.10gb")
+    third = broker.request_lease("cat", "", mig_profile="1g.10gb")
+    big = broker.request_lease("dan", "", mig_profile="3g.40gb")
+    assert {first["slots"][0]["uuid"], second["slots"][0]["uuid"]} <= made
+    assert big["slots"][0]["placement"] == "4:4" and big["slots"][0]["uuid"] in made
+    assert third["state"] == "pending"  # the broker never creates one in a static pool
+    assert {m.uuid for m in backend.mig_devices(gpu0)} == made
+    broker.release_lease(first["id"], "done")
+    assert {m.uuid for m in backend.mig_devices(gpu0)} == made  # nor destroys one
+    assert broker.get_lease(third["id"])["slots"][0]["uuid"] == first["slots"][0]["uuid"]
