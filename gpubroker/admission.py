@@ -56,7 +56,10 @@ def _pool_devices(
             names = sorted({spec.name for _d, spec in devices})
             raise BadRequest(f"pool: no pool {pool!r} has devices (pools: {', '.join(names)})")
         if mode not in modes:
-            raise BadRequest(f"pool: {pool!r} is a {modes.pop()} pool; {field} needs a {mode} pool")
+            article = "an" if mode == "exclusive" else "a"
+            raise BadRequest(
+                f"pool: {pool!r} is a {modes.pop()} pool; {field} needs {article} {mode} pool"
+            )
     found = [d for d, spec in devices if spec.mode == mode and pool in (None, spec.name)]
     if not found:
         raise BadRequest(f"{field}: no {mode} pool has devices")

@@ -56,14 +56,16 @@ class AvailabilityMixin:
         """Each pool with what is free now, and ``user``'s quota room.
 
         Returns:
-            ``{"pools": [{"name", "mode", "purpose", "description",
-            "devices" (count), "models" (NVML names), "free": {"gpus" (whole
-            devices free now), "mig" ({profile: instances creatable now}),
-            "share_gib" (largest share grantable now), "shares_total_gib"}}],
-            "quota": {"user", "limit", "guaranteed", "held", "pending",
-            "remaining"} | None}``; amounts in device units (a MIG instance
-            counts compute slices / the device's, a share memory / the
-            device's memory); ``limit``/``remaining`` ``None``: no limit.
+            A dict with two keys. ``pools`` lists each pool as a dict with
+            ``name``, ``mode``, ``purpose``, ``description``, ``devices``
+            (count), ``models`` (NVML names) and ``free``, which holds
+            ``gpus`` (whole devices free now), ``mig`` (profile to
+            instances creatable now), ``share_gib`` (largest share grantable
+            now) and ``shares_total_gib``. ``quota`` is ``None`` or a dict
+            with ``user``, ``limit``, ``guaranteed``, ``held``, ``pending``
+            and ``remaining``, in device units (a MIG instance counts compute
+            slices / the device's, a share memory / the device's memory);
+            ``limit`` and ``remaining`` are ``None`` when there is no limit.
         """
         with self._session() as session:  # type: ignore[attr-defined]
             state, leases = build_state(

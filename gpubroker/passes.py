@@ -199,7 +199,8 @@ def apply_decisions(
         _wait(leases[wait.lease_id], wait)
     for lease in leases.values():
         if lease.state == LeaseState.granted.value:
-            flag = lease.id in decisions.reclaimable
+            # only whole devices are ever reclaimed (fractional leases are not victims)
+            flag = lease.id in decisions.reclaimable and lease.kind == "gpus"
             if lease.reclaimable != flag:
                 lease.reclaimable = flag
                 _bump(lease)

@@ -146,18 +146,19 @@ def parse_pool(item: Any, where: str) -> PoolSpec:
 
 
 class Pools(LoggingConfigurable):
-    """The broker's pools (see the admin guide, "Pools and sharing")."""
+    """The broker's pools (see the admin guide, "Pools and GPU sharing")."""
 
     pools = List(
         Dict(),
         help="""Pools, each a dict: name, mode ("exclusive", "mig" or
         "timeslice"), purpose ("interactive" or "batch"), devices (selectors:
-        "*", "GPU-<uuid>", "<node>:<indices>" such as "gpu-a:0-3",
-        "*:4-7", or "model=H100"), reserve_gib (timeslice: GiB per device
-        never handed out as shares, default 0), mig_layout (mig: "on-demand",
-        the default, or "static"), description. A device goes to the first
-        pool that selects it; devices no pool selects go to the default
-        pool, which is exclusive.""",
+        "\\*" for all, "GPU-<uuid>", "<node>:<indices>" such as "gpu-a:0-3",
+        "\\*:4-7" for indices 4-7 of every node, or "model=H100"),
+        reserve_gib (timeslice: GiB per device never handed out as shares,
+        default 0), mig_layout (mig: "on-demand", the default, or
+        "static"), description. A device goes to the first pool that
+        selects it; devices no pool selects go to the pool named
+        `default_pool` (exclusive unless configured here).""",
     ).tag(config=True)
 
     default_pool = Unicode(

@@ -138,6 +138,8 @@ class BrokerService:
         server.stop()
         for task in tasks:
             task.cancel()
+        if self.broker.mps.enabled:
+            self.broker.mps.stop_all()
         self.backend.close()
         self.engine.dispose()
 

@@ -91,7 +91,10 @@ class ShareGuard(LoggingConfigurable):
         now = now or dt.datetime.now(dt.timezone.utc)
         actions = self.watchdog.judge(self._samples(caps), caps, self.pid_lease, now)
         for action in actions:
-            await self._act(action, leases[action.lease_id])
+            try:
+                await self._act(action, leases[action.lease_id])
+            except Exception:
+                self.log.exception("Share watchdog: cannot act on %s", action)
         return actions
 
     async def _act(self, action: Any, lease: Lease) -> None:

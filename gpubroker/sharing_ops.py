@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from .devices.base import DeviceBackendError
 from .devices.mig import Placement
+from .enforce import EnforcementError
 from .enforce.caps import framework_env
 from .errors import BadRequest, NotFound
 from .pools import PoolSpec
@@ -79,19 +80,22 @@ class SharingOpsMixin:
         set the lease's environment.
 
         Raises:
-            DeviceBackendError: the backend refused to create the instance
-                (nothing is left half-made: earlier parts are destroyed).
+            DeviceBackendError: the backend refused to create the instance,
+                or the share's enforcement could not be set up (nothing is
+                left half-made: instances made are destroyed).
         """
         made: list[Part] = []
         try:
             for part in parts:
                 made.append(self._make(part))
-        except DeviceBackendError:
+            lease.grant_env = self._grant_env(lease, tuple(made))
+        except (DeviceBackendError, EnforcementError, ValueError) as err:
             for part in made:
-                if part.kind == "mig" and not self._is_static(part.device):
+                if part.kind == "mig" and part.instance and not self._is_static(part.device):
                     self._destroy(part.device, part.instance)
-            raise
-        lease.grant_env = self._grant_env(lease, tuple(made))
+            if isinstance(err, RuntimeError):
+                raise
+            raise DeviceBackendError(str(err)) from err
         return tuple(made)
 
     def _is_static(self, device: str) -> bool:
@@ -228,7 +232,7 @@ class SharingOpsMixin:
     def request_mig_mode(self, uuid: str, enabled: bool) -> dict[str, Any]:
         """Ask for MIG mode ``enabled`` on device ``uuid``: the device takes no
         new grants and the mode changes once nothing holds it
-        (:meth:`apply_mig_modes`, run by the reconcile loop and here).
+        (:meth:`apply_mig_modes`, run by the scheduling loop and here).
 
         Returns:
             ``{"uuid", "mig_enabled", "mig_target"}`` after the attempt.
@@ -247,7 +251,8 @@ class SharingOpsMixin:
             if enabled and model is not None and not model.mig_capable:
                 raise BadRequest(f"mig_mode: {device.name} does not support MIG")
             device.mig_target = None if device.mig_enabled == enabled else enabled
-        self.apply_mig_modes()
+        if self.apply_mig_modes():
+            self.schedule_now()  # type: ignore[attr-defined]
         with self._session() as session:  # type: ignore[attr-defined]
             device = session.get(Device, uuid)
             assert device is not None

@@ -119,7 +119,9 @@ class DevicesHandler(APIHandler):
         present = [d for d in devices if d["present"]]
         summary = {
             "total": len(present),
-            "free": sum(1 for d in present if d["state"] == "free"),
+            "free": sum(
+                1 for d in present if d["state"] == "free" and d["pool_mode"] == "exclusive"
+            ),
             "leased": sum(1 for d in present if d["state"] == "leased"),
             "drained": sum(1 for d in present if d["drained"]),
             "request_limit": self.broker.request_limit(),

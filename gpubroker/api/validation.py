@@ -35,6 +35,8 @@ SLOT_FIELDS = ("gpus", "mig_profile", "memory_gib")
 
 #: largest share one request may ask for, GiB (above any GPU made so far)
 MAX_SHARE_GIB = 1024.0
+#: smallest share, GiB: below it no framework cap or MPS limit is meaningful
+MIN_SHARE_GIB = 0.25
 
 _PROFILE = re.compile(r"^(MIG )?\d+g\.\d+gb(\+me)?$")
 
@@ -161,9 +163,10 @@ def slot_request(data: dict[str, Any]) -> dict[str, Any]:
         memory = data["memory_gib"]
         if isinstance(memory, bool) or not isinstance(memory, (int, float)):
             raise BadRequest(f"memory_gib: must be a number of GiB, got {json.dumps(memory)}")
-        if not 0 < memory <= MAX_SHARE_GIB:
+        if not MIN_SHARE_GIB <= memory <= MAX_SHARE_GIB:
             raise BadRequest(
-                f"memory_gib: must be more than 0 and at most {MAX_SHARE_GIB:g} GiB, got {memory}"
+                f"memory_gib: must be between {MIN_SHARE_GIB:g} and {MAX_SHARE_GIB:g} GiB,"
+                f" got {memory}"
             )
         shape["memory_gib"] = float(memory)
     if data.get("count") is not None:

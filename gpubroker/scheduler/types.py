@@ -292,7 +292,8 @@ class Request:
         pool: the pool asked for; ``None``: any pool of the right mode.
         weight: device units charged to quotas while it waits and when
             granted (whole devices: ``gpus``; else the broker's estimate from
-            the pool's devices, see :func:`gpubroker.scheduler.sharing.weight_of`).
+            the pool's devices, see :func:`gpubroker.scheduler.sharing.mig_weight` and
+            :func:`~gpubroker.scheduler.sharing.share_weight`).
     """
 
     lease_id: int

@@ -135,7 +135,7 @@ def test_bad_requests_name_the_field_and_limit(broker: Broker) -> None:
         ({"mig_profile": "5g.1gb"}, "mig_profile: no device of the MIG pools offers '5g.1gb'"),
         ({"memory_gib": 79}, "memory_gib: at most 77.6"),
         ({"memory_gib": 10, "count": 3}, "count: at most 2 shares"),
-        ({"gpus": 1, "pool": "mig"}, "pool: 'mig' is a mig pool; gpus needs a exclusive pool"),
+        ({"gpus": 1, "pool": "mig"}, "pool: 'mig' is a mig pool; gpus needs an exclusive pool"),
         ({"mig_profile": "1g.10gb", "pool": "nope"}, "pool: no pool 'nope' has devices"),
         ({"gpus": 5}, "gpus: must be between 1 and 4"),
     ]

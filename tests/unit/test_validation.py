@@ -42,7 +42,7 @@ def test_lease_request_defaults_and_types() -> None:
         ({"user": "ann"}, "gpus/mig_profile/memory_gib: give exactly one of them, got none"),
         ({"user": "ann", "gpus": 1, "memory_gib": 2}, "give exactly one of them, got gpus, memory"),
         ({"user": "ann", "mig_profile": "big"}, "mig_profile: must be a MIG profile name"),
-        ({"user": "ann", "memory_gib": 0}, "memory_gib: must be more than 0 and at most 1024"),
+        ({"user": "ann", "memory_gib": 0}, "memory_gib: must be between 0.25 and 1024 GiB"),
         ({"user": "ann", "memory_gib": "10G"}, "memory_gib: must be a number of GiB"),
         ({"user": "ann", "gpus": 1, "count": 2}, "count: only with memory_gib"),
         ({"user": "ann", "memory_gib": 4, "count": 0}, "count: must be between 1, got 0"),
