@@ -37,6 +37,7 @@ import datetime as dt
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ from traitlets import Bool, Float, List, Unicode
 from traitlets.config import LoggingConfigurable
 
 from .core import Broker, utcnow
+from .enforce.watchdog import lease_of_pid
 from .hub import HubClient
 from .store.models import Lease
 
@@ -194,10 +196,18 @@ class Culler(LoggingConfigurable):
     )
     request_timeout = Float(10, help="Seconds for reading a server's kernels.").tag(config=True)
 
-    def __init__(self, broker: Broker, hub: HubClient, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        hub: HubClient,
+        pid_lease: Callable[[int], int | None] = lease_of_pid,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.broker = broker
         self.hub = hub
+        #: the lease of a process (for shares: whose memory on a shared device)
+        self.pid_lease = pid_lease
         self.tracks: dict[int, Track] = {}
         self.groups: dict[str, list[str]] = {}
 
@@ -237,14 +247,10 @@ class Culler(LoggingConfigurable):
         for allocation in lease.allocations:
             if not allocation.active:
                 continue
-            try:
-                usage = self.broker.backend.usage(allocation.device_uuid)
-            except Exception as err:
-                self.log.warning("Cannot read usage of %s: %s", allocation.device_uuid, err)
-                continue
-            memory += usage.memory_used_mib
-            if usage.utilization_gpu is not None:
-                utils.append(usage.utilization_gpu)
+            util, used = self._slot_usage(lease, allocation)
+            memory += used
+            if util is not None:
+                utils.append(util)
         activity = [parse_time(k.get("last_activity")) for k in kernels or []]
         return Signals(
             hub_activity=parse_time(server.get("last_activity")),
@@ -254,6 +260,25 @@ class Culler(LoggingConfigurable):
             gpu_util=max(utils) if utils else None,
             gpu_memory_mib=memory,
         )
+
+    def _slot_usage(self, lease: Lease, allocation: Any) -> tuple[int | None, int]:
+        """(utilization %, memory MiB) of one slot of ``lease``.
+
+        A whole device: the device's. A MIG instance: the instance's memory
+        (NVML reports no utilization per instance). A share: the memory of
+        the lease's own processes on the device (by ``pid_lease``); the
+        device's utilization is everyone's, so it is not counted.
+        """
+        uuid = allocation.instance_uuid or allocation.device_uuid
+        try:
+            usage = self.broker.backend.usage(uuid)
+        except Exception as err:
+            self.log.warning("Cannot read usage of %s: %s", uuid, err)
+            return None, 0
+        if allocation.kind == "share":
+            mine = [p for p in usage.processes if self.pid_lease(p.pid) == lease.id]
+            return None, sum(p.used_memory_mib for p in mine)
+        return usage.utilization_gpu, usage.memory_used_mib
 
     async def _kernels(self, lease: Lease) -> list[dict[str, Any]] | None:
         """The server's kernels, read directly (not through the proxy)."""

@@ -70,9 +70,9 @@ class ShareGuard(LoggingConfigurable):
                 self.log.exception("Share watchdog pass failed")
             await asyncio.sleep(self.interval)
 
-    def _samples(self, caps: dict[int, ShareCap]) -> list[ProcessSample]:
+    def _samples(self, caps: list[ShareCap]) -> list[ProcessSample]:
         samples = []
-        for device in sorted({cap.device_uuid for cap in caps.values()}):
+        for device in sorted({cap.device_uuid for cap in caps}):
             try:
                 usage = self.broker.backend.usage(device)
             except Exception as err:
@@ -84,10 +84,10 @@ class ShareGuard(LoggingConfigurable):
     async def check_once(self, now: dt.datetime | None = None) -> list[Any]:
         """Sample, judge and act once; returns the actions taken."""
         leases: dict[int, Lease] = {}
-        caps: dict[int, ShareCap] = {}
+        caps: list[ShareCap] = []
         for lease, device, memory in self.broker.share_caps():
             leases[lease.id] = lease
-            caps.setdefault(lease.id, ShareCap(lease.id, lease.user, device, memory))
+            caps.append(ShareCap(lease.id, lease.user, device, memory))
         now = now or dt.datetime.now(dt.timezone.utc)
         actions = self.watchdog.judge(self._samples(caps), caps, self.pid_lease, now)
         for action in actions:

@@ -368,9 +368,16 @@ class GPUSpawnerMixin(LoggingConfigurable):
 
     def get_env(self) -> dict[str, str]:
         """The server's environment; the broker's variables are set last, so
-        neither ``Spawner.environment`` nor user settings can override them."""
+        neither ``Spawner.environment`` nor user settings can override them.
+        A ``PYTHONPATH`` from the broker (a share's framework caps) goes
+        before the one the server would otherwise have, which is kept."""
         env: dict[str, str] = super().get_env()  # type: ignore[misc]
-        env.update(self._gpu_env if self._gpu_env is not None else NO_GPU_ENV)
+        gpu_env = dict(self._gpu_env if self._gpu_env is not None else NO_GPU_ENV)
+        if gpu_env.get("PYTHONPATH") and env.get("PYTHONPATH"):
+            theirs = [p for p in env["PYTHONPATH"].split(os.pathsep) if p]
+            ours = gpu_env["PYTHONPATH"].split(os.pathsep)
+            gpu_env["PYTHONPATH"] = os.pathsep.join([*ours, *(p for p in theirs if p not in ours)])
+        env.update(gpu_env)
         env["GPUBROKER_URL"] = self.broker_url
         return env
 

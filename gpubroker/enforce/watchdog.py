@@ -178,7 +178,7 @@ class ShareWatchdog(LoggingConfigurable):
     def judge(
         self,
         samples: Iterable[ProcessSample],
-        caps_by_lease: Mapping[int, ShareCap],
+        caps_by_lease: Mapping[int, ShareCap] | Iterable[ShareCap],
         lease_of_pid: Callable[[int], int | None],
         now: dt.datetime,
     ) -> list[Action]:
@@ -186,7 +186,9 @@ class ShareWatchdog(LoggingConfigurable):
 
         Args:
             samples: every compute process on the watched devices now.
-            caps_by_lease: the share leases to enforce, by lease id.
+            caps_by_lease: the shares to enforce: a mapping lease id -> cap,
+                or any iterable of caps (a lease with shares on several
+                devices has one cap per device; each is judged alone).
             lease_of_pid: the lease of a process, or ``None`` (e.g.
                 :func:`lease_of_pid`); called once per pid.
             now: the time of the sample (aware UTC); no clock is read here.
@@ -199,7 +201,9 @@ class ShareWatchdog(LoggingConfigurable):
             Processes already ended are left out of the lease's sum while
             NVML still reports them (their memory is being freed).
         """
-        by_lease: dict[int, list[ProcessSample]] = {}
+        values = caps_by_lease.values() if isinstance(caps_by_lease, Mapping) else caps_by_lease
+        caps = {(cap.lease_id, cap.device_uuid): cap for cap in values}
+        by_share: dict[tuple[int, str], list[ProcessSample]] = {}
         seen: set[tuple[int, str, int]] = set()
         owners: dict[int, int | None] = {}
         for sample in samples:
@@ -214,16 +218,15 @@ class ShareWatchdog(LoggingConfigurable):
                     sample.used_memory_mib,
                 )
                 continue
-            cap = caps_by_lease.get(lease_id)
-            if cap is None or cap.device_uuid != sample.device_uuid:
-                continue  # not a share lease, or not its share's device
+            if (lease_id, sample.device_uuid) not in caps:
+                continue  # not a share lease, or not one of its shares' devices
             seen.add((lease_id, sample.device_uuid, sample.pid))
-            by_lease.setdefault(lease_id, []).append(sample)
+            by_share.setdefault((lease_id, sample.device_uuid), []).append(sample)
         self.warned = {k: v for k, v in self.warned.items() if k in seen}
         self.ended &= seen
         actions: list[Action] = []
-        for lease_id in sorted(by_lease):
-            actions.extend(self._judge_lease(caps_by_lease[lease_id], by_lease[lease_id], now))
+        for key in sorted(by_share):
+            actions.extend(self._judge_lease(caps[key], by_share[key], now))
         return actions
 
     def _judge_lease(

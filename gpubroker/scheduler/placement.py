@@ -178,12 +178,17 @@ class Pool:
                 best = (key, chosen)
         return None if best is None else tuple(s.uuid for s in best[1])
 
-    def fits_ignoring_reservations(self, gpus: int) -> bool:
-        """Whether ``gpus`` free devices exist on one node, reservations aside."""
-        return self.largest_free() >= gpus
+    def fits_ignoring_reservations(self, gpus: int, pool: str | None = None) -> bool:
+        """Whether ``gpus`` free devices (of ``pool`` when given) exist on one
+        node, reservations aside."""
+        if pool is None:
+            return self.largest_free() >= gpus
+        return any(
+            sum(1 for s in free.values() if s.pool == pool) >= gpus for free in self.free.values()
+        )
 
     def reserve(
-        self, gpus: int, duration: float | None
+        self, gpus: int, duration: float | None, pool: str | None = None
     ) -> tuple[dt.datetime, tuple[str, ...]] | None:
         """Reserve the ``gpus`` devices of one node that free up first.
 
@@ -194,13 +199,17 @@ class Pool:
         """
         best: tuple[dt.datetime, str] | None = None
         for node in self.by_node:
-            times = self._node_times(node)
+            times = self._node_times(node) if pool is None else self._pool_times(node, pool)
             if len(times) >= gpus and (best is None or (times[gpus - 1], node) < best):
                 best = (times[gpus - 1], node)
         if best is None:
             return None
         start, node = best
-        candidates = [s for s in self.by_node[node] if s.uuid not in self.earmarked]
+        candidates = [
+            s
+            for s in self.by_node[node]
+            if s.uuid not in self.earmarked and (pool is None or s.pool == pool)
+        ]
         chosen = sorted(candidates, key=lambda s: (self.available_from[s.uuid], s.index))[:gpus]
         hold_from = start if start < NEVER else self.now
         end = (
@@ -210,6 +219,14 @@ class Pool:
             self.reserved_from[slot.uuid] = min(self.reserved_from.get(slot.uuid, NEVER), hold_from)
             self.set_available(slot.uuid, max(self.available_from[slot.uuid], end))
         return start, tuple(s.uuid for s in chosen)
+
+    def _pool_times(self, node: str, pool: str) -> list[dt.datetime]:
+        """Sorted next-free times of ``node``'s devices of ``pool`` not earmarked."""
+        return sorted(
+            self.available_from[s.uuid]
+            for s in self.by_node[node]
+            if s.uuid not in self.earmarked and s.pool == pool
+        )
 
     def _node_times(self, node: str) -> list[dt.datetime]:
         """Sorted next-free times of ``node``'s devices not earmarked (cached)."""

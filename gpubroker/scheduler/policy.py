@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import fairshare
 from .accounting import Accounting
@@ -161,6 +161,9 @@ def _fractional(p: _Pass, request: Request) -> None:
     else:
         parts, miss = p.sharing.place_shares(request)
     if parts is not None:
+        actual = replace(request, weight=sum(part.weight for part in parts))
+        if actual.amount > request.amount and _held(p, actual):
+            return  # the slots found weigh more than estimated: a limit holds it
         p.grant_parts(request, parts)
         return
     assert miss is not None
@@ -255,14 +258,14 @@ def _preempt(p: _Pass, request: Request, index: VictimIndex, window: bool) -> bo
 
 def _reserve(p: _Pass, request: Request) -> None:
     """Step 5: a reservation and ETA (within the window), else wait unplanned."""
-    could_fit = p.pool.fits_ignoring_reservations(request.gpus)
+    could_fit = p.pool.fits_ignoring_reservations(request.gpus, request.pool)
     if p.reservations >= p.state.policy.max_reservations:
         blocked = WaitReason.priority if p.blocked else WaitReason.resources
         p.blocked = True
         p.wait(request, WaitReason.reserved if could_fit else blocked)
         return
     p.reservations += 1
-    planned = p.pool.reserve(request.gpus, request.time_limit)
+    planned = p.pool.reserve(request.gpus, request.time_limit, request.pool)
     eta = None if planned is None or planned[0] >= NEVER else planned[0]
     if could_fit:
         reason = WaitReason.reserved

@@ -144,13 +144,15 @@ class SharingPool:
                 s for s in dev.free_static if (s.start, s.size) != (part.start, part.size)
             ]
 
-    def _candidates(self, request: Request, mode: str) -> list[_Device]:
+    def _candidates(self, request: Request, mode: str, drained: bool = False) -> list[_Device]:
+        """Devices of ``mode`` pools (of ``request.pool`` when named); drained
+        ones only with ``drained``."""
         return sorted(
             (
                 d
                 for d in self.devices.values()
                 if d.slot.mode == mode
-                and not d.slot.drained
+                and (drained or not d.slot.drained)
                 and (request.pool is None or d.slot.pool == request.pool)
             ),
             key=lambda d: (d.slot.node, d.slot.index),
@@ -166,14 +168,20 @@ class SharingPool:
             instance UUID for a static layout), or ``(None, miss)``.
         """
         profile = request.mig_profile
-        able = [
+        offering = [
             d
-            for d in self._candidates(request, PoolMode.mig.value)
-            if d.spec is not None and profile in d.spec.profiles
+            for d in self._candidates(request, PoolMode.mig.value, drained=True)
+            if (spec := mig.spec_for(d.slot.model)) is not None and profile in spec.profiles
         ]
+        able = [d for d in offering if not d.slot.drained]
         where = f"pool {request.pool}" if request.pool else "the MIG pools"
         if not able:
             detail = f"no device in {where} offers MIG {profile}"
+            if offering:
+                detail = (
+                    f"every device in {where} that offers MIG {profile} is drained"
+                    " or has MIG mode off"
+                )
             return None, Miss(WaitReason.pool_drained, detail)
         best: tuple[tuple[int, int, str, int], Part] | None = None
         for dev in able:

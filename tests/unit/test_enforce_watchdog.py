@@ -274,3 +274,17 @@ def test_end_process_refuses_itself_and_negative_timeouts() -> None:
         end_process(os.getpid())
     with pytest.raises(ValueError, match="term_timeout"):
         end_process(999999, term_timeout=-1)
+
+
+def test_a_lease_with_shares_on_two_devices_is_capped_on_each(dog: ShareWatchdog) -> None:
+    caps = [
+        ShareCap(lease_id=7, user="cat", device_uuid=GPU, cap_mib=1000),
+        ShareCap(lease_id=7, user="cat", device_uuid=OTHER_GPU, cap_mib=1000),
+    ]
+    pids = {700: 7, 701: 7}
+    samples = [sample(700, 900), sample(701, 3000, OTHER_GPU)]
+    (warning,) = dog.judge(samples, caps, pids.get, at(0))
+    assert isinstance(warning, Overuse)
+    assert (warning.pid, warning.device_uuid) == (701, OTHER_GPU)
+    (ended,) = dog.judge(samples, caps, pids.get, at(61))
+    assert isinstance(ended, Terminate) and ended.pid == 701

@@ -225,3 +225,42 @@ def test_static_layout_hands_out_the_admins_instances_and_keeps_them(
     broker.release_lease(first["id"], "done")
     assert {m.uuid for m in backend.mig_devices(gpu0)} == made  # nor destroys one
     assert broker.get_lease(third["id"])["slots"][0]["uuid"] == first["slots"][0]["uuid"]
+
+
+def test_culler_reads_a_share_by_its_own_processes_and_a_mig_lease_by_its_instance(
+    broker: Broker,
+) -> None:
+    from gpubroker.culler import Culler
+    from gpubroker.store.models import Lease
+
+    mine = broker.request_lease("ann", "", memory_gib=10)
+    other = broker.request_lease("bob", "", memory_gib=10)
+    small = broker.request_lease("cat", "", mig_profile="1g.10gb")
+    device = mine["slots"][0]["device"]
+    assert other["slots"][0]["device"] == device
+    owners = {11: mine["id"], 22: other["id"]}
+    culler = Culler(broker, None, pid_lease=owners.get)
+    broker.backend.set_usage(
+        device,
+        utilization_gpu=95,
+        processes=[{"pid": 11, "used_memory_mib": 512}, {"pid": 22, "used_memory_mib": 9000}],
+    )
+    broker.backend.set_usage(small["slots"][0]["uuid"], utilization_gpu=None, memory_used_mib=700)
+    with broker._session() as session:
+        for lease_id, expected in ((mine["id"], (None, 512)), (small["id"], (None, 700))):
+            lease = session.get(Lease, lease_id)
+            assert lease is not None
+            (allocation,) = lease.allocations
+            assert culler._slot_usage(lease, allocation) == expected
+
+
+def test_model_selectors_match_aliases_and_nvml_names() -> None:
+    from gpubroker.pools import check_selector, matches
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert matches("model=H100", "GPU-x", "n", 0, h100)
+    assert matches("model=h100 80gb", "GPU-x", "n", 0, h100)  # part of the NVML name
+    assert matches("model=H200 NVL", "GPU-x", "n", 0, "NVIDIA H200 NVL")  # not in the fake
+    assert not matches("model=A100", "GPU-x", "n", 0, h100)
+    with pytest.raises(ValueError, match="bad device selector"):
+        check_selector("gpu-a")

@@ -65,3 +65,9 @@ async def test_form_tells_why_the_last_lease_ended(monkeypatch) -> None:
     assert "Your previous server lost its GPUs: culled: idle 62 min &lt;GPU 0%&gt;" in page
     state = spawner.get_state()
     assert state["gpu_last_end"] == "culled: idle 62 min <GPU 0%>"
+
+
+def test_a_shares_pythonpath_goes_first_and_the_servers_is_kept() -> None:
+    spawner = make_spawner(environment={"PYTHONPATH": "/opt/lab:/srv/shared"})
+    spawner._gpu_env = {"CUDA_VISIBLE_DEVICES": "GPU-a", "PYTHONPATH": "/broker/startup"}
+    assert spawner.get_env()["PYTHONPATH"] == "/broker/startup:/opt/lab:/srv/shared"
