@@ -11,7 +11,7 @@ from . import scheduler
 from .admission import held_weight
 from .devices import mig
 from .passes import build_state
-from .scheduler.sharing import SharingPool
+from .scheduler.sharing import SharingPool, mig_weight
 from .store.models import ACTIVE_STATES, LeaseState
 
 #: MIG instances counted at most per profile and pool (the form says "N+")
@@ -58,7 +58,8 @@ class AvailabilityMixin:
         Returns:
             A dict with two keys. ``pools`` lists each pool as a dict with
             ``name``, ``mode``, ``purpose``, ``description``, ``devices``
-            (count), ``models`` (NVML names) and ``free``, which holds
+            (count), ``models`` (NVML names), ``mig_weights`` (MIG profile
+            to device units charged) and ``free``, which holds
             ``gpus`` (whole devices free now), ``mig`` (profile to
             instances creatable now), ``share_gib`` (largest share grantable
             now) and ``shares_total_gib``. ``quota`` is ``None`` or a dict
@@ -85,6 +86,7 @@ class AvailabilityMixin:
             if not slots and spec.name != self.pools.default_pool:  # type: ignore[attr-defined]
                 continue
             free: dict[str, Any] = {"gpus": 0, "mig": {}, "share_gib": 0.0, "shares_total_gib": 0.0}
+            entry_weights: dict[str, float] = {}
             if spec.mode == "exclusive":
                 free["gpus"] = sum(1 for s in slots if not s.drained and s.uuid not in held)
             elif spec.mode == "mig":
@@ -92,6 +94,12 @@ class AvailabilityMixin:
                     {p for s in slots if (m := mig.spec_for(s.model)) for p in m.profiles}
                 )
                 free["mig"] = _free_mig(state, spec.name, offered)
+                entry_weights = {
+                    profile: round(mig_weight(model, profile), 6)
+                    for model in sorted({s.model for s in slots})
+                    for profile in offered
+                    if (m := mig.spec_for(model)) and profile in m.profiles
+                }
             else:
                 free["share_gib"], free["shares_total_gib"] = _share_room(state, spec.name)
             pools.append(
@@ -103,6 +111,7 @@ class AvailabilityMixin:
                     "devices": len(slots),
                     "models": sorted({s.model for s in slots}),
                     "free": free,
+                    "mig_weights": entry_weights,
                 }
             )
         return {"pools": pools, "quota": quota}

@@ -251,6 +251,9 @@ def profile_choices(
         kind = _profiles.request_kind(request)
         candidates = _pools_for(request, pool_list) if kind != "none" else []
         weight = _profiles.request_weight(request, device_gib(candidates, device_list))
+        if kind == "mig":  # the broker's own weight where it says (A30: slices / 4)
+            said = [p.get("mig_weights", {}).get(request["mig_profile"]) for p in candidates]
+            weight = max((float(w) for w in said if w is not None), default=weight)
         disabled = ""
         if "pool" in request and not candidates:
             disabled = f"the broker has no pool {request['pool']!r}"

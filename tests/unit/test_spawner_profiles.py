@@ -582,3 +582,22 @@ async def test_client_pools(broker: StubBroker) -> None:
     assert await client.pools("ann") == POOLS
     assert await client.pools() == POOLS
     assert [c["args"] for c in broker.calls] == [{"user": "ann"}, {}]
+
+
+def test_form_uses_the_brokers_mig_weight_where_it_gives_one() -> None:
+    profiles = make_spawner(
+        gpu_profiles=[{"display_name": "A30 slice", "request": {"mig_profile": "1g.6gb"}}]
+    ).gpu_profiles
+    a30 = {
+        "name": "a30",
+        "mode": "mig",
+        "purpose": "interactive",
+        "devices": 1,
+        "models": ["NVIDIA A30"],
+        "mig_weights": {"1g.6gb": 0.25},
+        "free": {"gpus": 0, "mig": {"1g.6gb": 4}, "share_gib": 0},
+    }
+    quota = {**POOLS["quota"], "limit": 1.0, "remaining": 0.2}
+    page = form.render_profiles(profiles, {"pools": [a30], "quota": quota}, {})
+    assert "counts as 0.25 GPU-equivalents" in page  # 1 of the A30's 4 slices, not 1/7
+    assert "Not available: needs 0.25 GPU-equivalents" in page
