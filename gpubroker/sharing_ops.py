@@ -71,7 +71,10 @@ class SharingOpsMixin:
         except (DeviceBackendError, KeyError) as err:
             self.log.error("Cannot list the MIG instances of %s: %s", uuid, err)
             return []
-        return [Instance(m.profile, m.placement.start, m.placement.size, m.uuid) for m in found]
+        return [
+            Instance(m.profile, m.placement.start, m.placement.size, m.uuid, m.memory_mib)
+            for m in found
+        ]
 
     # -- grants ------------------------------------------------------------------
 
@@ -116,7 +119,13 @@ class SharingOpsMixin:
             part.device,
         )
         self._mig_inventory.setdefault(part.device, []).append(
-            Instance(created.profile, created.placement.start, created.placement.size, created.uuid)
+            Instance(
+                created.profile,
+                created.placement.start,
+                created.placement.size,
+                created.uuid,
+                created.memory_mib,
+            )
         )
         return Part(
             part.device,

@@ -205,6 +205,7 @@ class SharingPool:
         if dev.slot.static:
             for inst in dev.free_static:
                 if inst.profile == profile:
+                    memory = inst.memory_mib or memory
                     return Part(
                         dev.slot.uuid,
                         "mig",

@@ -167,12 +167,14 @@ class Instance:
         start: first memory slice of its placement.
         size: memory slices it occupies.
         uuid: its ``MIG-`` UUID (``""`` when unknown).
+        memory_mib: its memory as the driver reports it, MiB (0: unknown).
     """
 
     profile: str
     start: int
     size: int
     uuid: str = ""
+    memory_mib: int = 0
 
 
 @dataclass(frozen=True)

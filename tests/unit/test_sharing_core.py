@@ -220,6 +220,8 @@ def test_static_layout_hands_out_the_admins_instances_and_keeps_them(
     big = broker.request_lease("dan", "", mig_profile="3g.40gb")
     assert {first["slots"][0]["uuid"], second["slots"][0]["uuid"]} <= made
     assert big["slots"][0]["placement"] == "4:4" and big["slots"][0]["uuid"] in made
+    driver_mib = {m.uuid: m.memory_mib for m in backend.mig_devices(gpu0)}
+    assert big["slots"][0]["memory_mib"] == driver_mib[big["slots"][0]["uuid"]]
     assert third["state"] == "pending"  # the broker never creates one in a static pool
     assert {m.uuid for m in backend.mig_devices(gpu0)} == made
     broker.release_lease(first["id"], "done")
