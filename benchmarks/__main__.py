@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import api, scheduler, simulate
+from . import api, scheduler, sharing, simulate
 
 
 def main() -> None:
@@ -14,6 +14,8 @@ def main() -> None:
     results.update(scheduler.run())
     print(simulate.describe())
     results.update(simulate.run())
+    print(sharing.describe())
+    results.update(sharing.run())
     print(f"API: {api.PAIRS} lease request/release pairs on loopback vs a bare Tornado handler")
     results.update(api.run())
     width = max(len(name) for name in results)
