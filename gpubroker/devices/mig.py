@@ -57,6 +57,7 @@ See :func:`mig_uuid` for the ``MIG-xxxxxxxx-...`` format (R470+ drivers) and
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -80,7 +81,9 @@ __all__ = [
     "is_fragmented",
     "is_mig_uuid",
     "is_valid_layout",
+    "least_stranding_placement",
     "legacy_mig_uuid",
+    "max_compute",
     "mig_uuid",
     "placement_problem",
     "spec_for",
@@ -637,6 +640,57 @@ def best_placement(spec: GpuMigSpec, layout: Layout, profile: str | MigProfile) 
         score = (flags, counts, -candidate.start)
         if best_score is None or score > best_score:
             best, best_score = candidate, score
+    return best
+
+
+def max_compute(spec: GpuMigSpec, layout: Layout) -> int:
+    """The most compute slices the GPU can hold with ``layout`` in place:
+    those of ``layout`` plus the best packing of further instances into the
+    free slices (exhaustive over layouts, memoized by the sorted layout, so
+    each reachable layout is searched once; ``+me`` profiles left out).
+
+    A placement that lowers this number *strands* slices: on an H100 a
+    ``3g`` at slot 0 leaves room for 3 more compute slices at most (slot 7
+    takes no 1- or 2-slice profile), a ``3g`` at slot 4 for a ``4g`` (4).
+    """
+    key = tuple(sorted((name, p.start, p.size) for name, p in layout))
+    return _max_compute(spec.name, key)
+
+
+@functools.lru_cache(maxsize=65536)
+def _max_compute(spec_name: str, key: tuple[tuple[str, int, int], ...]) -> int:
+    spec = SPECS[spec_name]
+    layout = [(name, Placement(start, size)) for name, start, size in key]
+    used = sum(spec.profiles[name].compute_slices for name, _s, _z in key)
+    best = used
+    for profile in spec.profiles.values():
+        if profile.media_extensions:
+            continue
+        for placement in valid_placements(spec, layout, profile):
+            grown = tuple(sorted((*key, (profile.name, placement.start, placement.size))))
+            best = max(best, _max_compute(spec_name, grown))
+            if best == spec.compute_slices:
+                return best
+    return best
+
+
+def least_stranding_placement(
+    spec: GpuMigSpec, layout: Layout, profile: str | MigProfile
+) -> tuple[Placement, int] | None:
+    """The valid placement of ``profile`` that strands the fewest compute
+    slices (:func:`max_compute` before minus after), ties broken as
+    :func:`best_placement` does; with the slices it strands, or ``None``."""
+    wanted = _resolve(spec, profile)
+    before = max_compute(spec, layout)
+    best: tuple[Placement, int] | None = None
+    best_score: tuple[int, tuple[bool, ...], tuple[int, ...], int] | None = None
+    for candidate in valid_placements(spec, layout, wanted):
+        grown = [*layout, (wanted.name, candidate)]
+        stranded = before - max_compute(spec, grown)
+        flags, counts = _room_left(spec, grown)
+        score = (-stranded, flags, counts, -candidate.start)
+        if best_score is None or score > best_score:
+            best, best_score = (candidate, stranded), score
     return best
 
 

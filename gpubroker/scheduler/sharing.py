@@ -3,10 +3,13 @@
 
 MIG rules (placements, overlaps, compute slices, instance limits) are those
 of :mod:`gpubroker.devices.mig`, taken from NVIDIA's MIG User Guide. The
-broker's MIG placement is *best fit, least fragmentation*: among the devices
-where the profile fits, the one with the fewest free compute slices (so
-empty devices stay empty for large profiles), and on it the placement that
-keeps the largest profiles placeable (:func:`~gpubroker.devices.mig.best_placement`).
+broker's MIG placement is *least stranding, best fit*: among the devices
+where the profile fits, the placement that strands the fewest compute
+slices (:func:`~gpubroker.devices.mig.least_stranding_placement`: e.g. a
+``3g`` at slot 0 of an H100 leaves slot 7 dead), then the device with the
+fewest free compute slices (so empty devices stay empty for large
+profiles), then the placement that keeps the largest profiles placeable
+(:func:`~gpubroker.devices.mig.best_placement`).
 ``first-fit`` (the first device by node and index, the lowest start slot) is
 the baseline the benchmark compares it with.
 
@@ -183,21 +186,23 @@ class SharingPool:
                     " or has MIG mode off"
                 )
             return None, Miss(WaitReason.pool_drained, detail)
-        best: tuple[tuple[int, int, str, int], Part] | None = None
+        best: tuple[tuple[int, int, int, str, int], Part] | None = None
         for dev in able:
-            part = self._mig_on(dev, profile)
-            if part is None:
+            found = self._mig_on(dev, profile)
+            if found is None:
                 continue
+            part, stranded = found
             if self.strategy == "first-fit":
                 return part, None
-            key = (dev.free_compute(), part.start, dev.slot.node, dev.slot.index)
+            key = (stranded, dev.free_compute(), part.start, dev.slot.node, dev.slot.index)
             if best is None or key < best[0]:
                 best = (key, part)
         if best is not None:
             return best[1], None
         return None, self._mig_miss(able, profile, where)
 
-    def _mig_on(self, dev: _Device, profile: str) -> Part | None:
+    def _mig_on(self, dev: _Device, profile: str) -> tuple[Part, int] | None:
+        """The part ``dev`` would give, with the compute slices it strands."""
         assert dev.spec is not None
         prof = dev.spec.profile(profile)
         weight = prof.compute_slices / dev.spec.compute_slices
@@ -206,7 +211,7 @@ class SharingPool:
             for inst in dev.free_static:
                 if inst.profile == profile:
                     memory = inst.memory_mib or memory
-                    return Part(
+                    part = Part(
                         dev.slot.uuid,
                         "mig",
                         weight,
@@ -216,16 +221,23 @@ class SharingPool:
                         memory,
                         inst.uuid,
                     )
+                    return part, 0
             return None
         layout = list(dev.layout)
+        if dev.free_compute() < prof.compute_slices or (
+            mig.free_memory_slices(dev.spec, layout) < prof.memory_slices
+        ):
+            return None  # cheap refusal before any placement is scored
         if self.strategy == "first-fit":
             valid = mig.valid_placements(dev.spec, layout, prof)
-            placement = valid[0] if valid else None
+            found = (valid[0], 0) if valid else None
         else:
-            placement = mig.best_placement(dev.spec, layout, prof)
-        if placement is None:
+            found = mig.least_stranding_placement(dev.spec, layout, prof)
+        if found is None:
             return None
-        return Part(dev.slot.uuid, "mig", weight, profile, placement.start, placement.size, memory)
+        placement, stranded = found
+        part = Part(dev.slot.uuid, "mig", weight, profile, placement.start, placement.size, memory)
+        return part, stranded
 
     def _mig_miss(self, able: list[_Device], profile: str, where: str) -> Miss:
         for dev in sorted(able, key=lambda d: -d.free_compute()):

@@ -558,3 +558,27 @@ def test_legacy_mig_uuid() -> None:
     assert not is_mig_uuid("MIG-nonsense")
     # a real MIG UUID from the guide's nvidia-smi -L output
     assert is_mig_uuid("MIG-c7384736-a75d-5afc-978f-d2f1294409fd")
+
+
+def test_max_compute_sees_the_slice_a_3g_at_slot_0_strands() -> None:
+    spec = mig.spec_for("NVIDIA H100 80GB HBM3")
+    assert spec is not None
+    P = mig.Placement
+    assert mig.max_compute(spec, []) == 7
+    assert mig.max_compute(spec, [("3g.40gb", P(4, 4))]) == 7  # a 4g still fits at 0
+    assert mig.max_compute(spec, [("3g.40gb", P(0, 4))]) == 6  # slot 7 takes nothing
+    assert mig.max_compute(spec, [("1g.10gb", P(i, 1)) for i in range(7)]) == 7
+    a30 = mig.spec_for("NVIDIA A30")
+    assert a30 is not None and mig.max_compute(a30, []) == 4
+
+
+def test_least_stranding_placement_prefers_placements_that_keep_every_slice_usable() -> None:
+    spec = mig.spec_for("NVIDIA H100 80GB HBM3")
+    assert spec is not None
+    P = mig.Placement
+    assert mig.least_stranding_placement(spec, [], "3g.40gb") == (P(4, 4), 0)
+    assert mig.least_stranding_placement(spec, [], "1g.10gb") == (P(6, 1), 0)
+    # next to a 3g at 0 every 1g placement keeps 3 more slices usable
+    assert mig.least_stranding_placement(spec, [("3g.40gb", P(0, 4))], "1g.10gb") == (P(6, 1), 0)
+    full = [("7g.80gb", P(0, 8))]
+    assert mig.least_stranding_placement(spec, full, "1g.10gb") is None

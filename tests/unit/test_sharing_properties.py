@@ -687,9 +687,16 @@ def test_one_mig_placement_is_the_strategys_choice_or_a_true_miss(
             assert slot == fits[0]
             assert placement(part) == mig.valid_placements(spec, layout, profile)[0]
         else:
-            free = {s.uuid: mig.free_compute_slices(spec_of(s), held.layout(s.uuid)) for s in fits}
-            assert free[slot.uuid] == min(free.values()), "not the fullest device that fits"
-            assert placement(part) == mig.best_placement(spec, layout, profile)
+            # least stranding first, then the fullest device, then least fragmentation
+            def key(s: Slot) -> tuple[int, int]:
+                best = mig.least_stranding_placement(spec_of(s), held.layout(s.uuid), profile)
+                assert best is not None
+                free = mig.free_compute_slices(spec_of(s), held.layout(s.uuid))
+                return (best[1], free)
+
+            assert key(slot) == min(key(s) for s in fits), "not the least stranding, fullest"
+            chosen = mig.least_stranding_placement(spec, layout, profile)
+            assert chosen is not None and placement(part) == chosen[0]
         return
     assert miss is not None and not fits
     scattered = [s for s in offered if mig.is_fragmented(spec_of(s), held.layout(s.uuid), profile)]
