@@ -6,6 +6,7 @@ anything is stored (engineering rule 6).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -17,6 +18,32 @@ from .errors import BadRequest, Forbidden
 from .pools import PoolSpec
 from .scheduler.sharing import share_weight
 from .store.models import ACTIVE_STATES, Device, Lease
+
+
+def _check_numbers(gpus: int | None, memory_gib: float | None, count: int | None) -> None:
+    """The checks of :func:`gpubroker.api.validation.slot_request`, again for
+    callers of the core that bypass the API.
+
+    Raises:
+        BadRequest: a non-integer or non-positive ``gpus``/``count``, or a
+            ``memory_gib`` that is not a finite number in the allowed range.
+    """
+    from .api.validation import MAX_SHARE_GIB, MIN_SHARE_GIB
+
+    for name, value in (("gpus", gpus), ("count", count)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise BadRequest(f"{name}: must be an integer, got {value!r}")
+        if name == "count" and value is not None and value < 1:
+            raise BadRequest(f"count: must be at least 1, got {value}")
+    if memory_gib is not None and not (
+        isinstance(memory_gib, int | float)
+        and math.isfinite(memory_gib)
+        and MIN_SHARE_GIB <= memory_gib <= MAX_SHARE_GIB
+    ):
+        raise BadRequest(
+            f"memory_gib: must be between {MIN_SHARE_GIB:g} and {MAX_SHARE_GIB:g} GiB,"
+            f" got {memory_gib!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -41,6 +68,11 @@ class Shape:
     weight: float = 0.0
 
 
+def _a(word: str) -> str:
+    """``word`` with its indefinite article: ``an exclusive``, ``a mig``."""
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
+
+
 def _pool_devices(
     devices: list[tuple[Device, PoolSpec]], mode: str, pool: str | None, field: str
 ) -> list[Device]:
@@ -56,9 +88,8 @@ def _pool_devices(
             names = sorted({spec.name for _d, spec in devices})
             raise BadRequest(f"pool: no pool {pool!r} has devices (pools: {', '.join(names)})")
         if mode not in modes:
-            article = "an" if mode == "exclusive" else "a"
             raise BadRequest(
-                f"pool: {pool!r} is a {modes.pop()} pool; {field} needs {article} {mode} pool"
+                f"pool: {pool!r} is {_a(modes.pop())} pool; {field} needs {_a(mode)} pool"
             )
     found = [d for d, spec in devices if spec.mode == mode and pool in (None, spec.name)]
     if not found:
@@ -86,6 +117,7 @@ class AdmissionMixin:
                 larger than a device's memory less the pool's reserve; more
                 shares than devices on one node.
         """
+        _check_numbers(gpus, memory_gib, count)
         devices: list[tuple[Device, PoolSpec]] = self.pool_devices()  # type: ignore[attr-defined]
         if gpus is not None:
             if pool is not None:
@@ -118,7 +150,7 @@ class AdmissionMixin:
         found = _pool_devices(devices, "timeslice", pool, "memory_gib")
         reserve = {d.uuid: spec.reserve_mib for d, spec in devices}
         memory = round(memory_gib * 1024)
-        room = max(d.memory_total_mib - reserve[d.uuid] for d in found)
+        room = max(max(d.memory_total_mib - reserve[d.uuid], 0) for d in found)
         if memory > room:
             raise BadRequest(
                 f"memory_gib: at most {room / 1024:g} GiB per share in "

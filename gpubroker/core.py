@@ -177,14 +177,25 @@ class Broker(
     def adopt(self) -> dict[str, int]:
         """Re-adopt the leases of the store after a (re)start.
 
+        A granted lease whose MIG instance no longer exists (a GPU reset, a
+        reboot, someone's ``nvidia-smi mig -dci``) is evicted: its server is
+        stopped and the lease released with that reason.
+
         Returns:
             counts of ``granted`` and ``pending`` leases found.
         """
+        now = utcnow()
         with self._session() as session, session.begin():
             counts = {state: 0 for state in ACTIVE_STATES}
             for lease in session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES))):
                 counts[lease.state] += 1
-            self._schedule(session, utcnow())
+                lost = self._lost_instances(lease)
+                if lost:
+                    why = f"its MIG instance {lost[0]} no longer exists (GPU reset or reboot?)"
+                    self.log.warning("Lease %s: %s", lease.id, why)
+                    self._evict(lease, why, now)
+            session.flush()
+            self._schedule(session, now)
         self.log.info(
             "Adopted %s granted and %s pending leases", counts["granted"], counts["pending"]
         )

@@ -93,6 +93,7 @@ def _slot(
         reserve_mib=spec.reserve_mib if spec else 0,
         static=static,
         foreign=foreign,
+        mig_static=spec is not None and spec.mode == "mig" and spec.mig_layout == "static",
     )
 
 

@@ -59,17 +59,28 @@ class PoolSpec:
     description: str = ""
 
 
-def _ranges(text: str) -> set[int]:
-    indices: set[int] = set()
+def _ranges(text: str) -> list[tuple[int, int]]:
+    """``"0-3,6"`` -> ``[(0, 3), (6, 6)]`` (inclusive bounds)."""
+    bounds = []
     for part in text.split(","):
         first, _, last = part.partition("-")
-        indices.update(range(int(first), int(last or first) + 1))
-    return indices
+        bounds.append((int(first), int(last or first)))
+    return bounds
+
+
+def _in_ranges(index: int, text: str) -> bool:
+    return any(low <= index <= high for low, high in _ranges(text))
 
 
 def check_selector(selector: str) -> None:
     """Raise ``ValueError`` naming ``selector`` when it is not of a known form."""
-    if selector == "*" or selector.startswith("GPU-") or _NODE_INDICES.match(selector):
+    match = _NODE_INDICES.match(selector)
+    if match is not None:
+        for low, high in _ranges(match["ranges"]):
+            if low > high:
+                raise ValueError(f"bad index range {low}-{high} in selector {selector!r}")
+        return
+    if selector == "*" or selector.startswith("GPU-"):
         return
     if selector.startswith("model="):
         if not selector.removeprefix("model=").strip():
@@ -96,7 +107,7 @@ def matches(selector: str, uuid: str, node: str, index: int, model: str) -> bool
     match = _NODE_INDICES.match(selector)
     if match is None:
         return False
-    return match["node"] in ("*", node) and index in _ranges(match["ranges"])
+    return match["node"] in ("*", node) and _in_ranges(index, match["ranges"])
 
 
 def parse_pool(item: Any, where: str) -> PoolSpec:

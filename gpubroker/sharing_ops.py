@@ -169,6 +169,17 @@ class SharingOpsMixin:
                 return int(device.memory_total_mib)
         raise KeyError(uuid)
 
+    def _lost_instances(self, lease: Lease) -> list[str]:
+        """MIG instances ``lease`` holds that its device no longer has."""
+        return [
+            a.instance_uuid
+            for a in lease.allocations
+            if a.active
+            and a.kind == "mig"
+            and a.instance_uuid
+            and a.instance_uuid not in {i.uuid for i in self._mig_inventory.get(a.device_uuid, [])}
+        ]
+
     # -- releases ----------------------------------------------------------------
 
     def _unrealize(self, lease: Lease) -> None:

@@ -160,6 +160,10 @@ def select_profile(
     raise OptionsError(f"profile: unknown profile {slug!r} (choices: {slugs})")
 
 
+def _article(word: str) -> str:
+    return "an" if word[:1] in ("a", "e", "i", "o", "u") else "a"
+
+
 def _pools_for(request: dict[str, Any], pools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The pools a request may be placed in: its ``pool``, else the pools of
     its kind's mode (interactive ones first), else all (the broker decides)."""
@@ -257,7 +261,20 @@ def profile_choices(
         disabled = ""
         if "pool" in request and not candidates:
             disabled = f"the broker has no pool {request['pool']!r}"
-        elif remaining is not None and weight > 0 and weight > float(remaining) + 1e-9:
+        elif kind != "none" and "pool" in request:
+            wrong = [p for p in candidates if p.get("mode") != POOL_MODES[kind]]
+            if wrong:
+                mode, wanted = str(wrong[0].get("mode")), POOL_MODES[kind]
+                disabled = (
+                    f"pool {request['pool']!r} is {_article(mode)} {mode} pool, "
+                    f"not {_article(wanted)} {wanted} one"
+                )
+        if not disabled and kind == "mig":
+            offered = {m for p in candidates for m in (p.get("free") or {}).get("mig", {})}
+            if candidates and request["mig_profile"] not in offered:
+                disabled = f"no GPU here offers MIG {request['mig_profile']}"
+        over = remaining is not None and weight > 0 and weight > float(remaining) + 1e-9
+        if not disabled and over:
             disabled = (
                 f"needs {_equivalents(weight)}; you may hold "
                 f"{_profiles.fmt(max(float(remaining), 0))} more"

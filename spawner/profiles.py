@@ -41,6 +41,8 @@ PROFILE_KEYS = (
 
 #: keys of a profile's ``request`` (and of a lease request); one kind at most
 REQUEST_KEYS = ("gpus", "mig_profile", "memory_gib", "count", "pool")
+#: the broker's smallest share, GiB (gpubroker.api.validation.MIN_SHARE_GIB)
+MIN_SHARE_GIB = 0.25
 KIND_KEYS = ("gpus", "mig_profile", "memory_gib")
 
 #: what each kind of slot guarantees, shown when a profile does not say
@@ -151,9 +153,11 @@ def check_request(request: Any) -> dict[str, Any]:
         isinstance(memory, bool)
         or not isinstance(memory, (int, float))
         or not math.isfinite(memory)
-        or memory <= 0
+        or memory < MIN_SHARE_GIB
     ):
-        raise ValueError(f"request.memory_gib: must be a number > 0 (GiB), got {memory!r}")
+        raise ValueError(
+            f"request.memory_gib: must be a number >= {MIN_SHARE_GIB:g} (GiB), got {memory!r}"
+        )
     if "count" in request:
         count = request["count"]
         if "memory_gib" not in request:

@@ -162,8 +162,13 @@ def _fractional(p: _Pass, request: Request) -> None:
         parts, miss = p.sharing.place_shares(request)
     if parts is not None:
         actual = replace(request, weight=sum(part.weight for part in parts))
-        if actual.amount > request.amount and _held(p, actual):
-            return  # the slots found weigh more than estimated: a limit holds it
+        if actual.amount > request.amount and p.acct.limit_hit(actual) is not None:
+            if request.kind == "share":  # the largest devices, where a share weighs least
+                parts, _miss = p.sharing.place_shares(request, lightest=True)
+                assert parts is not None
+                actual = replace(request, weight=sum(part.weight for part in parts))
+            if _held(p, actual):
+                return  # the slots found weigh more than estimated: a limit holds it
         p.grant_parts(request, parts)
         return
     assert miss is not None

@@ -207,7 +207,7 @@ class SharingPool:
         prof = dev.spec.profile(profile)
         weight = prof.compute_slices / dev.spec.compute_slices
         memory = prof.memory_mib or prof.memory_gib * 1024
-        if dev.slot.static:
+        if dev.slot.static or dev.slot.mig_static:
             for inst in dev.free_static:
                 if inst.profile == profile:
                     memory = inst.memory_mib or memory
@@ -242,7 +242,8 @@ class SharingPool:
     def _mig_miss(self, able: list[_Device], profile: str, where: str) -> Miss:
         for dev in sorted(able, key=lambda d: -d.free_compute()):
             assert dev.spec is not None
-            if dev.slot.static or not mig.is_fragmented(dev.spec, list(dev.layout), profile):
+            static = dev.slot.static or dev.slot.mig_static
+            if static or not mig.is_fragmented(dev.spec, list(dev.layout), profile):
                 continue
             blockers = tuple(
                 (dev.slot.uuid, name, str(placement), dev.layout[(name, placement)])
@@ -264,9 +265,13 @@ class SharingPool:
 
     # -- shares ---------------------------------------------------------------------
 
-    def place_shares(self, request: Request) -> tuple[tuple[Part, ...] | None, Miss | None]:
+    def place_shares(
+        self, request: Request, lightest: bool = False
+    ) -> tuple[tuple[Part, ...] | None, Miss | None]:
         """``request.gpus`` shares of ``request.memory_mib`` MiB on distinct
-        devices of one node, or why not."""
+        devices of one node, or why not. Best fit (the least memory left);
+        with ``lightest``, the devices where the share weighs least (the
+        largest), for a request a limit would hold on smaller devices."""
         need, count = request.memory_mib, request.gpus
         able = [d for d in self._candidates(request, "timeslice")]
         where = f"pool {request.pool}" if request.pool else "the time-sliced pools"
@@ -281,13 +286,17 @@ class SharingPool:
                 f"{need / 1024:g} GiB (largest share: {biggest / 1024:g} GiB)"
             )
             return None, Miss(WaitReason.pool_drained, detail)
-        best: tuple[tuple[int, str], list[_Device]] | None = None
+        best: tuple[tuple[float, int, str], list[_Device]] | None = None
         for node, devs in by_node.items():
-            fits = sorted((d for d in devs if d.share_room >= need), key=lambda d: d.share_room)
+            fits = sorted(
+                (d for d in devs if d.share_room >= need),
+                key=lambda d: (-d.slot.memory_mib, d.share_room) if lightest else d.share_room,
+            )
             if len(fits) < count:
                 continue
             chosen = fits[:count]
-            key = (sum(d.share_room for d in chosen), node)
+            weight = sum(share_weight(need, d.slot.memory_mib) for d in chosen)
+            key = (round(weight, 9) if lightest else 0, sum(d.share_room for d in chosen), node)
             if best is None or key < best[0]:
                 best = (key, chosen)
         if best is None:

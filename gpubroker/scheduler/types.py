@@ -198,6 +198,9 @@ class Slot:
         foreign: MIG instances present on the device that belong to no
             lease and are not ``static`` (left over, made by hand): they
             occupy their slices.
+        mig_static: the device's pool has a static layout: only ``static``
+            instances are ever granted, none is created (even when
+            ``static`` is empty).
     """
 
     uuid: str
@@ -211,6 +214,7 @@ class Slot:
     reserve_mib: int = 0
     static: tuple[Instance, ...] = ()
     foreign: tuple[Instance, ...] = ()
+    mig_static: bool = False
 
 
 @dataclass(frozen=True)

@@ -266,3 +266,59 @@ def test_model_selectors_match_aliases_and_nvml_names() -> None:
     assert not matches("model=A100", "GPU-x", "n", 0, h100)
     with pytest.raises(ValueError, match="bad device selector"):
         check_selector("gpu-a")
+
+
+def test_an_empty_static_pool_never_gets_an_instance_made(db_url: str, tmp_path: Path) -> None:
+    config = Config()
+    config.Pools.pools = [
+        {"name": "static", "mode": "mig", "devices": ["node-a:0"], "mig_layout": "static"}
+    ]
+    backend = FakeDeviceBackend(inventory=["1 x H100"], node_name="node-a", mig_enabled=[0])
+    broker = Broker(
+        session_factory=make_session_factory(make_engine(db_url)), backend=backend, config=config
+    )
+    broker.sync_inventory()
+    lease = broker.request_lease("ann", "", mig_profile="1g.10gb")
+    assert lease["state"] == "pending" and lease["queue"]["reason"] == "Resources"
+    assert backend.mig_devices(backend.devices()[0].uuid) == []
+
+
+def test_a_lease_whose_instance_vanished_is_evicted_at_restart(db_url: str, tmp_path: Path) -> None:
+    import json
+
+    broker = sharing_broker(db_url, tmp_path)
+    lease = broker.request_lease("ann", "", mig_profile="1g.10gb")
+    state_file = tmp_path / "fake-gpus.json"
+    state = json.loads(state_file.read_text())
+    state["_mig"][lease["slots"][0]["device"]]["instances"] = []  # a GPU reset
+    state_file.write_text(json.dumps(state))
+    again = sharing_broker(db_url, tmp_path)
+    gone = again.get_lease(lease["id"])
+    assert gone["state"] == "released"
+    assert "no longer exists" in gone["release_reason"]
+    fresh = again.request_lease("bob", "", mig_profile="1g.10gb")
+    assert fresh["state"] == "granted"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"memory_gib": float("nan")}, "memory_gib: must be between 0.25 and 1024"),
+        ({"memory_gib": float("inf")}, "memory_gib: must be between 0.25 and 1024"),
+        ({"memory_gib": -1}, "memory_gib: must be between 0.25 and 1024"),
+        ({"memory_gib": 4, "count": -2}, "count: must be at least 1"),
+        ({"gpus": 1.5}, "gpus: must be an integer"),
+    ],
+)
+def test_the_core_checks_numbers_itself(broker: Broker, kwargs: dict, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        broker.request_lease("ann", "", **kwargs)
+    assert broker.list_leases(active=False) == []
+
+
+def test_pool_selectors_with_huge_or_reversed_ranges() -> None:
+    from gpubroker.pools import check_selector, matches
+
+    assert matches("node-a:0-999999999", "GPU-x", "node-a", 12345, "NVIDIA H100 80GB HBM3")
+    with pytest.raises(ValueError, match="bad index range 5-2"):
+        check_selector("node-a:5-2")

@@ -386,8 +386,12 @@ def test_a_share_on_a_smaller_device_stays_within_the_limit() -> None:
     request = share_request(10, 21, user="ben")  # estimate: 21 GiB / 81,559 MiB = 0.26
     policy = Policy(user_quotas={"ben": Quota(0.0, 0.5)})
     d = run(slots, [request], policy=policy)
-    # best fit finds the 40 GB device, where it would weigh 21 GiB / 40 GiB = 0.525
-    assert d.grants == ()
+    # best fit finds the 40 GB device, where it would weigh 21 GiB / 40 GiB = 0.525,
+    # over the limit: the share goes to the large device, where it weighs 0.26
+    (part,) = granted(d)[10].parts
+    assert part.device == "GPU-big" and part.weight == pytest.approx(21 * 1024 / 81559)
+    d = run(slots, [request], policy=Policy(user_quotas={"ben": Quota(0.0, 0.25)}))
+    assert d.grants == ()  # too heavy everywhere: held at the limit, never over it
     assert waits(d)[10][0] is WaitReason.quota_user
     d = run(slots, [request], policy=Policy(user_quotas={"ben": Quota(0.0, 0.6)}))
     (part,) = granted(d)[10].parts

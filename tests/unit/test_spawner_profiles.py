@@ -231,7 +231,7 @@ def test_profiles_get_their_defaults() -> None:
         ),
         (
             [{"display_name": "A", "request": {"memory_gib": -1}}],
-            "request.memory_gib: must be a number > 0 (GiB), got -1",
+            "request.memory_gib: must be a number >= 0.25 (GiB), got -1",
         ),
         (
             [{"display_name": "A", "request": {"gpus": 1, "memory_gib": 10}}],
@@ -601,3 +601,16 @@ def test_form_uses_the_brokers_mig_weight_where_it_gives_one() -> None:
     page = form.render_profiles(profiles, {"pools": [a30], "quota": quota}, {})
     assert "counts as 0.25 GPU-equivalents" in page  # 1 of the A30's 4 slices, not 1/7
     assert "Not available: needs 0.25 GPU-equivalents" in page
+
+
+def test_form_greys_out_profiles_the_pools_cannot_serve() -> None:
+    profiles = make_spawner(
+        gpu_profiles=[
+            {"display_name": "Wrong mode", "request": {"gpus": 1, "pool": "h100-mig"}},
+            {"display_name": "Not offered", "request": {"mig_profile": "1g.6gb"}},
+        ]
+    ).gpu_profiles
+    page = form.render_profiles(profiles, POOLS, DEVICES)
+    wrong = choice_html(page, "wrong-mode")
+    assert "pool &#x27;h100-mig&#x27; is a mig pool, not an exclusive one" in wrong
+    assert "no GPU here offers MIG 1g.6gb" in choice_html(page, "not-offered")
