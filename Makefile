@@ -28,8 +28,9 @@ $(PROXY): package.json package-lock.json
 setup: $(BIN)/.installed $(PROXY)
 
 demo: setup
-	@echo "JupyterHub with gpubroker on simulated GPUs: open http://127.0.0.1:8000 and log in"
-	@echo "as any user with any password; choose GPUs on the spawn page. Ctrl-C stops it."
+	@echo "JupyterHub with gpubroker on simulated GPUs: open http://127.0.0.1:$${GPUBROKER_DEMO_PORT:-8000}"
+	@echo "and log in as any user with any password (user 'admin' is also a broker admin);"
+	@echo "pick a GPU profile on the spawn page. Ctrl-C stops it."
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyterhub -f jupyterhub_config/demo_config.py
 
 lint: setup

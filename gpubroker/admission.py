@@ -243,8 +243,8 @@ class AdmissionMixin:
             taken = sum(held_weight(x) for x in leases)
             if q.limit is not None and taken + gpus > q.limit + 1e-9:
                 raise Forbidden(
-                    f"quota: {kind} {name} holds or waits for {taken:g} GPUs; {gpus:g} more would "
-                    f"exceed the {kind} limit of {q.limit:g} GPUs"
+                    f"quota: {kind} {name} holds or waits for {taken:.3g} GPUs; {gpus:.3g} more "
+                    f"would exceed the {kind} limit of {q.limit:.3g} GPUs"
                 )
 
 

@@ -73,7 +73,8 @@ def summary(lease: Lease) -> str:
         return f"1 x MIG {lease.mig_profile}"
     if lease.kind == "share":
         gib = (lease.memory_mib or 0) / 1024
-        return f"{lease.gpus} x shared GPU ({gib:g} GiB each)"
+        each = " each" if lease.gpus > 1 else ""
+        return f"{lease.gpus} x shared GPU ({gib:g} GiB{each})"
     return f"{lease.gpus} x GPU"
 
 

@@ -137,6 +137,12 @@ c.JupyterHub.load_roles = [
         "name": "user",
         "scopes": ["self", "access:services!service=gpubroker"],
     },
+    {
+        # the demo's hub admin is a broker admin too (quotas, drains, MIG mode)
+        "name": "gpubroker-admin",
+        "users": ["admin"],
+        "scopes": ["access:services!service=gpubroker", ADMIN_SCOPE],
+    },
 ]
 demo_token = os.environ.get("GPUBROKER_DEMO_API_TOKEN")
 if demo_token:

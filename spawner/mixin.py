@@ -548,5 +548,12 @@ class GPUSpawnerMixin(LoggingConfigurable):
             if lease.get("release_reason") not in (None, reason):
                 self.gpu_last_end = lease["release_reason"]
         except BrokerClientError as err:
-            if err.status != 404:
+            if err.status == 599:  # e.g. at hub shutdown, which stops the broker first
+                self.log.warning(
+                    "Could not release lease %s (%s); the broker releases it when it "
+                    "reconciles with the hub",
+                    lease_id,
+                    err,
+                )
+            elif err.status != 404:
                 self.log.error("Could not release lease %s: %s", lease_id, err)

@@ -115,10 +115,12 @@ class _Gpu:
 
 
 class _MigRecord(NamedTuple):
-    """The MIG state of one fake GPU: mode and the MIG devices on it."""
+    """The MIG state of one fake GPU: mode, the MIG devices on it, and how
+    many were ever created on it (each creation gets a new UUID)."""
 
     enabled: bool
     instances: list[MigDevice]
+    created: int = 0
 
 
 class FakeDeviceBackend(DeviceBackend):
@@ -451,8 +453,10 @@ class FakeDeviceBackend(DeviceBackend):
             raise MigPlacementError(f"{prefix}: {problem}")
         used = {d.gi_id for d in record.instances}
         gi_id = next(i for i in range(1, len(used) + 2) if i not in used)
-        device = _mig_device(gpu, wanted, placement, gi_id, 0)
-        self._save_mig(state, gpu, _MigRecord(True, [*record.instances, device]))
+        device = _mig_device(gpu, wanted, placement, gi_id, 0, record.created)
+        self._save_mig(
+            state, gpu, _MigRecord(True, [*record.instances, device], record.created + 1)
+        )
         self.log.info(
             "SIMULATED MIG device %s (%s at %s, GI %d) created on device %d",
             device.uuid,
@@ -489,7 +493,7 @@ class FakeDeviceBackend(DeviceBackend):
             )
         remaining = [d for d in record.instances if d.uuid != mig_uuid]
         state = {key: value for key, value in state.items() if key != mig_uuid}
-        self._save_mig(state, gpu, _MigRecord(True, remaining))
+        self._save_mig(state, gpu, _MigRecord(True, remaining, record.created))
         self.log.info("SIMULATED MIG device %s destroyed on device %d", mig_uuid, gpu.index)
 
     def set_mig_mode(self, uuid: str, enabled: bool) -> None:
@@ -566,6 +570,7 @@ class FakeDeviceBackend(DeviceBackend):
         section = dict(new_state.get(MIG_STATE_KEY) or {})
         section[gpu.uuid] = {
             "enabled": record.enabled,
+            "created": record.created,
             "instances": [
                 {
                     "gi_id": d.gi_id,
@@ -573,6 +578,7 @@ class FakeDeviceBackend(DeviceBackend):
                     "profile": d.profile,
                     "start": d.placement.start,
                     "size": d.placement.size,
+                    "uuid": d.uuid,
                 }
                 for d in sorted(record.instances, key=lambda d: d.gi_id)
             ],
@@ -653,12 +659,14 @@ class FakeDeviceBackend(DeviceBackend):
             missing = _plan_layout(gpu, gpu.spec, where, entries, record.instances)
             if not missing:
                 continue
-            instances = list(record.instances)
+            instances, created = list(record.instances), record.created
             for name, placement in missing:
                 used = {d.gi_id for d in instances}
                 gi_id = next(i for i in range(1, len(used) + 2) if i not in used)
-                instances.append(_mig_device(gpu, gpu.spec.profile(name), placement, gi_id, 0))
-            self._save_mig(state, gpu, _MigRecord(True, instances))
+                profile = gpu.spec.profile(name)
+                instances.append(_mig_device(gpu, profile, placement, gi_id, 0, created))
+                created += 1
+            self._save_mig(state, gpu, _MigRecord(True, instances, created))
             self.log.info(
                 "SIMULATED MIG layout on device %d: created %s",
                 index,
@@ -799,7 +807,13 @@ def _no_room(spec: mig.GpuMigSpec, layout: mig.Layout, profile: mig.MigProfile) 
 
 
 def _mig_device(
-    gpu: _Gpu, profile: mig.MigProfile, placement: Placement, gi_id: int, ci_id: int
+    gpu: _Gpu,
+    profile: mig.MigProfile,
+    placement: Placement,
+    gi_id: int,
+    ci_id: int,
+    generation: int = 0,
+    uuid: str | None = None,
 ) -> MigDevice:
     """A simulated :class:`MigDevice`; memory as documented in ``create_mig_device``."""
     assert gpu.spec is not None
@@ -809,7 +823,7 @@ def _mig_device(
         memory_mib = gpu.model.memory_total_mib * profile.memory_slices // gpu.spec.memory_slices
     return MigDevice(
         parent_uuid=gpu.uuid,
-        uuid=mig.mig_uuid(gpu.uuid, gi_id, ci_id),
+        uuid=uuid or mig.mig_uuid(gpu.uuid, gi_id, ci_id, generation),
         profile=profile.name,
         placement=placement,
         gi_id=gi_id,
@@ -841,9 +855,13 @@ def _record_from_json(gpu: _Gpu, raw: Any) -> _MigRecord:
         ci_id = _int(item.get("ci_id", 0), "ci_id")
         if any(d.gi_id == gi_id for d in instances):
             raise ValueError(f"GPU instance ID {gi_id} appears twice")
-        instances.append(_mig_device(gpu, profile, placement, gi_id, ci_id))
+        stored = item.get("uuid")
+        if stored is not None and not (isinstance(stored, str) and mig.is_mig_uuid(stored)):
+            raise ValueError(f"'uuid' must be a MIG UUID, not {stored!r}")
+        instances.append(_mig_device(gpu, profile, placement, gi_id, ci_id, uuid=stored))
+    created = _int(raw.get("created", len(instances)), "created")
     # instances cannot exist with MIG mode off; a hand-edited state may say so anyway
-    return _MigRecord(enabled, instances if enabled else [])
+    return _MigRecord(enabled, instances if enabled else [], max(created, len(instances)))
 
 
 def _int(value: Any, what: str) -> int:

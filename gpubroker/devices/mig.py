@@ -766,7 +766,7 @@ _UUID_RE = re.compile(r"^MIG-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-
 _LEGACY_RE = re.compile(r"^MIG-GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}/\d+/\d+$")
 
 
-def mig_uuid(parent_gpu_uuid: str, gi_id: int, ci_id: int) -> str:
+def mig_uuid(parent_gpu_uuid: str, gi_id: int, ci_id: int, generation: int = 0) -> str:
     """A deterministic MIG device UUID in the format of R470+ drivers.
 
     Since the R470 datacenter drivers each MIG device (a GPU instance plus a
@@ -781,12 +781,18 @@ def mig_uuid(parent_gpu_uuid: str, gi_id: int, ci_id: int) -> str:
     same UUID on every run.  It is not the driver's own derivation, which is
     not published.
 
+    A real driver gives a MIG device a new UUID each time one is created,
+    even with the same IDs; ``generation`` (how many were created on the GPU
+    before, 0 for the first) makes the fake's differ the same way.
+
     Older drivers (R450/R460) named MIG devices ``MIG-GPU-<gpu uuid>/<gi>/<ci>``
     instead; see :func:`legacy_mig_uuid`.
     """
     if gi_id < 0 or ci_id < 0:
         raise ValueError(f"GPU/compute instance IDs must be >= 0, got {gi_id}/{ci_id}")
     name = f"{parent_gpu_uuid.strip()}/{gi_id}/{ci_id}"
+    if generation:
+        name += f"#{generation}"
     return f"MIG-{uuid.uuid5(_MIG_UUID_NAMESPACE, name)}"
 
 

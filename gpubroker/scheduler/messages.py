@@ -41,8 +41,13 @@ def wait_message(
     eta: dt.datetime | None,
     now: dt.datetime,
     detail: str = "",
+    planned: bool = True,
 ) -> str:
-    """One sentence: what blocks the request, its place, its estimated start."""
+    """One sentence: what blocks the request, its place, its estimated start.
+
+    ``planned``: whether the request could have had an ETA (whole GPUs);
+    when it has none because GPUs are held without a time limit, say so.
+    MIG and share requests are never planned, so nothing is added."""
     lead = {
         WaitReason.resources: "not enough free GPUs on one node",
         WaitReason.priority: "requests of higher priority or fair share go first",
@@ -56,6 +61,10 @@ def wait_message(
     }[reason]
     text = detail or lead
     why = ""
-    if eta is None and reason in (WaitReason.resources, WaitReason.priority, WaitReason.reserved):
+    if (
+        planned
+        and eta is None
+        and reason in (WaitReason.resources, WaitReason.priority, WaitReason.reserved)
+    ):
         why = " (GPUs are held without a time limit)"
     return f"waiting: {text}; you are {ordinal(position)} in the queue; {when(eta, now)}{why}"

@@ -94,7 +94,7 @@ class _Pass:
         earmarked: tuple[str, ...] = (),
     ) -> None:
         position = len(self.waits) + 1
-        message = wait_message(reason, position, eta, self.now, detail)
+        message = wait_message(reason, position, eta, self.now, detail, request.whole)
         self.waits.append(Wait(request.lease_id, position, reason, message, eta, earmarked))
 
     def grant(self, request: Request, devices: tuple[str, ...]) -> None:

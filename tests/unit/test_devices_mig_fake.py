@@ -114,7 +114,7 @@ def test_seven_1g_10gb_on_h100_then_the_eighth_is_refused():
     assert mig.is_valid_layout(spec, layout_of(created))
     assert sorted(d.gi_id for d in created) == [1, 2, 3, 4, 5, 6, 7]
     assert {d.ci_id for d in created} == {0}
-    assert all(d.uuid == mig.mig_uuid(parent, d.gi_id, d.ci_id) for d in created)
+    assert all(d.uuid == mig.mig_uuid(parent, d.gi_id, d.ci_id, i) for i, d in enumerate(created))
     assert all(d.parent_uuid == parent and d.profile == "1g.10gb" for d in created)
     # no 1-slice placement starts at slot 7 (nvidia-smi mig -lgipp), and 7 is the limit
     assert mig.best_placement(spec, layout_of(created), "1g.10gb") is None
@@ -218,7 +218,9 @@ def test_destroy_then_recreate_reuses_lowest_free_gi_id():
     with pytest.raises(KeyError):
         backend.usage(first.uuid)
     again = backend.create_mig_device(parent, "1g.10gb", Placement(0, 1))
-    assert again == first  # same IDs, same deterministic UUID
+    assert again.gi_id == first.gi_id  # the lowest free GPU-instance ID again
+    assert again.uuid != first.uuid  # but a new UUID, as a real driver gives
+    assert again.uuid == mig.mig_uuid(parent, 1, 0, 2)  # the third creation on the GPU
     bigger = backend.create_mig_device(parent, "2g.20gb", Placement(2, 2))
     assert bigger.gi_id == 3
 
@@ -284,9 +286,19 @@ def test_state_survives_a_new_backend_on_the_same_state_file(tmp_path):
     data = json.loads(state.read_text())
     assert data[MIG_STATE_KEY][first] == {
         "enabled": True,
-        "instances": [{"gi_id": 1, "ci_id": 0, "profile": "3g.40gb", "start": 4, "size": 4}],
+        "created": 1,
+        "instances": [
+            {
+                "gi_id": 1,
+                "ci_id": 0,
+                "profile": "3g.40gb",
+                "start": 4,
+                "size": 4,
+                "uuid": device.uuid,
+            }
+        ],
     }
-    assert data[MIG_STATE_KEY][second] == {"enabled": True, "instances": []}
+    assert data[MIG_STATE_KEY][second] == {"enabled": True, "created": 0, "instances": []}
     assert data[device.uuid]["processes"] == [{"pid": 7, "used_memory_mib": 2048}]
 
     # a restarted broker, whose config no longer lists device 0: the state wins
