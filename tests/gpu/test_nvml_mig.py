@@ -25,9 +25,8 @@ from gpubroker.devices.nvml import NVMLDeviceBackend
 try:
     pynvml.nvmlInit()
 except pynvml.NVMLError as _err:
-    pytest.skip(
-        f"no NVIDIA driver/GPU here: pynvml.nvmlInit() failed ({_err})", allow_module_level=True
-    )
+    _why = f"no NVIDIA driver/GPU here: pynvml.nvmlInit() failed ({_err})"
+    pytest.skip(_why, allow_module_level=True)
 else:
     pynvml.nvmlShutdown()
 
@@ -207,7 +206,5 @@ def test_existing_mig_devices_parse_into_catalog_profiles(backend):
             assert placement in spec.profiles[name].placements, (name, placement)
         assert mig.is_valid_layout(spec, list(instances.values())), instances
     if seen == 0:
-        pytest.skip(
-            "no MIG device exists to check, and this test must not create one: "
-            + "; ".join(reasons or ["no GPU"])
-        )
+        why = "no MIG device exists to check, and this test must not create one: "
+        pytest.skip(why + "; ".join(reasons or ["no GPU"]))

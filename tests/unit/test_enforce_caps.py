@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from jupyter_client.manager import start_new_kernel
 
 from gpubroker.enforce.caps import STARTUP_DIR, framework_env, memory_fraction
 
@@ -349,10 +350,7 @@ def test_a_bad_limit_warns_and_caps_nothing(fakes: Path) -> None:
 
 
 def test_a_real_kernel_gets_the_caps(fakes: Path) -> None:
-    manager = pytest.importorskip("jupyter_client.manager")
-    km, kc = manager.start_new_kernel(
-        kernel_name="python3", startup_timeout=60, env=hook_env(fakes)
-    )
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60, env=hook_env(fakes))
     try:
         reply = kc.execute_interactive(
             "import torch, tensorflow\ntorch.cuda.init()", timeout=60, store_history=False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import uuid
 
+import pynvml
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -256,7 +257,6 @@ def test_full_gpu_profile_takes_every_slice() -> None:
 
 
 def test_nvml_constants_match_pynvml() -> None:
-    pynvml = pytest.importorskip("pynvml")
     for name, value in mig.NVML_GPU_INSTANCE_PROFILES.items():
         assert getattr(pynvml, name) == value, name
     for spec in SPECS.values():
