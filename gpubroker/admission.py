@@ -122,7 +122,7 @@ class AdmissionMixin:
         if gpus is not None:
             if pool is not None:
                 _pool_devices(devices, "exclusive", pool, "gpus")
-            limit: int = self.request_limit()  # type: ignore[attr-defined]
+            limit: int = self.request_limit(devices)  # type: ignore[attr-defined]
             if not 1 <= gpus <= limit:
                 raise BadRequest(
                     f"gpus: must be between 1 and {limit} (the request limit), got {gpus}"

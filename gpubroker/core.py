@@ -202,10 +202,11 @@ class Broker(
         self._notify()
         return counts
 
-    def largest_node(self) -> int:
-        """Number of present, non-drained devices of exclusive pools on the largest node."""
+    def largest_node(self, devices: list[tuple[Device, PoolSpec]] | None = None) -> int:
+        """Number of present, non-drained devices of exclusive pools on the
+        largest node (of ``devices``, from :meth:`pool_devices`, when given)."""
         per_node: dict[str, int] = {}
-        for device, spec in self.pool_devices():
+        for device, spec in self.pool_devices() if devices is None else devices:
             if not device.drained and spec.mode == scheduler.PoolMode.exclusive.value:
                 per_node[device.node] = per_node.get(device.node, 0) + 1
         return max(per_node.values(), default=0)
@@ -214,12 +215,12 @@ class Broker(
         """Every present device (detached row) with its pool."""
         with self._session() as session:
             devices = list(session.scalars(select(Device).where(Device.present)))
-        assigned = self._pool_of(devices)
-        return [(d, assigned[d.uuid]) for d in devices]
+        return [(d, self.pool_spec(d.uuid)) for d in devices]
 
-    def request_limit(self) -> int:
-        """Most GPUs one lease may ask for now (see ``max_gpus_per_request``)."""
-        largest = self.largest_node()
+    def request_limit(self, devices: list[tuple[Device, PoolSpec]] | None = None) -> int:
+        """Most GPUs one lease may ask for now (see ``max_gpus_per_request``);
+        ``devices``: :meth:`pool_devices`, when the caller has them."""
+        largest = self.largest_node(devices)
         if self.max_gpus_per_request:
             return min(largest, self.max_gpus_per_request)
         return largest

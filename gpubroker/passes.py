@@ -73,11 +73,12 @@ def _slot(
     off, or whose mode change an admin asked for, takes no new grants."""
     mode = spec.mode if spec else PoolMode.exclusive.value
     drained = device.drained or device.mig_target is not None
+    mig_static = spec is not None and mode == PoolMode.mig.value and spec.mig_layout == "static"
     static: tuple[Instance, ...] = ()
     foreign: tuple[Instance, ...] = ()
     if mode == PoolMode.mig.value:
         drained = drained or not device.mig_enabled
-        if spec is not None and spec.mig_layout == "static":
+        if mig_static:
             static = tuple(instances)
         else:
             foreign = tuple(i for i in instances if i.uuid not in held)
@@ -93,7 +94,7 @@ def _slot(
         reserve_mib=spec.reserve_mib if spec else 0,
         static=static,
         foreign=foreign,
-        mig_static=spec is not None and spec.mode == "mig" and spec.mig_layout == "static",
+        mig_static=mig_static,
     )
 
 

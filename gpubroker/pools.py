@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from traitlets import Dict, List, TraitError, Unicode, validate
+from traitlets import Dict, List, TraitError, Unicode, observe, validate
 from traitlets.config import LoggingConfigurable
 
 from .devices.models import lookup_model
@@ -192,9 +192,21 @@ class Pools(LoggingConfigurable):
             names.add(spec.name)
         return list(proposal["value"])
 
+    @observe("pools", "default_pool")
+    def _forget_specs(self, change: Any) -> None:
+        self._specs = None
+
+    def _configured(self) -> list[PoolSpec]:
+        """The configured pools, parsed once per configuration."""
+        if getattr(self, "_specs", None) is None:
+            self._specs = [
+                parse_pool(item, f"Pools.pools[{i}]") for i, item in enumerate(self.pools)
+            ]
+        return list(self._specs)
+
     def specs(self) -> list[PoolSpec]:
         """Every pool, the configured ones first, then the default pool."""
-        configured = [parse_pool(item, f"Pools.pools[{i}]") for i, item in enumerate(self.pools)]
+        configured = self._configured()
         if all(spec.name != self.default_pool for spec in configured):
             configured.append(PoolSpec(self.default_pool))
         return configured
@@ -209,9 +221,8 @@ class Pools(LoggingConfigurable):
         Args:
             devices: ``(uuid, node, index, NVML model name)`` of each device.
         """
-        specs = self.specs()
-        default = next(s for s in specs if s.name == self.default_pool)
-        configured = [parse_pool(item, "Pools.pools") for item in self.pools]
+        default = next(s for s in self.specs() if s.name == self.default_pool)
+        configured = self._configured()
         result = {}
         for uuid, node, index, model in devices:
             result[uuid] = next(

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from .devices.base import DeviceBackendError
 from .devices.mig import Placement
+from .devices.models import MODELS
 from .enforce import EnforcementError
 from .enforce.caps import framework_env
 from .errors import BadRequest, NotFound
@@ -153,7 +154,9 @@ class SharingOpsMixin:
         if not shares:
             return env
         share = shares[0]
-        total = self._device_memory(share.device)
+        device = self._session_of(lease).get(Device, share.device)  # type: ignore[attr-defined]
+        assert device is not None
+        total = device.memory_total_mib
         env["GPUBROKER_SHARE_MEMORY_MIB"] = str(share.memory_mib)
         if self.framework_caps:
             env.update(framework_env(share.memory_mib, total))
@@ -162,12 +165,6 @@ class SharingOpsMixin:
             percent = max(1, min(100, math.ceil(100 * share.memory_mib / total)))
             env.update(self.mps.client_env(share.device, share.memory_mib, percent))
         return env
-
-    def _device_memory(self, uuid: str) -> int:
-        for device in self.backend.devices():
-            if device.uuid == uuid:
-                return int(device.memory_total_mib)
-        raise KeyError(uuid)
 
     def _lost_instances(self, lease: Lease) -> list[str]:
         """MIG instances ``lease`` holds that its device no longer has."""
@@ -265,8 +262,6 @@ class SharingOpsMixin:
             device = session.get(Device, uuid)
             if device is None:
                 raise NotFound(f"device {uuid}: no such device")
-            from .devices.models import MODELS
-
             model = MODELS.get(device.name)
             if enabled and model is not None and not model.mig_capable:
                 raise BadRequest(f"mig_mode: {device.name} does not support MIG")
