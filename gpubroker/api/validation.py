@@ -10,6 +10,7 @@ import json
 import re
 from typing import Any
 
+from ..devices.mig import PROFILE_NAME_RE
 from ..errors import BadRequest
 from ..store.models import HolderKind
 
@@ -38,7 +39,6 @@ MAX_SHARE_GIB = 1024.0
 #: smallest share, GiB: below it no framework cap or MPS limit is meaningful
 MIN_SHARE_GIB = 0.25
 
-_PROFILE = re.compile(r"^(MIG )?\d+g\.\d+gb(\+me)?$")
 
 #: longest time limit a lease may ask for, seconds (one year)
 MAX_TIME_LIMIT = 365 * 86400.0
@@ -153,12 +153,13 @@ def slot_request(data: dict[str, Any]) -> dict[str, Any]:
         shape["gpus"] = require_int(data, "gpus", 1)
     elif given == ["mig_profile"]:
         profile = data["mig_profile"]
-        if not isinstance(profile, str) or not _PROFILE.match(profile.strip()):
+        name = profile.strip().removeprefix("MIG ") if isinstance(profile, str) else None
+        if name is None or not PROFILE_NAME_RE.match(name):
             raise BadRequest(
                 f"mig_profile: must be a MIG profile name such as '1g.10gb', got "
                 f"{json.dumps(profile)}"
             )
-        shape["mig_profile"] = profile.strip().removeprefix("MIG ")
+        shape["mig_profile"] = name
     else:
         memory = data["memory_gib"]
         if isinstance(memory, bool) or not isinstance(memory, (int, float)):

@@ -67,6 +67,7 @@ from typing import NamedTuple
 
 __all__ = [
     "NVML_GPU_INSTANCE_PROFILES",
+    "PROFILE_NAME_RE",
     "SPECS",
     "GpuMigSpec",
     "Layout",
@@ -278,7 +279,8 @@ _P3 = "NVML_GPU_INSTANCE_PROFILE_3_SLICE"
 _P4 = "NVML_GPU_INSTANCE_PROFILE_4_SLICE"
 _P7 = "NVML_GPU_INSTANCE_PROFILE_7_SLICE"
 
-_NAME_RE = re.compile(r"^(?P<g>\d+)g\.(?P<gb>\d+)gb(?P<me>\+me)?$")
+#: a GPU-instance profile name as nvidia-smi prints it (without "MIG "), e.g. 1g.10gb+me
+PROFILE_NAME_RE = re.compile(r"^(?P<g>\d+)g\.(?P<gb>\d+)gb(?P<me>\+me)?$")
 
 
 class _Row(NamedTuple):
@@ -304,7 +306,7 @@ def _spec(
 ) -> GpuMigSpec:
     profiles: dict[str, MigProfile] = {}
     for row in rows:
-        match = _NAME_RE.match(row.name)
+        match = PROFILE_NAME_RE.match(row.name)
         if match is None or int(match["g"]) != row.compute:
             raise ValueError(f"{name}: bad profile row {row}")
         placements = tuple(Placement(start, row.memory_slices) for start in row.starts)
