@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PROXY := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test lint format typecheck unit docs bench clean
+.PHONY: help setup postgres demo test lint format typecheck unit docs bench clean
 
 help:
 	@echo "make demo   - set up, then run JupyterHub + broker on simulated GPUs (http://127.0.0.1:8000)"
@@ -24,6 +24,14 @@ $(BIN)/.installed: pyproject.toml
 $(PROXY): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
+
+# PostgreSQL server binaries, for the store tests on a real PostgreSQL
+# (Debian's package; installed only where they are missing)
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || \
+	  { echo "installing PostgreSQL (apt-get install postgresql)"; \
+	    apt-get update -q >/dev/null; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null; }
 
 setup: $(BIN)/.installed $(PROXY)
 
@@ -48,7 +56,7 @@ docs: setup
 	rm -rf docs/_build
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
-test: lint typecheck docs
+test: lint typecheck docs postgres
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: setup

@@ -125,8 +125,40 @@ class GPUBrokerApp(Application):
         "preemption grace periods end on this tick.",
     ).tag(config=True)
 
+    hub_gone_timeout = Float(
+        60,
+        help="Seconds after which a broker whose hub is gone exits (status 3): the "
+        "hub API does not answer, or the hub process that started this managed "
+        "service has died (a restarted hub starts a broker of its own). 0: never.",
+    ).tag(config=True)
+
     groups_ttl = Float(
         60, help="Seconds a user's JupyterHub groups (read from the hub API) are cached."
+    ).tag(config=True)
+
+    max_body_bytes = Integer(
+        64 * 1024,
+        min=1024,
+        help="Largest request body the API accepts, bytes. A request whose "
+        "Content-Length is larger is answered 413 from its headers, before its body "
+        "is read; a chunked body is cut off (400) once it grows past it.",
+    ).tag(config=True)
+
+    max_long_polls_per_user = Integer(
+        8,
+        min=1,
+        help="Most long-polls (GET /api/v1/leases/{id}?wait=S) one caller (user or "
+        "service) may hold open at once. One more answers the caller's oldest open "
+        "poll at once with the lease as it stands (200), so clients keep working.",
+    ).tag(config=True)
+
+    token_cache_max_age = Integer(
+        5,
+        min=1,
+        help="Seconds the broker caches the hub's answer about a caller's token "
+        "(HubAuth.cache_max_age). A revoked token, or one of a deleted user, "
+        "loses access to the broker at most this long after. At least 1: "
+        "HubAuth would cache forever with 0.",
     ).tag(config=True)
 
     @default("log_format")
@@ -209,9 +241,16 @@ class ServeCommand(_Command):
 
     def start(self) -> None:
         from .service import BrokerService
+        from .store.lock import DatabaseLocked
 
         service = BrokerService(app=self.broker_app, log=self.broker_app.log)
-        asyncio.run(service.run())
+        try:
+            asyncio.run(service.run())
+        except DatabaseLocked as err:
+            self.broker_app.log.critical("Not starting: %s", err)
+            self.exit(2)
+        if service.exit_code:
+            self.exit(service.exit_code)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -170,9 +170,30 @@ class Broker(
                     row.present = False
             session.flush()
             self._refresh_pools(session)
+            self._leave_mig_mode(list(session.scalars(select(Device))))
             self._schedule(session, utcnow())
         self._notify()
+        if self.apply_mig_modes():
+            self.schedule_now()
         return [vars(d) for d in reported.values()]
+
+    def _leave_mig_mode(self, devices: Iterable[Device]) -> None:
+        """A device in MIG mode whose pool is not a ``mig`` pool (the pools
+        changed since it was switched on) is never granted whole or shared:
+        it is drained until nothing holds it, then its MIG mode is turned off
+        (as ``PATCH /devices/{uuid} {"mig_mode": false}`` would)."""
+        for device in devices:
+            spec = self.pool_spec(device.uuid)
+            wrong = device.present and device.mig_enabled and spec.mode != "mig"
+            if wrong and device.mig_target is None:
+                self.log.warning(
+                    "Device %s is in MIG mode but its pool %r is %s: no grants on it; "
+                    "MIG mode goes off once nothing holds it",
+                    device.uuid,
+                    spec.name,
+                    spec.mode,
+                )
+                device.mig_target = False
 
     def adopt(self) -> dict[str, int]:
         """Re-adopt the leases of the store after a (re)start.
@@ -243,6 +264,7 @@ class Broker(
         memory_gib: float | None = None,
         count: int | None = None,
         pool: str | None = None,
+        restart_of: int | None = None,
     ) -> dict[str, Any]:
         """Ask for slots for ``user``'s server ``server_name``: ``gpus`` whole
         devices, one MIG instance of ``mig_profile``, or ``count`` shares of
@@ -261,6 +283,13 @@ class Broker(
             dry_run: check everything, change nothing (Kubernetes-style).
             admin: whether the caller is a broker admin (else limited in
                 the classes it may name, see :meth:`class_for_caller`).
+            restart_of: the previous lease of this same server, which died
+                and is started again: the new lease counts the restart
+                (``restarts``: the previous one's + 1) and takes the
+                previous lease's whole devices when they are all free. A
+                previous lease still active (its release was lost) is
+                released first, reason ``server restarted``, in the same
+                transaction.
 
         Returns:
             the lease view (``state`` ``granted`` or ``pending``); with
@@ -273,7 +302,9 @@ class Broker(
                 :meth:`shape`), unknown class, non-positive time limit.
             Forbidden: a user or group limit would be exceeded (held plus
                 pending), or ``group`` is not one of the user's groups.
-            Conflict: the server already has an active lease.
+            Conflict: the server already has an active lease (other than
+                ``restart_of``).
+            BadRequest: ``restart_of`` is not a lease of this user's server.
         """
         if [gpus, mig_profile, memory_gib].count(None) != 2:
             raise BadRequest("gpus/mig_profile/memory_gib: give exactly one of them")
@@ -291,8 +322,14 @@ class Broker(
         self._check_guarantee_room(policy, cls, user, charged, shape.weight)
         now = utcnow()
         with self._session() as session, session.begin():
+            previous = None
+            if restart_of is not None:
+                previous = self._restarted(session, restart_of, user, server_name, holder_kind)
+                if previous.state in ACTIVE_STATES and not dry_run:
+                    self._release(previous, "server restarted", now)
+                    session.flush()
             if holder_kind == HolderKind.server.value:
-                self._check_no_active_lease(session, user, server_name)
+                self._check_no_active_lease(session, user, server_name, restart_of)
             self._check_limits(session, policy, user, charged, shape.weight)
             if dry_run:
                 return {
@@ -320,6 +357,10 @@ class Broker(
                 pool=shape.pool,
                 weight=None if shape.kind == "gpus" else shape.weight,
             )
+            if previous is not None:
+                lease.restart_of = previous.id
+                lease.restarts = (previous.restarts or 0) + 1
+                lease.prefer_devices = _devices_to_prefer(previous, shape.kind, shape.count)
             session.add(lease)
             session.flush()
             self._schedule(session, now)
@@ -336,13 +377,33 @@ class Broker(
         self._notify()
         return view
 
-    def _check_no_active_lease(self, session: Session, user: str, server_name: str) -> None:
+    def _restarted(
+        self, session: Session, lease_id: int, user: str, server_name: str, holder_kind: str
+    ) -> Lease:
+        """The previous lease a restart names; it must be this server's."""
+        previous = session.get(Lease, lease_id)
+        if (
+            previous is None
+            or holder_kind != HolderKind.server.value
+            or previous.holder_kind != HolderKind.server.value
+            or (previous.user, previous.server_name) != (user, server_name)
+        ):
+            raise BadRequest(
+                f"restart_of: lease {lease_id} is not a lease of the server "
+                f"{user}/{server_name or '(default)'}"
+            )
+        return previous
+
+    def _check_no_active_lease(
+        self, session: Session, user: str, server_name: str, replaced: int | None = None
+    ) -> None:
         existing = session.scalar(
             select(Lease.id).where(
                 Lease.user == user,
                 Lease.server_name == server_name,
                 Lease.holder_kind == HolderKind.server.value,
                 Lease.state.in_(ACTIVE_STATES),
+                Lease.id != (replaced or 0),
             )
         )
         if existing is not None:
@@ -457,13 +518,40 @@ class Broker(
         with self._session() as session:
             return [lease_view(lease) for lease in session.scalars(stmt)]
 
-    def device_rows(self) -> list[tuple[Device, int | None]]:
-        """Every known device with the id of the lease holding it (or ``None``)."""
+    def device_rows(self) -> list[tuple[Device, list[dict[str, Any]]]]:
+        """Every known device with every slot of it held now: a whole device
+        has at most one holder, a MIG or shared device one per instance or
+        share.
+
+        Returns:
+            ``(device, holders)`` pairs in node and index order; each holder
+            is ``{"lease_id", "user", "server_name", "kind"`` (``device``,
+            ``mig``, ``share``), ``"profile", "instance_uuid", "memory_gib"}``.
+        """
         with self._session() as session:
-            active = select(Allocation.device_uuid, Allocation.lease_id).where(Allocation.active)
-            holders = {uuid: lease_id for uuid, lease_id in session.execute(active)}
+            active = (
+                select(Allocation, Lease)
+                .join(Lease, Allocation.lease_id == Lease.id)
+                .where(Allocation.active)
+                .order_by(Allocation.id)
+            )
+            holders: dict[str, list[dict[str, Any]]] = {}
+            for allocation, lease in session.execute(active):
+                holders.setdefault(allocation.device_uuid, []).append(
+                    {
+                        "lease_id": lease.id,
+                        "user": lease.user,
+                        "server_name": lease.server_name,
+                        "kind": allocation.kind,
+                        "profile": allocation.profile,
+                        "instance_uuid": allocation.instance_uuid,
+                        "memory_gib": None
+                        if allocation.memory_mib is None
+                        else allocation.memory_mib / 1024,
+                    }
+                )
             devices = session.scalars(select(Device).order_by(Device.node, Device.index))
-            return [(d, holders.get(d.uuid)) for d in devices]
+            return [(d, holders.get(d.uuid, [])) for d in devices]
 
     async def wait_for_change(
         self, lease_id: int, timeout: float, known_version: int | None = None
@@ -606,3 +694,12 @@ class Broker(
                 Lease.holder_kind == HolderKind.server.value,
             )
             return list(session.scalars(stmt))
+
+
+def _devices_to_prefer(previous: Lease, kind: str, count: int) -> list[str] | None:
+    """The whole devices of ``previous`` a restart of the same shape should
+    get back (``None``: fractional, or another shape)."""
+    if kind != "gpus" or previous.kind != "gpus" or previous.gpus != count:
+        return None
+    devices = [a.device_uuid for a in previous.allocations if a.kind == "device"]
+    return devices if len(devices) == count else None

@@ -5,8 +5,11 @@ from three signals:
 
 1. hub activity: the server's ``last_activity`` (hub API);
 2. kernels: the single-user server's ``/api/kernels`` (any ``busy``; each
-   kernel's ``last_activity``), read directly from the server with the
-   broker's token and ``no_track_activity`` so the check is not activity;
+   kernel's ``last_activity``), read directly from the server with
+   ``no_track_activity`` (so the check is not activity) and a token the hub
+   issues for that one read: owned by the server's user, limited to
+   ``access:servers!server=USER/NAME``, revoked right after (the broker's
+   own token never reaches a user's server);
 3. GPU use of the lease's devices (NVML utilization; memory is reported).
 
 A lease is *idle* when no kernel is busy, GPU utilization stayed below
@@ -35,14 +38,13 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-from traitlets import Bool, Float, List, Unicode
+from traitlets import Bool, Float, Integer, List, Unicode
 from traitlets.config import LoggingConfigurable
 
 from .core import Broker, utcnow
@@ -185,16 +187,25 @@ class Culler(LoggingConfigurable):
     ).tag(config=True)
     pre_stop_hook = List(
         Unicode(),
-        help="Command run on the broker's host before a cull, with the broker's "
-        "environment (JUPYTERHUB_API_TOKEN: the broker's token, which may access "
-        "servers) plus GPUBROKER_USER, GPUBROKER_SERVER_NAME, GPUBROKER_LEASE_ID and "
-        "GPUBROKER_SERVER_URL (the server's own URL: its contents API can save work).",
+        help="Command (absolute path) run on the broker's host before a cull. Its "
+        "environment holds exactly GPUBROKER_USER, GPUBROKER_SERVER_NAME, "
+        "GPUBROKER_LEASE_ID, GPUBROKER_SERVER_URL (the server's own URL: its "
+        "contents API can save work) and GPUBROKER_SERVER_TOKEN (a token of the "
+        "server's user that reaches only that server, revoked when the hook "
+        "ends); no PATH, and never the broker's own token.",
     ).tag(config=True)
     pre_stop_timeout = Float(60, help="Seconds the pre-stop hook may run.").tag(config=True)
     dry_run = Bool(False, help="Only report (log and notices) what would be culled.").tag(
         config=True
     )
     request_timeout = Float(10, help="Seconds for reading a server's kernels.").tag(config=True)
+    token_lifetime = Integer(
+        60,
+        min=1,
+        help="Seconds a token the culler asks the hub for (owned by the server's "
+        "user, limited to that one server) lives at most; it is revoked right "
+        "after use, this bounds it if the revocation fails.",
+    ).tag(config=True)
 
     def __init__(
         self,
@@ -281,17 +292,24 @@ class Culler(LoggingConfigurable):
         return usage.utilization_gpu, usage.memory_used_mib
 
     async def _kernels(self, lease: Lease) -> list[dict[str, Any]] | None:
-        """The server's kernels, read directly (not through the proxy)."""
+        """The server's kernels, read directly (not through the proxy) with a
+        token of the server's own user that reaches only this server, asked
+        from the hub for this one read and revoked after it
+        (:meth:`HubClient.server_token`). The broker's own token is never
+        sent to a user's server: its owner could record it."""
         if not lease.server_url:
             return None
         url = lease.server_url.rstrip("/") + "/api/kernels?no_track_activity=1"
-        request = HTTPRequest(
-            url,
-            headers={"Authorization": f"token {self.hub.api_token}"},
-            request_timeout=self.request_timeout,
-        )
         try:
-            response = await AsyncHTTPClient().fetch(request)
+            async with self.hub.server_token(
+                lease.user, lease.server_name, "culler reads kernels", self.token_lifetime
+            ) as token:
+                request = HTTPRequest(
+                    url,
+                    headers={"Authorization": f"token {token}"},
+                    request_timeout=self.request_timeout,
+                )
+                response = await AsyncHTTPClient().fetch(request)
             kernels: list[dict[str, Any]] = json.loads(response.body)
         except Exception as err:
             self.log.warning("Cannot read kernels of %s/%s: %s", lease.user, lease.server_name, err)
@@ -356,18 +374,25 @@ class Culler(LoggingConfigurable):
     async def _pre_stop(self, lease: Lease) -> None:
         if not self.pre_stop_hook:
             return
+        lifetime = int(self.pre_stop_timeout) + 30
+        try:
+            async with self.hub.server_token(
+                lease.user, lease.server_name, "culler pre-stop hook", lifetime
+            ) as token:
+                await self._run_hook(lease, token)
+        except Exception as err:
+            self.log.error("Pre-stop hook for lease %s failed: %s", lease.id, err)
+
+    async def _run_hook(self, lease: Lease, token: str) -> None:
+        # exactly these variables: no PATH, and never the broker's own token
         env = {
-            **os.environ,
             "GPUBROKER_USER": lease.user,
             "GPUBROKER_SERVER_NAME": lease.server_name,
             "GPUBROKER_LEASE_ID": str(lease.id),
             "GPUBROKER_SERVER_URL": lease.server_url or "",
+            "GPUBROKER_SERVER_TOKEN": token,
         }
-        try:
-            proc = await asyncio.create_subprocess_exec(*self.pre_stop_hook, env=env)
-        except OSError as err:
-            self.log.error("Pre-stop hook for lease %s failed: %s", lease.id, err)
-            return
+        proc = await asyncio.create_subprocess_exec(*self.pre_stop_hook, env=env)
         try:
             code = await asyncio.wait_for(proc.wait(), self.pre_stop_timeout)
             self.log.info("Pre-stop hook for lease %s exited %s", lease.id, code)

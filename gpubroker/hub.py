@@ -2,14 +2,21 @@
 
 The broker calls the hub with its own service token (``JUPYTERHUB_API_TOKEN``)
 and needs the scopes ``list:users`` and ``read:servers`` (reconciliation),
-``read:users`` (groups of a user) and ``delete:servers`` (stopping the server
-of an evicted lease).
+``read:users`` (groups of a user), ``delete:servers`` (stopping the server
+of an evicted lease) and ``tokens`` (a short-lived token of a user, limited to
+one of their servers, for the culler's read of that server's kernels).
+
+The broker's own token never leaves the broker: it is sent to the hub API
+only. Whatever reaches a user's server is a token owned by that user with at
+most ``access:servers!server=USER/NAME`` (see :meth:`HubClient.server_token`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -40,13 +47,20 @@ class HubClient(LoggingConfigurable):
     def _default_api_token(self) -> str:
         return os.environ.get("JUPYTERHUB_API_TOKEN", "")
 
-    async def _fetch(self, method: str, path: str, params: dict[str, Any] | None = None) -> Any:
+    async def _fetch(
+        self,
+        method: str,
+        path: str,
+        params: dict[str, Any] | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> Any:
         url = f"{self.api_url.rstrip('/')}{path}"
         if params:
             url += f"?{urlencode(params)}"
         request = HTTPRequest(
             url,
             method=method,
+            body=None if body is None else json.dumps(body),
             headers={"Authorization": f"token {self.api_token}", "Accept": PAGINATION},
             request_timeout=self.request_timeout,
             allow_nonstandard_methods=True,
@@ -57,6 +71,16 @@ class HubClient(LoggingConfigurable):
     async def _get(self, path: str, params: dict[str, Any]) -> dict[str, Any]:
         data: dict[str, Any] = await self._fetch("GET", path, params)
         return data
+
+    async def ping(self) -> None:
+        """Check that the hub API answers (``GET /``, no token needed).
+
+        Raises:
+            tornado.httpclient.HTTPClientError: the hub answered with an error.
+            OSError: the hub cannot be reached.
+        """
+        request = HTTPRequest(self.api_url.rstrip("/") + "/", request_timeout=self.request_timeout)
+        await AsyncHTTPClient().fetch(request)
 
     async def user_groups(self, user: str) -> list[str]:
         """The JupyterHub groups of ``user`` (``GET /users/{name}``).
@@ -76,6 +100,55 @@ class HubClient(LoggingConfigurable):
             else (f"/users/{user_path}/server")
         )
         await self._fetch("DELETE", path)
+
+    @contextlib.asynccontextmanager
+    async def server_token(
+        self, user: str, server_name: str, purpose: str, expires_in: int = 60
+    ) -> AsyncIterator[str]:
+        """A token owned by ``user`` that can only reach their server
+        ``server_name``, revoked when the block ends.
+
+        The hub creates it (``POST /users/{user}/tokens`` with the single scope
+        ``access:servers!server=USER/NAME``; the broker's role needs
+        ``tokens``) and it expires after ``expires_in`` seconds even if the
+        revocation fails. A user who records what reaches her server gets
+        nothing she could not already do: this is the trust rule of
+        DESIGN.md (principle 6), and why the broker's own token is never sent.
+
+        Args:
+            user: the server's owner.
+            server_name: the server's name (``""``: the default server).
+            purpose: a few words for the token's note in the hub (audit).
+            expires_in: seconds the token lives at most.
+
+        Yields:
+            the token.
+
+        Raises:
+            tornado.httpclient.HTTPClientError: the hub refused (e.g. 403
+                without the ``tokens`` scope, 404 for an unknown user).
+            OSError: the hub cannot be reached.
+        """
+        user_path = quote(user, safe="")
+        body = {
+            "scopes": [f"access:servers!server={user}/{server_name}"],
+            "expires_in": max(1, int(expires_in)),
+            "note": f"gpubroker: {purpose}",
+        }
+        model = await self._fetch("POST", f"/users/{user_path}/tokens", body=body)
+        try:
+            yield str(model["token"])
+        finally:
+            try:
+                await self._fetch("DELETE", f"/users/{user_path}/tokens/{quote(model['id'])}")
+            except Exception as err:
+                self.log.warning(
+                    "Could not revoke token %s of %s (it expires in %s s): %s",
+                    model["id"],
+                    user,
+                    body["expires_in"],
+                    err,
+                )
 
     async def active_server_models(
         self, page_size: int = 200

@@ -63,6 +63,7 @@ def _request(lease: Lease) -> scheduler.Request:
         memory_mib=lease.memory_mib or 0,
         pool=lease.pool,
         weight=lease.weight,
+        prefer=tuple(lease.prefer_devices or ()),
     )
 
 
@@ -70,9 +71,13 @@ def _slot(
     device: Device, spec: PoolSpec | None, instances: Sequence[Instance], held: set[str]
 ) -> scheduler.Slot:
     """A device as the scheduler sees it. A ``mig`` device whose MIG mode is
-    off, or whose mode change an admin asked for, takes no new grants."""
+    off, a device of another pool whose MIG mode is on (never granted whole
+    or shared, whatever the pools say), or one whose mode change an admin
+    asked for, takes no new grants."""
     mode = spec.mode if spec else PoolMode.exclusive.value
     drained = device.drained or device.mig_target is not None
+    if mode != PoolMode.mig.value and device.mig_enabled:
+        drained = True
     mig_static = spec is not None and mode == PoolMode.mig.value and spec.mig_layout == "static"
     static: tuple[Instance, ...] = ()
     foreign: tuple[Instance, ...] = ()

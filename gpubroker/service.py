@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import os
 import signal
 import time
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from .devices import load_backend
 from .hub import HubClient
 from .share_guard import ShareGuard
 from .store.db import make_engine, make_session_factory, upgrade
+from .store.lock import WriterLock, describe_self
 
 if TYPE_CHECKING:
     from .app import GPUBrokerApp
@@ -40,18 +42,28 @@ class BrokerService:
         self.app = app
         self.log = log
         self._stop = asyncio.Event()
+        #: the process's exit status: 0, or 3 (hub gone), 4 (database lock lost)
+        self.exit_code = 0
 
     def _build(self) -> None:
         app = self.app
+        self.engine = make_engine(app.db_url)
+        # one writer per database: before any migration, adoption or pass
+        self.lock = WriterLock(self.engine, describe_self(self._url()))
+        self.lock.acquire()
         if app.upgrade_db:
             upgrade(app.db_url)
-        self.engine = make_engine(app.db_url)
         self.backend = load_backend(app.device_backend, parent=app, log=self.log)
         self.broker = Broker(
             parent=app, session_factory=make_session_factory(self.engine), backend=self.backend
         )
         self.hub = HubClient(parent=app)
-        self.hub_auth = HubAuth(parent=app, api_token=self.hub.api_token, api_url=self.hub.api_url)
+        self.hub_auth = HubAuth(
+            parent=app,
+            api_token=self.hub.api_token,
+            api_url=self.hub.api_url,
+            cache_max_age=app.token_cache_max_age,
+        )
         self.broker.on_evict = self._evicted
         self.culler = Culler(self.broker, self.hub, parent=app)
         self.share_guard = ShareGuard(self.broker, parent=app)
@@ -99,8 +111,18 @@ class BrokerService:
         self._groups[user] = (now, groups)
         return groups
 
+    def _url(self) -> str:
+        return f"http://{self.app.ip}:{self.app.port}{self.app.base_url}"
+
     async def run(self) -> None:
-        """Start everything, serve until SIGTERM/SIGINT, then shut down cleanly."""
+        """Start everything, serve until SIGTERM/SIGINT (or until the hub is
+        gone for ``GPUBrokerApp.hub_gone_timeout``), then shut down cleanly.
+
+        Raises:
+            DatabaseLocked: another broker is the active one of this database;
+                nothing was changed.
+        """
+        self._parent = os.getppid()
         self._build()
         loop = asyncio.get_running_loop()
         # a service started with `&` inherits "ignore SIGINT": set our own handlers
@@ -114,8 +136,10 @@ class BrokerService:
             log=self.log,
             hub_auth=self.hub_auth,
             groups_of=self.groups_of,
+            max_body_bytes=self.app.max_body_bytes,
+            max_long_polls=self.app.max_long_polls_per_user,
         )
-        server = HTTPServer(web_app, xheaders=True)
+        server = HTTPServer(web_app, xheaders=True, max_body_size=self.app.max_body_bytes)
         server.listen(self.app.port, self.app.ip)
         self.log.info(
             "gpubroker %s listening on http://%s:%s%s (backend %s%s)",
@@ -126,7 +150,10 @@ class BrokerService:
             self.backend.kind,
             ", SIMULATED GPUs" if self.backend.simulated else "",
         )
-        tasks = [asyncio.create_task(self._schedule_loop())]
+        tasks = [
+            asyncio.create_task(self._schedule_loop()),
+            asyncio.create_task(self._watch_loop()),
+        ]
         if self.app.reconcile_interval > 0:
             tasks.append(asyncio.create_task(self._reconcile_loop()))
         if self.culler.enabled:
@@ -141,6 +168,7 @@ class BrokerService:
         if self.broker.mps.enabled:
             self.broker.mps.stop_all()
         self.backend.close()
+        self.lock.release()
         self.engine.dispose()
 
     async def _schedule_loop(self) -> None:
@@ -159,13 +187,61 @@ class BrokerService:
         return self.broker.reconcile(servers, as_of)
 
     async def _reconcile_loop(self) -> None:
-        # soon after a start (leases of servers stopped while the broker was
-        # down, e.g. at hub shutdown), then every reconcile_interval
-        delay = min(5.0, self.app.reconcile_interval)
+        # at once after a start (leases of servers stopped while the broker was
+        # down, e.g. at hub shutdown, which stops the broker before the
+        # servers), retried every second until the hub answers, then every
+        # reconcile_interval
+        started = False
         while True:
-            await asyncio.sleep(delay)
-            delay = self.app.reconcile_interval
             try:
                 await self.reconcile_once()
+                started = True
             except Exception as err:
                 self.log.warning("Reconciliation with the hub failed: %s", err)
+            await asyncio.sleep(self.app.reconcile_interval if started else 1.0)
+
+    async def _watch_loop(self) -> None:
+        """Exit when the hub is gone or the database lock is lost.
+
+        The hub is gone when, for ``hub_gone_timeout`` seconds, its API does
+        not answer, or (a hub-managed service) the hub process that started
+        this broker has died: a hub restarted after SIGKILL starts its own
+        broker, which must not meet this one on the database. A lost lock
+        (PostgreSQL session gone) stops the broker at once.
+        """
+        timeout = self.app.hub_gone_timeout
+        every = min(5.0, timeout / 4) if timeout > 0 else 5.0
+        gone_since: float | None = None
+        while True:
+            await asyncio.sleep(every)
+            if not self.lock.check():
+                self.log.critical("Lost the database lock; stopping (another broker may hold it)")
+                self.exit_code = 4
+                self._stop.set()
+                return
+            if timeout <= 0:
+                continue
+            why = await self._hub_gone()
+            if why is None:
+                gone_since = None
+                continue
+            now = time.monotonic()
+            if gone_since is None:
+                self.log.warning("The hub seems gone (%s); exiting in %.0f s", why, timeout)
+                gone_since = now
+            elif now - gone_since >= timeout:
+                self.log.critical("The hub is gone for %.0f s (%s); exiting", timeout, why)
+                self.exit_code = 3
+                self._stop.set()
+                return
+
+    async def _hub_gone(self) -> str | None:
+        """Why the hub looks gone, or ``None`` while it is there."""
+        managed = bool(os.environ.get("JUPYTERHUB_SERVICE_NAME")) and self._parent > 1
+        if managed and os.getppid() != self._parent:
+            return f"the hub process {self._parent} that started this broker exited"
+        try:
+            await self.hub.ping()
+        except Exception as err:
+            return f"hub API unreachable: {err}"
+        return None

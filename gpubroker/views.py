@@ -61,8 +61,10 @@ GUARANTEES = {
     ),
     "share": (
         "time-sliced share: memory cap of {memory} enforced by the broker "
-        "(framework caps, watchdog; hard only where MPS runs); compute shared "
-        "with the device's other users, no guaranteed part"
+        "(framework caps, watchdog; hard only where MPS runs, and there per CUDA "
+        "process: two processes of the server can each use the cap, while the "
+        "watchdog enforces the total per server); compute shared with the "
+        "device's other users, no guaranteed part"
     ),
 }
 
@@ -152,6 +154,8 @@ def lease_view(lease: Lease) -> dict[str, Any]:
         "released_at": isoformat(lease.released_at),
         "ends_at": isoformat(lease.ends_at),
         "release_reason": lease.release_reason,
+        "restarts": lease.restarts or 0,
+        "restart_of": lease.restart_of,
         "reclaimable": lease.reclaimable,
         "preemption": preemption,
         "devices": [device_view(a.device) for a in lease.allocations if a.active or not granted],

@@ -16,6 +16,8 @@ config on free ports):
 - ``GPUBROKER_DEMO_RECONCILE_INTERVAL``: seconds between broker/hub
   reconciliations (default 30); ``GPUBROKER_DEMO_POLL_INTERVAL``: the hub's
   server poll interval (default 30).
+- ``GPUBROKER_DEMO_HUB_GONE_TIMEOUT``: seconds after which the broker exits
+  when its hub is gone (default: the broker's, 60).
 - ``GPUBROKER_DEMO_API_TOKEN``: if set, a service ``demo-admin`` with this
   token and admin scopes (hub and broker) is registered, for scripted use.
 - ``GPUBROKER_DEMO_EXTRA_CONFIG``: a hub config file loaded after this one.
@@ -92,6 +94,11 @@ if sharing:
         ' {"name": "shared", "mode": "timeslice", "devices": ["*:6-7"], "reserve_gib": 2}]',
         "--FakeDeviceBackend.mig_enabled=[4, 5]",
     ]
+extra_broker_args = []
+if os.environ.get("GPUBROKER_DEMO_HUB_GONE_TIMEOUT"):
+    extra_broker_args.append(
+        f"--GPUBrokerApp.hub_gone_timeout={os.environ['GPUBROKER_DEMO_HUB_GONE_TIMEOUT']}"
+    )
 c.JupyterHub.services = [
     {
         "name": "gpubroker",
@@ -112,6 +119,7 @@ c.JupyterHub.services = [
             f"{os.environ.get('GPUBROKER_DEMO_RECONCILE_INTERVAL', '30')}",
             f"--config={broker_config}",
             *sharing_args,
+            *extra_broker_args,
         ],
         "cwd": str(state),
     }
@@ -127,7 +135,9 @@ c.JupyterHub.load_roles = [
             "read:servers",
             "delete:servers",
             "read:groups",
-            "access:servers",  # the culler reads kernels of servers holding GPUs
+            # the culler reads kernels of servers holding GPUs with a token the hub
+            # issues per read: owned by that user, limited to that one server
+            "tokens",
             "access:services!service=gpubroker",
             ADMIN_SCOPE,
         ],

@@ -63,7 +63,9 @@ c.JupyterHub.load_roles = [
             "read:servers",
             "delete:servers",
             "read:groups",
-            "access:servers",  # the culler reads kernels of servers holding GPUs
+            # the culler reads kernels of servers holding GPUs with a token the hub
+            # issues per read: owned by that user, limited to that one server
+            "tokens",
             "access:services!service=gpubroker",
             ADMIN_SCOPE,
         ],

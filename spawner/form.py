@@ -41,52 +41,115 @@ def options_from_form(formdata: dict[str, list[str]]) -> dict[str, Any]:
     return options
 
 
-def check_gpu_options(user_options: dict[str, Any] | None, limit: int, default: int = 0) -> int:
+def check_gpu_options(
+    user_options: dict[str, Any] | None, limit: int | None, default: int = 0
+) -> int:
     """Validate ``user_options`` and return the number of GPUs asked for.
 
     Args:
-        user_options: ``{"gpus": N}`` or ``{}``/``None`` (meaning ``default``).
-        limit: the most GPUs this server may have (from the broker and config).
-        default: GPUs when ``gpus`` is absent.
+        user_options: ``{"gpus": N}`` or ``{}``/``None``; ``{"gpus": None}``
+            (JSON ``null``) means not given, like ``{}``: ``default``.
+        limit: the most GPUs this server may have (from the broker and
+            config); ``None`` when the broker cannot be asked now: only the
+            local checks run (an integer, not negative) and the caller checks
+            the limit later.
+        default: GPUs when ``gpus`` is absent or ``None``.
 
     Returns:
-        an int in ``0..limit``.
+        an int in ``0..limit`` (``>= 0`` when ``limit`` is ``None``).
 
     Raises:
         OptionsError: unknown key, non-integer ``gpus``, or out of range.
     """
     options = dict(user_options or {})
-    unknown = sorted(set(options) - set(OPTION_KEYS))
+    unknown = sorted(set(options) - set(OPTION_KEYS), key=str)
     if unknown:
         raise OptionsError(f"{unknown[0]}: unknown option (allowed: {', '.join(OPTION_KEYS)})")
-    gpus = options.get("gpus", default)
+    gpus = requested_gpus(options, default)
+    between = f"between 0 and {limit}" if limit is not None else "0 or more"
     if isinstance(gpus, bool) or not isinstance(gpus, int):
-        raise OptionsError(
-            f"gpus: must be an integer between 0 and {limit}, got {json.dumps(gpus)}"
-        )
-    if not 0 <= gpus <= limit:
-        raise OptionsError(
-            f"gpus: must be between 0 and {limit} (the most this server may have), got {gpus}"
-        )
+        raise OptionsError(f"gpus: must be an integer {between}, got {json.dumps(gpus)}")
+    if gpus < 0 or (limit is not None and gpus > limit):
+        most = " (the most this server may have)" if limit is not None else ""
+        raise OptionsError(f"gpus: must be {between}{most}, got {gpus}")
     return gpus
 
 
-def render_form(limit: int, devices: dict[str, Any], default: int = 0) -> str:
-    """HTML of the spawn form: a choice of 0..``limit`` GPUs with availability.
+def requested_gpus(user_options: dict[str, Any] | None, default: int = 0) -> Any:
+    """The ``gpus`` value of ``user_options`` as given (unchecked), or
+    ``default`` when absent or ``None`` (JSON ``null``: not given)."""
+    gpus = (user_options or {}).get("gpus")
+    return default if gpus is None else gpus
+
+
+def count_choices(
+    limit: int, default: int = 0, quota: dict[str, Any] | None = None, selected: Any = None
+) -> tuple[list[int], int]:
+    """Which GPU counts of ``0..limit`` the user's quota forbids, and which
+    count the form preselects.
+
+    Args:
+        limit: the most GPUs this server may have.
+        default: the configured ``default_gpus``.
+        quota: the ``quota`` part of the broker's ``GET /pools?user=NAME``
+            answer (GPU units; ``remaining`` ``None``: no limit), or ``None``
+            when unknown (nothing is disabled).
+        selected: the user's last choice (``user_options["gpus"]``, e.g. kept
+            after the hub refused it with 403), preselected instead of
+            ``default`` when it is an allowed count.
+
+    Returns:
+        ``(disabled, preselected)``: the counts over the remaining quota
+        (never 0), and the preselected count: ``selected`` if allowed, else
+        the largest allowed count below it, else ``default`` if allowed,
+        else 0.
+    """
+    remaining = (quota or {}).get("remaining")
+    disabled = [
+        n for n in range(1, limit + 1) if remaining is not None and n > float(remaining) + 1e-9
+    ]
+    allowed = [n for n in range(limit + 1) if n not in disabled]
+    if isinstance(selected, int) and not isinstance(selected, bool) and selected >= 0:
+        below = [n for n in allowed if n <= selected]
+        return disabled, below[-1]
+    return disabled, default if default in allowed else 0
+
+
+def render_form(
+    limit: int,
+    devices: dict[str, Any],
+    default: int = 0,
+    quota: dict[str, Any] | None = None,
+    selected: Any = None,
+) -> str:
+    """HTML of the spawn form: a choice of 0..``limit`` GPUs with
+    availability and, when the broker says, the user's quota room.
 
     Args:
         limit: the most GPUs this server may have.
         devices: the broker's ``GET /devices`` answer.
-        default: the preselected count.
+        default: the preselected count (``default_gpus``).
+        quota: the ``quota`` part of ``GET /pools?user=NAME`` (GPU units), or
+            ``None`` when the broker did not say: counts over ``remaining``
+            are shown ``disabled`` with "(over your quota)", and a line says
+            how many more GPUs the user may hold.
+        selected: the user's last choice, preselected if allowed (see
+            :func:`count_choices`).
     """
     summary = devices.get("summary", {})
     backend = devices.get("backend", {})
     free, total = summary.get("free", 0), summary.get("total", 0)
+    disabled, preselected = count_choices(limit, default, quota, selected)
     choices = []
     for n in range(limit + 1):
-        label = "No GPU" if n == 0 else f"{n} x GPU" + (" (will queue)" if n > free else "")
-        selected = " selected" if n == default else ""
-        choices.append(f'<option value="{n}"{selected}>{html.escape(label)}</option>')
+        label = "No GPU" if n == 0 else f"{n} x GPU"
+        if n in disabled:
+            label += " (over your quota)"
+        elif n > free:
+            label += " (will queue)"
+        attrs = " selected" if n == preselected else ""
+        attrs += " disabled" if n in disabled else ""
+        choices.append(f'<option value="{n}"{attrs}>{html.escape(label)}</option>')
     note = ""
     if backend.get("simulated"):
         note = '<p class="text-warning">Simulated GPUs: these are not real NVIDIA GPUs.</p>'
@@ -94,9 +157,14 @@ def render_form(limit: int, devices: dict[str, Any], default: int = 0) -> str:
     names = sorted({d["name"] for d in devices.get("devices", []) if d.get("present", True)})
     if names:
         model = f" ({html.escape(', '.join(names))})"
+    quota_line = ""
+    if quota:
+        quota_line = (
+            f'\n  <p class="help-block gpubroker-quota">{html.escape(_quota_line(quota))}</p>'
+        )
     return f"""
 <div class="form-group">
-  <label for="gpubroker-gpus">GPUs</label>
+  <label for="gpubroker-gpus">GPUs</label>{quota_line}
   <select id="gpubroker-gpus" name="gpus" class="form-select form-control">
     {"".join(choices)}
   </select>
@@ -291,26 +359,34 @@ def profile_choices(
 
 
 def render_profiles(
-    profiles: list[dict[str, Any]], pools: dict[str, Any], devices: dict[str, Any] | None = None
+    profiles: list[dict[str, Any]],
+    pools: dict[str, Any],
+    devices: dict[str, Any] | None = None,
+    selected: Any = None,
 ) -> str:
     """HTML of the spawn form with profiles: one radio choice per profile.
 
     Each choice shows the profile's name, description, guarantee, what is
     free now and its weight against the quota; a profile heavier than the
     user's remaining quota (or in a pool the broker lacks) is ``disabled``
-    with the reason. The ``default`` profile is preselected, or the first
-    that is not disabled. Every text is escaped.
+    with the reason. The user's last choice (``selected``) is preselected
+    when it is still offered and not disabled, else the ``default``
+    profile, else the first that is not disabled. Every text is escaped.
 
     Args:
         profiles: the checked ``gpu_profiles``.
         pools: the broker's ``GET /pools?user=NAME`` answer.
         devices: the broker's ``GET /devices`` answer (device memory, and
             whether the GPUs are simulated).
+        selected: the slug the user chose last (``user_options["profile"]``,
+            e.g. kept after the hub refused it with 403), or ``None``.
     """
     choices = profile_choices(profiles, pools, devices)
     enabled = [c["profile"]["slug"] for c in choices if not c["disabled"]]
     default = _profiles.default_profile(profiles)["slug"] if profiles else None
     checked = default if default in enabled else (enabled[0] if enabled else None)
+    if selected in enabled:
+        checked = selected
     items = []
     for choice in choices:
         profile = choice["profile"]

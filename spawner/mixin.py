@@ -8,6 +8,14 @@ reason through ``progress()``), sets the device variables from the grant and
 starts the server; ``stop()`` releases the lease. The lease id is kept in the
 spawner's state so a hub restart keeps the lease. Every way out of a start
 that fails (error, time-out, cancel) releases the lease.
+
+While the broker restarts (unreachable, or answering 5xx), nothing blames the
+user: the option checks that need the broker wait for ``start()``, which
+retries for up to ``broker_wait_timeout`` (saying so in the spawn progress),
+and a release is retried in the background for up to
+``release_retry_timeout``. A server found dead by ``poll()`` releases its
+lease at once and the next start asks for the same devices back
+(``restart_of``).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import html
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -44,6 +53,19 @@ def spawn_error(message: str, reason: str) -> web.HTTPError:
 
 #: what a server without a GPU gets: no device visible to CUDA or the container runtime
 NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"}
+
+#: the spawn progress message while the broker does not answer
+BROKER_RETRY_MESSAGE = "GPU broker restarting, retrying\u2026"
+#: seconds before the first retry of a broker call; doubled up to broker_retry_interval
+FIRST_RETRY_DELAY = 0.25
+#: background release retries, held here so the event loop keeps them alive
+_BACKGROUND_RELEASES: set[asyncio.Future[None]] = set()
+
+
+def broker_unavailable(err: BrokerClientError) -> bool:
+    """Whether ``err`` says the broker is down or restarting (unreachable:
+    599, or any 5xx answer) rather than refusing the request."""
+    return err.status >= 500
 
 
 async def _apply_gpu_options(spawner: GPUSpawnerMixin, user_options: dict[str, Any]) -> None:
@@ -107,6 +129,36 @@ class GPUSpawnerMixin(LoggingConfigurable):
         reservations and backfill (None: no limit).""",
     ).tag(config=True)
 
+    broker_wait_timeout = Float(
+        60,
+        help="""Seconds ``start()`` waits for a broker that does not answer
+        (unreachable, or a 5xx answer, e.g. while the hub restarts the broker
+        service), retrying with backoff and telling the user "GPU broker
+        restarting, retrying..." in the spawn progress. Past it the spawn
+        fails, saying the broker is unavailable. While the broker is down the
+        spawn options are checked locally only (types, not negative); the
+        checks that need the broker (GPU limit, quota dry run) run in
+        ``start()`` once it answers. Counted per outage, inside
+        ``Spawner.start_timeout``.""",
+    ).tag(config=True)
+
+    release_retry_timeout = Float(
+        300,
+        help="""Seconds a lease release (stop, cancelled or failed spawn, dead
+        server) that found the broker unavailable is retried in the
+        background, with backoff, before the spawner gives up and leaves the
+        lease to the broker's reconciliation with the hub.""",
+    ).tag(config=True)
+
+    broker_retry_interval = Float(
+        1,
+        help="""Longest pause, in seconds, between two tries of a broker call
+        while the broker is unavailable; the pauses start at 0.25 s and
+        double up to this. Keep it below the broker's reconcile interval, so
+        a retried release reaches the broker before its reconciliation ends
+        the lease for a reason of its own.""",
+    ).tag(config=True)
+
     gpu_profiles = List(
         Dict(),
         help="""Profiles offered on the spawn form instead of the GPU count menu,
@@ -133,9 +185,15 @@ class GPUSpawnerMixin(LoggingConfigurable):
 
         The list is checked when it is set; a mistake raises an error naming
         the item and the field. With profiles, ``user_options`` posted to the
-        hub API must be ``{"profile": SLUG}`` (or ``{}`` for the default);
+        hub API must be ``{"profile": SLUG}`` (or ``{}``: see below);
         ``gpus``, ``max_gpus`` and ``default_gpus`` are not used. Empty (the
-        default): the spawn form offers 0 to ``max_gpus`` whole GPUs.""",
+        default): the spawn form offers 0 to ``max_gpus`` whole GPUs.
+
+        A spawn that names no options (an empty API body, or ``{}``) gets the
+        hub's saved options of the last spawn that named some (JupyterHub's
+        own rule); saved options this spawner no longer accepts (e.g. a
+        profile since removed) fall back to the default, with a notice in
+        the spawn progress and the log.""",
     ).tag(config=True)
 
     gpu_lease_id: int | None = None
@@ -145,11 +203,22 @@ class GPUSpawnerMixin(LoggingConfigurable):
     gpu_profile: str | None = None
     #: why the broker ended this server's last lease (preemption, reconcile), shown once
     gpu_last_end: str | None = None
+    #: lease of this server's previous run when that run died (found by poll());
+    #: the next start asks for its devices back (``restart_of``); a stop clears it
+    gpu_restart_of: int | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: the values the applied profile's spawner_override replaced
         self._gpu_saved_settings: dict[str, Any] = {}
+        #: the option checks that need the broker were put off to start()
+        self._gpu_checks_deferred = False
+        #: stop() runs (its poll() of a dead server is no restart)
+        self._gpu_stopping = False
+        #: when the current broker outage stops being waited for (monotonic s), or None
+        self._broker_wait_until: float | None = None
+        #: releases retried in the background: lease id -> (task, reason)
+        self._pending_releases: dict[int, tuple[asyncio.Future[None], str]] = {}
         self._reset_progress()
 
     @validate("gpu_profiles")
@@ -208,6 +277,13 @@ class GPUSpawnerMixin(LoggingConfigurable):
         return min(limit, self.max_gpus) if self.max_gpus else limit
 
     async def _gpu_options_form(self) -> str:
+        """The spawn form: profiles or GPU counts, with the user's quota room.
+
+        The user's last choice (``self.user_options``: the hub's saved
+        options, also after the hub refused them, e.g. 403 over quota) is
+        preselected where it is still allowed.
+        """
+        last = self.user_options or {}
         try:
             if self.gpu_profiles:
                 pools = await self.broker.pools(self.user.name)
@@ -218,11 +294,16 @@ class GPUSpawnerMixin(LoggingConfigurable):
                 '<p class="text-danger">The GPU broker is unavailable; GPUs cannot be chosen.</p>'
             )
         if self.gpu_profiles:
-            page = form.render_profiles(self.gpu_profiles, pools, devices)
+            page = form.render_profiles(self.gpu_profiles, pools, devices, last.get("profile"))
         else:
+            try:
+                quota = (await self.broker.pools(self.user.name)).get("quota")
+            except BrokerClientError as err:
+                self.log.warning("No GPU quota for the spawn form of %s: %s", self._log_name, err)
+                quota = None
             limit = int(devices["summary"]["request_limit"])
             limit = min(limit, self.max_gpus) if self.max_gpus else limit
-            page = form.render_form(limit, devices, self.default_gpus)
+            page = form.render_form(limit, devices, self.default_gpus, quota, last.get("gpus"))
         if self.gpu_last_end:
             note = html.escape(f"Your previous server lost its GPUs: {self.gpu_last_end}")
             page = f'<p class="alert alert-warning">{note}</p>' + page
@@ -239,11 +320,21 @@ class GPUSpawnerMixin(LoggingConfigurable):
         """Validate ``user_options`` and return the GPU part of the lease request.
 
         Without profiles, ``{"gpus": N}`` becomes ``{"gpus": N}`` (``{}`` for
-        none). With ``gpu_profiles``, ``{"profile": SLUG}`` (or ``{}``: the
-        default profile) becomes that profile's ``request``, and the profile's
+        none); ``gpus`` absent or ``None`` means ``default_gpus``. With
+        ``gpu_profiles``, ``{"profile": SLUG}`` (or ``{}``: the default
+        profile) becomes that profile's ``request``, and the profile's
         ``spawner_override`` is applied to this spawner (undoing the overrides
         of a profile applied before). A request for a GPU is then tried on the
         broker as a dry run, so a refusal (e.g. quota) is the hub's answer.
+
+        Options the hub reused from its database (the spawn named none, see
+        :meth:`_options_are_saved`) that fail the checks here fall back to
+        the defaults, with a notice in the progress and the log, and the
+        saved options are replaced by ``{}``.
+
+        When the broker is unavailable (unreachable or 5xx), only the local
+        checks run (types, not negative); the GPU limit and the dry run are
+        put off to :meth:`start`, which waits for the broker.
 
         Returns:
             ``{}`` (no GPU), ``{"gpus": N}``, ``{"mig_profile": P}`` or
@@ -251,29 +342,123 @@ class GPUSpawnerMixin(LoggingConfigurable):
 
         Raises:
             tornado.web.HTTPError: 400 naming the field (and the limit or the
-                choices); the broker's 400/403 for the dry run.
+                choices); the broker's 400/403 for the dry run; 502 when the
+                broker refuses the spawner's own call for the GPU limit.
         """
-        if self.gpu_profiles:
-            try:
-                profile = form.select_profile(self.gpu_profiles, user_options)
-            except form.OptionsError as err:
+        options = dict(user_options or {})
+        self._gpu_checks_deferred = False
+        try:
+            request = await self._checked_request(options)
+        except form.OptionsError as err:
+            if not options or not self._options_are_saved():
                 raise web.HTTPError(400, str(err)) from None
-            await self.apply_gpu_profile(profile)
-            request = dict(profile["request"])
-        else:
-            limit = await self.gpu_limit() if (user_options or {}).get("gpus") else 0
             try:
-                gpus = form.check_gpu_options(user_options, limit, self.default_gpus)
-            except form.OptionsError as err:
-                raise web.HTTPError(400, str(err)) from None
-            request = {"gpus": gpus} if gpus else {}
-        if request:
+                request = await self._checked_request({})
+            except form.OptionsError as again:
+                raise web.HTTPError(400, str(again)) from None
+            self._saved_options_refused(options, err)
+        if request and not self._gpu_checks_deferred:
             try:
                 await self._admission(request)
+            except BrokerClientError as err:
+                self._defer_broker_checks(err)
             except web.HTTPError:
                 self._undo_gpu_profile()
                 raise
         return request
+
+    async def _checked_request(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The request ``options`` stand for, checked without the dry run.
+
+        Raises:
+            form.OptionsError: the options are malformed or out of range.
+            tornado.web.HTTPError: a profile's override was refused (400); the
+                broker refused the GPU-limit call (502).
+        """
+        if self.gpu_profiles:
+            profile = form.select_profile(self.gpu_profiles, options)
+            await self.apply_gpu_profile(profile)
+            return dict(profile["request"])
+        limit: int | None = 0
+        if form.requested_gpus(options, self.default_gpus):
+            try:
+                limit = await self.gpu_limit()
+            except BrokerClientError as err:
+                if not broker_unavailable(err):
+                    raise web.HTTPError(
+                        502, f"The GPU broker refused the spawner's call: {err}"
+                    ) from None
+                self._defer_broker_checks(err)
+                limit = None
+        gpus = form.check_gpu_options(options, limit, self.default_gpus)
+        return {"gpus": gpus} if gpus else {}
+
+    def _defer_broker_checks(self, err: BrokerClientError) -> None:
+        if not self._gpu_checks_deferred:
+            self.log.warning(
+                "%s: GPU broker unavailable while checking the spawn options (%s); "
+                "checked locally, the broker's checks wait for the start",
+                self._log_name,
+                err,
+            )
+        self._gpu_checks_deferred = True
+
+    def _options_are_saved(self) -> bool:
+        """Whether this spawn's ``user_options`` are the hub's saved ones.
+
+        JupyterHub 5/6 reuses the options of the last spawn that named some
+        when a spawn names none: ``User.spawn`` (jupyterhub/user.py) takes
+        ``spawner.orm_spawner.user_options`` when it is called with
+        ``options=None``, and saves the options otherwise (before they are
+        checked, so refused ones are saved too). ``options=None`` comes from
+        the REST API (``UserServerAPIHandler.get_server_json_body`` in
+        jupyterhub/apihandlers/users.py) for an empty body, ``{}``, or
+        ``{"user_options": null}``, and from ``GET /hub/spawn`` of a spawner
+        without a form. The request that started this spawn
+        (``self.handler``) says which it was.
+
+        Returns:
+            True for such a spawn; False when options were posted (form,
+            query, API body) or the spawn's request is unknown.
+        """
+        handler = getattr(self, "handler", None)
+        get_body = getattr(handler, "get_server_json_body", None)
+        if get_body is not None:
+            try:
+                return get_body().get("user_options") is None
+            except Exception:  # a malformed body was refused before the spawn
+                return False
+        request = getattr(handler, "request", None)
+        if request is None:
+            return False
+        query = set(getattr(request, "query_arguments", {}) or {}) - {"next", "display_name"}
+        return request.method == "GET" and not query
+
+    def _saved_options_refused(self, options: dict[str, Any], err: form.OptionsError) -> None:
+        """Tell the user (progress) and the admin (log) that saved options
+        fell back to the defaults, and replace the saved options by ``{}``."""
+        if self.gpu_profiles:
+            instead = f"the default profile {self.gpu_profile!r}"
+        else:
+            instead = f"the default ({self.default_gpus} GPUs)"
+        message = (
+            f"Your saved spawn options {json.dumps(options, sort_keys=True)} are no "
+            f"longer offered ({err}); starting with {instead} instead."
+        )
+        self.log.warning(
+            "%s: saved user_options %s refused (%s); using %s",
+            self._log_name,
+            json.dumps(options, sort_keys=True),
+            err,
+            instead,
+        )
+        self._gpu_events.append({"progress": 5, "message": message})
+        self._gpu_changed.set()
+        no_options: dict[str, Any] = {}
+        self.user_options = no_options
+        orm_spawner = getattr(self, "orm_spawner", None)
+        if orm_spawner is not None:
+            orm_spawner.user_options = {}
 
     async def apply_gpu_profile(self, profile: dict[str, Any]) -> None:
         """Apply a checked profile's ``spawner_override`` to this spawner, as
@@ -328,18 +513,98 @@ class GPUSpawnerMixin(LoggingConfigurable):
             fields["priority_class"] = self.priority_class
         if self.time_limit is not None:
             fields["time_limit"] = self.time_limit
+        if self.gpu_restart_of is not None:
+            fields["restart_of"] = self.gpu_restart_of
         return fields
 
     async def _admission(self, request: dict[str, Any]) -> None:
         """Ask the broker (dry run) whether the request would be admitted, so a
-        quota refusal reaches the user as the hub's answer (403), not a failed spawn."""
+        quota refusal reaches the user as the hub's answer (403), not a failed spawn.
+
+        Raises:
+            tornado.web.HTTPError: the broker's 4xx refusal (but 409).
+            BrokerClientError: the broker is unavailable (5xx, 599).
+        """
         try:
             await self.broker.request_lease(
                 self.user.name, self.name, dry_run=True, **request, **self._lease_fields()
             )
         except BrokerClientError as err:
+            if broker_unavailable(err):
+                raise
             if 400 <= err.status < 500 and err.status != 409:
                 raise web.HTTPError(err.status, err.message) from None
+
+    async def _broker_checks(self, request: dict[str, Any]) -> None:
+        """The option checks put off while the broker was unavailable: the GPU
+        limit (without profiles) and the dry run, once the broker answers.
+
+        Raises:
+            SpawnException: refused (the limit, quota), or the broker stayed
+                unavailable for ``broker_wait_timeout``.
+        """
+        try:
+            if not self.gpu_profiles and request.get("gpus"):
+                limit = await self._retrying(self.gpu_limit, "checking the GPU limit")
+                form.check_gpu_options(request, limit)
+            await self._retrying(lambda: self._admission(request), "checking the GPU request")
+        except (form.OptionsError, web.HTTPError) as err:
+            message = err.log_message if isinstance(err, web.HTTPError) else str(err)
+            raise spawn_error(f"GPU request refused: {message}", "gpu-refused") from err
+
+    async def _retrying(self, call: Any, what: str) -> Any:
+        """``await call()``; while the broker is unavailable, try again with
+        backoff (0.25 s doubling to ``broker_retry_interval``) for up to
+        ``broker_wait_timeout`` per outage, showing
+        :data:`BROKER_RETRY_MESSAGE` in the spawn progress once per outage.
+
+        Args:
+            call: an async function of no arguments that calls the broker.
+            what: what the call is for, for the log and the error ("requesting GPUs").
+
+        Returns:
+            what ``call()`` returns.
+
+        Raises:
+            BrokerClientError: the broker's answer other than 5xx (a refusal).
+            SpawnException: the broker stayed unavailable (503-class wording).
+        """
+        delay = FIRST_RETRY_DELAY
+        while True:
+            try:
+                result = await call()
+            except BrokerClientError as err:
+                if not broker_unavailable(err):
+                    raise
+                now = time.monotonic()
+                if self._broker_wait_until is None:
+                    self._broker_wait_until = now + self.broker_wait_timeout
+                    self.log.warning(
+                        "%s: GPU broker unavailable while %s (%s); retrying for up to %.0f s",
+                        self._log_name,
+                        what,
+                        err,
+                        self.broker_wait_timeout,
+                    )
+                    self._gpu_events.append({"progress": 5, "message": BROKER_RETRY_MESSAGE})
+                    self._gpu_changed.set()
+                remaining = self._broker_wait_until - now
+                if remaining <= 0:
+                    self._broker_wait_until = None
+                    raise spawn_error(
+                        f"The GPU broker is unavailable (503 Service Unavailable): it did not "
+                        f"answer for {self.broker_wait_timeout:.0f} s while {what} "
+                        f"(last error: {err.message}). Try again later; if it persists, "
+                        f"tell your administrator.",
+                        "gpu-broker-unavailable",
+                    ) from err
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(delay * 2, max(self.broker_retry_interval, FIRST_RETRY_DELAY))
+                continue
+            if self._broker_wait_until is not None:
+                self.log.info("%s: GPU broker answers again (%s)", self._log_name, what)
+                self._broker_wait_until = None
+            return result
 
     # -- state ---------------------------------------------------------------------
 
@@ -350,17 +615,22 @@ class GPUSpawnerMixin(LoggingConfigurable):
             state["gpu_lease_id"] = self.gpu_lease_id
         if self.gpu_last_end:
             state["gpu_last_end"] = self.gpu_last_end
+        if self.gpu_restart_of is not None:
+            state["gpu_restart_of"] = self.gpu_restart_of
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Restore ``gpu_lease_id`` (a hub restart keeps the lease)."""
+        """Restore ``gpu_lease_id`` (a hub restart keeps the lease),
+        ``gpu_last_end`` and ``gpu_restart_of``."""
         super().load_state(state)  # type: ignore[misc]
         self.gpu_lease_id = state.get("gpu_lease_id")
         self.gpu_last_end = state.get("gpu_last_end") or self.gpu_last_end
+        restart_of = state.get("gpu_restart_of")
+        self.gpu_restart_of = restart_of if restart_of is not None else self.gpu_restart_of
 
     def clear_state(self) -> None:
-        """Forget the lease id (after stop); why the last lease ended stays,
-        to be shown on the next spawn."""
+        """Forget the lease id (after stop); why the last lease ended and the
+        lease of a run that died (``gpu_restart_of``) stay, for the next spawn."""
         super().clear_state()  # type: ignore[misc]
         self.gpu_lease_id = None
 
@@ -386,14 +656,22 @@ class GPUSpawnerMixin(LoggingConfigurable):
     async def start(self) -> Any:
         """Lease GPUs (waiting in the queue if needed), then start the server.
 
+        While the broker is unavailable, its calls are retried for up to
+        ``broker_wait_timeout`` (see :meth:`_retrying`); the option checks
+        put off by :meth:`check_user_options` run first, and releases of
+        this server still retried in the background are made first.
+
         Raises:
-            SpawnException: the request was refused, or waited longer than
-                ``queue_timeout``; the lease is released.
+            SpawnException: the request was refused, waited longer than
+                ``queue_timeout``, or the broker stayed unavailable; the lease
+                is released.
         """
         request = self.gpu_request
         if request is None:
             request = await self.check_user_options(self.user_options)
         self.gpu_request = None
+        deferred, self._gpu_checks_deferred = self._gpu_checks_deferred, False
+        self._broker_wait_until = None
         self._gpu_env = dict(NO_GPU_ENV)
         if self.gpu_last_end:
             message = f"Your previous server lost its GPUs: {self.gpu_last_end}"
@@ -402,6 +680,9 @@ class GPUSpawnerMixin(LoggingConfigurable):
         await self._drop_stale_lease()
         try:
             if request:
+                await self._flush_pending_releases()
+                if deferred:
+                    await self._broker_checks(request)
                 lease = await self._acquire(request)
                 self._gpu_env = dict(lease["env"])
         except BaseException:
@@ -435,13 +716,32 @@ class GPUSpawnerMixin(LoggingConfigurable):
             await self._release("server restarted; previous lease replaced")
 
     async def _acquire(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Request the lease (with ``restart_of`` after a run that died) and
+        wait in the queue until it is granted.
+
+        Raises:
+            SpawnException: refused, lost, timed out in the queue, or the
+                broker stayed unavailable.
+        """
+        fields = {**request, **self._lease_fields()}
+        lease: dict[str, Any]
         try:
-            lease = await self.broker.request_lease(
-                self.user.name, self.name, **request, **self._lease_fields()
+            lease = await self._retrying(
+                lambda: self.broker.request_lease(self.user.name, self.name, **fields),
+                "requesting GPUs",
             )
         except BrokerClientError as err:
             raise spawn_error(f"GPU request refused: {err.message}", "gpu-refused") from err
         self.gpu_lease_id = lease["id"]
+        if self.gpu_restart_of is not None:
+            self.log.info(
+                "%s: lease %s replaces lease %s of the run that died (restarts: %s)",
+                self._log_name,
+                lease["id"],
+                self.gpu_restart_of,
+                lease.get("restarts"),
+            )
+            self.gpu_restart_of = None
         deadline = time.monotonic() + self.queue_timeout
         while lease["state"] == "pending":
             self._event(lease)
@@ -468,15 +768,18 @@ class GPUSpawnerMixin(LoggingConfigurable):
 
     async def _poll(self, lease: dict[str, Any], wait: float) -> dict[str, Any]:
         """Long-poll the lease; while the broker restarts (unreachable or 5xx),
-        keep the last known state and try again a second later."""
+        retry as :meth:`_retrying` does.
+
+        Raises:
+            SpawnException: the lease is gone, or the broker stayed unavailable.
+        """
         try:
-            return await self.broker.get_lease(lease["id"], wait=wait, version=lease["version"])
+            return await self._retrying(  # type: ignore[no-any-return]
+                lambda: self.broker.get_lease(lease["id"], wait=wait, version=lease["version"]),
+                f"waiting for lease {lease['id']}",
+            )
         except BrokerClientError as err:
-            if err.status < 500:
-                raise spawn_error(f"GPU lease lost: {err.message}", "gpu-lost") from err
-            self.log.warning("Broker unavailable while waiting for lease %s: %s", lease["id"], err)
-            await asyncio.sleep(1)
-            return lease
+            raise spawn_error(f"GPU lease lost: {err.message}", "gpu-lost") from err
 
     def _event(self, lease: dict[str, Any]) -> None:
         summary = lease.get("summary")
@@ -515,45 +818,150 @@ class GPUSpawnerMixin(LoggingConfigurable):
             yield event
 
     async def poll(self) -> int | None:
-        """Poll the server; when it has exited, release its lease at once.
+        """Poll the server; when it has exited, release its lease at once
+        (reason ``server exited (status N)``) and remember the lease as
+        ``gpu_restart_of``, so the next start asks for its devices back.
 
         The hub calls this every ``poll_interval`` and does not call
         ``stop()`` for a server that already died (e.g. killed from outside).
+        The lease id is read first: the parent's ``poll()`` clears the state
+        (``clear_state``) when it finds the process gone.
+
+        Returns:
+            None while the server runs, else its exit status.
         """
+        lease_id = self.gpu_lease_id
         status: int | None = await maybe_future(super().poll())  # type: ignore[misc]
-        if status is not None and self.gpu_lease_id is not None:
-            await self._release(f"server exited (status {status})")
+        if status is not None and lease_id is not None and not self._gpu_stopping:
+            self.gpu_lease_id = None
+            self.gpu_restart_of = lease_id
+            await self._release(f"server exited (status {status})", lease_id)
         return status
 
     async def stop(self, now: bool = False) -> None:
         """Stop the server, then release its lease (reason: server stopped).
 
-        The lease id is read first: LocalProcessSpawner.stop() clears state.
+        A stop is not a restart: ``gpu_restart_of`` is cleared. The lease id
+        is read first: LocalProcessSpawner.stop() clears state, and polls
+        first (a server found dead there is released here, as stopped).
         """
         lease_id = self.gpu_lease_id
+        self._gpu_stopping = True
         try:
             await maybe_future(super().stop(now=now))  # type: ignore[misc]
         finally:
+            self._gpu_stopping = False
+            self.gpu_restart_of = None
             await self._release("server stopped", lease_id)
             self._reset_progress()
 
     async def _release(self, reason: str, lease_id: int | None = None) -> None:
+        """Release ``lease_id`` (default: this server's lease) with ``reason``.
+
+        Never raises: a broker that is unavailable gets the release again in
+        the background (:meth:`_retry_release`); other errors are logged.
+        """
         lease_id = lease_id if lease_id is not None else self.gpu_lease_id
         self.gpu_lease_id = None
         if lease_id is None:
             return
         try:
-            lease = await self.broker.release_lease(lease_id, reason)
-            self.log.info("%s released lease %s: %s", self._log_name, lease_id, reason)
-            if lease.get("release_reason") not in (None, reason):
-                self.gpu_last_end = lease["release_reason"]
+            await self._release_call(lease_id, reason)
         except BrokerClientError as err:
-            if err.status == 599:  # e.g. at hub shutdown, which stops the broker first
+            if broker_unavailable(err):
                 self.log.warning(
-                    "Could not release lease %s (%s); the broker releases it when it "
-                    "reconciles with the hub",
+                    "%s: could not release lease %s (%s): the broker is unavailable; "
+                    "retrying in the background for up to %.0f s",
+                    self._log_name,
                     lease_id,
                     err,
+                    self.release_retry_timeout,
                 )
+                self._release_later(lease_id, reason)
             elif err.status != 404:
                 self.log.error("Could not release lease %s: %s", lease_id, err)
+
+    async def _release_call(self, lease_id: int, reason: str, note_end: bool = True) -> None:
+        """``DELETE /leases/{id}``; with ``note_end``, keep the broker's own
+        reason (preemption, cull) when it had ended the lease first, to be
+        shown at the next spawn.
+
+        Raises:
+            BrokerClientError: as :meth:`BrokerClient.release_lease`.
+        """
+        lease = await self.broker.release_lease(lease_id, reason)
+        self.log.info("%s released lease %s: %s", self._log_name, lease_id, reason)
+        if note_end and lease.get("release_reason") not in (None, reason):
+            self.gpu_last_end = lease["release_reason"]
+
+    def _release_later(self, lease_id: int, reason: str) -> None:
+        task = asyncio.ensure_future(self._retry_release(lease_id, reason))
+        _BACKGROUND_RELEASES.add(task)
+        task.add_done_callback(_BACKGROUND_RELEASES.discard)
+        self._pending_releases[lease_id] = (task, reason)
+
+    async def _retry_release(self, lease_id: int, reason: str) -> None:
+        """Try the release again, with backoff (0.25 s doubling to
+        ``broker_retry_interval``), until the broker answers or
+        ``release_retry_timeout`` seconds have passed; then log the outcome."""
+        deadline = time.monotonic() + self.release_retry_timeout
+        delay = FIRST_RETRY_DELAY
+        tries = 1
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+                delay = min(delay * 2, max(self.broker_retry_interval, FIRST_RETRY_DELAY))
+                tries += 1
+                try:
+                    await self._release_call(lease_id, reason, note_end=False)
+                except BrokerClientError as err:
+                    if err.status == 404:
+                        return
+                    if not broker_unavailable(err):
+                        self.log.error("Could not release lease %s: %s", lease_id, err)
+                        return
+                    if time.monotonic() >= deadline:
+                        self.log.error(
+                            "%s: gave up releasing lease %s after %s tries in %.0f s (%s); "
+                            "the broker releases it when it reconciles with the hub",
+                            self._log_name,
+                            lease_id,
+                            tries,
+                            self.release_retry_timeout,
+                            err,
+                        )
+                        return
+                    continue
+                self.log.info(
+                    "%s: lease %s released after %s tries (the broker was unavailable)",
+                    self._log_name,
+                    lease_id,
+                    tries,
+                )
+                return
+        finally:
+            entry = self._pending_releases.get(lease_id)
+            if entry is not None and entry[0] is asyncio.current_task():
+                del self._pending_releases[lease_id]
+
+    async def _flush_pending_releases(self) -> None:
+        """Make the releases still retried in the background now, waiting
+        for the broker as :meth:`_retrying` does, so the new request does not
+        meet this server's old lease.
+
+        Raises:
+            SpawnException: the broker stayed unavailable.
+        """
+        for lease_id, (task, reason) in list(self._pending_releases.items()):
+            task.cancel()
+            self._pending_releases.pop(lease_id, None)
+            try:
+                await self._retrying(
+                    lambda lease_id=lease_id, reason=reason: self._release_call(
+                        lease_id, reason, note_end=False
+                    ),
+                    f"releasing lease {lease_id}",
+                )
+            except BrokerClientError as err:
+                if err.status != 404:
+                    self.log.error("Could not release lease %s: %s", lease_id, err)

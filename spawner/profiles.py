@@ -51,8 +51,10 @@ GUARANTEES = {
     "gpus": "dedicated device: all memory and compute",
     "mig": "memory and compute isolated in hardware (MIG)",
     "share": (
-        "memory cap enforced by the broker (soft unless MPS is on); compute "
-        "time-sliced with other users, no guaranteed share"
+        "memory cap enforced by the broker (soft unless MPS is on; with MPS the "
+        "cap applies per CUDA process, so two processes of one server can each "
+        "use the cap, while the broker's watchdog enforces the total per "
+        "server); compute time-sliced with other users, no guaranteed share"
     ),
 }
 

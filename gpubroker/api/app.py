@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 from typing import Any
 
-from tornado import web
+from tornado import httputil, iostream, web
 
 from ..core import Broker
 from . import handlers
+from .longpoll import LongPollRegistry
+from .redact import make_log_function
+
+#: default largest request body, bytes (``GPUBrokerApp.max_body_bytes``)
+MAX_BODY_BYTES = 64 * 1024
+#: a refused body is discarded (lingering close) up to this many bytes ...
+DRAIN_BYTES = 64 * 1024 * 1024
+#: ... or for this many seconds, then the connection is closed
+DRAIN_SECONDS = 5.0
+#: default most open long-polls per caller (``GPUBrokerApp.max_long_polls_per_user``)
+MAX_LONG_POLLS = 8
 
 #: (path relative to ``{base_url}api/v1``, handler); the OpenAPI test reads this
 ROUTES: list[tuple[str, type[web.RequestHandler]]] = [
@@ -41,6 +55,8 @@ def make_app(
     log: logging.Logger | None = None,
     hub_auth: Any = None,
     groups_of: Any = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_long_polls: int = MAX_LONG_POLLS,
     **settings: Any,
 ) -> web.Application:
     """Build the API application.
@@ -48,25 +64,125 @@ def make_app(
     Args:
         broker: the broker core the handlers call.
         base_url: URL prefix, e.g. ``/services/gpubroker/`` when hub-managed.
-        log: logger for handlers and access logs.
+        log: logger for handlers and access logs (URIs redacted, see
+            :mod:`gpubroker.api.redact`).
         hub_auth: the :class:`jupyterhub.services.auth.HubAuth` that checks
             callers' tokens.
         groups_of: ``async (user) -> list[str] | None``, the user's hub groups.
+        max_body_bytes: largest request body, bytes; a request whose
+            ``Content-Length`` is larger gets 413 before its body is read
+            (pass the same value as ``max_body_size`` to the HTTPServer,
+            which also bounds chunked bodies). 0: no check here.
+        max_long_polls: most open long-polls per caller; one more ends the
+            caller's oldest (see :class:`~gpubroker.api.longpoll.LongPollRegistry`).
 
     Returns:
         the application; routes are ``{base_url}api/v1{path}`` for ROUTES.
     """
     prefix = base_url.rstrip("/") + "/api/v1"
     routes = [(prefix + _pattern(path), handler) for path, handler in ROUTES]
-    return web.Application(
+    log = log or logging.getLogger("gpubroker")
+    settings.setdefault("log_function", make_log_function(log))
+    settings.setdefault("default_handler_class", handlers.NotFoundHandler)
+    return BrokerApplication(
         routes,
         broker=broker,
-        log=log or logging.getLogger("gpubroker"),
+        log=log,
         hub_auth=hub_auth,
         groups_of=groups_of or _no_groups,
+        max_body_bytes=max_body_bytes,
+        long_polls=LongPollRegistry(max_long_polls, log),
         **settings,
     )
 
 
 async def _no_groups(user: str) -> list[str] | None:
     return None
+
+
+class BrokerApplication(web.Application):
+    """The API's Tornado application; refuses oversized bodies from their headers."""
+
+    def start_request(
+        self, server_conn: object, request_conn: httputil.HTTPConnection
+    ) -> httputil.HTTPMessageDelegate:
+        """Wrap Tornado's delegate in :class:`_BodyLimit`."""
+        delegate = super().start_request(server_conn, request_conn)
+        limit = int(self.settings.get("max_body_bytes") or 0)
+        if limit <= 0:
+            return delegate
+        return _BodyLimit(delegate, request_conn, limit, self.settings["log"])
+
+
+class _BodyLimit(httputil.HTTPMessageDelegate):
+    """Answer 413 (JSON error) from the headers when ``Content-Length`` is
+    over ``limit`` bytes, and close the connection without reading the body."""
+
+    def __init__(
+        self,
+        delegate: httputil.HTTPMessageDelegate,
+        connection: httputil.HTTPConnection,
+        limit: int,
+        log: logging.Logger,
+    ) -> None:
+        self.delegate = delegate
+        self.connection = connection
+        self.limit = limit
+        self.log = log
+
+    def headers_received(
+        self,
+        start_line: httputil.RequestStartLine | httputil.ResponseStartLine,
+        headers: httputil.HTTPHeaders,
+    ) -> Any:
+        length = (headers.get("Content-Length") or "").strip()
+        if length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > self.limit):
+            return self._refuse(length)
+        return self.delegate.headers_received(start_line, headers)
+
+    async def _refuse(self, length: str) -> None:
+        shown = length if len(length) <= 20 else length[:20] + "…"
+        message = (
+            f"body: at most {self.limit} bytes (GPUBrokerApp.max_body_bytes),"
+            f" got Content-Length {shown}"
+        )
+        self.log.warning("413 refused before reading the body: %s", message)
+        body = json.dumps({"status": 413, "message": message}).encode()
+        head = (
+            "HTTP/1.1 413 Payload Too Large\r\n"
+            "Content-Type: application/json; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        stream = self.connection.detach()  # type: ignore[attr-defined]
+        try:
+            await stream.write(head + body)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await self._drain(stream, int(length))
+        except iostream.StreamClosedError:
+            pass
+        finally:
+            stream.close()
+
+    async def _drain(self, stream: iostream.IOStream, length: int) -> None:
+        """Lingering close: discard what the client is still sending, at most
+        :data:`DRAIN_BYTES` bytes for :data:`DRAIN_SECONDS`, 64 KiB at a time
+        (never kept), so that a proxy in front reads the answer instead of
+        seeing the connection reset under its upload."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DRAIN_SECONDS
+        left = min(length, DRAIN_BYTES)
+        while left > 0 and (remaining := deadline - loop.time()) > 0:
+            chunk = await asyncio.wait_for(
+                stream.read_bytes(min(left, 65536), partial=True), remaining
+            )
+            left -= len(chunk)
+
+    def data_received(self, chunk: bytes) -> Any:
+        return self.delegate.data_received(chunk)
+
+    def finish(self) -> None:
+        self.delegate.finish()
+
+    def on_connection_close(self) -> None:
+        self.delegate.on_connection_close()

@@ -5,6 +5,7 @@ reference for every shape; each handler's docstring names its route.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from importlib import resources
 from typing import Any
@@ -15,13 +16,17 @@ from tornado import web
 
 from .. import __version__
 from ..core import Broker
-from ..errors import BrokerError, Forbidden
+from ..errors import BrokerError, Forbidden, NotFound
 from ..store.models import HolderKind
 from ..views import device_view
 from . import auth, validation
+from .longpoll import LongPollRegistry
+from .redact import request_summary
 
 #: longest long-poll a client may ask for, seconds
 MAX_WAIT = 300.0
+#: longest ``server_url`` a lease may record, characters
+MAX_URL = 2048
 
 
 class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
@@ -63,10 +68,26 @@ class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
 
     def _handle_request_exception(self, e: BaseException) -> None:
         if isinstance(e, BrokerError):
-            self.log.info("%s %s -> %s: %s", self.request.method, self.request.uri, e.status, e)
+            self.log.info("%s -> %s: %s", self._request_summary(), e.status, e)
             self.send_error(e.status, exc_info=(type(e), e, e.__traceback__))
             return
         super()._handle_request_exception(e)
+
+    def _request_summary(self) -> str:
+        """``METHOD URI (IP)`` for Tornado's own log lines, secrets redacted."""
+        return request_summary(self.request)
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        """Log an error of a request to the broker's log, the URI redacted
+        (Tornado's own would log the whole request, ``?token=`` included)."""
+        if isinstance(value, web.HTTPError):
+            if value.log_message:
+                message = value.log_message % value.args if value.args else value.log_message
+                self.log.warning("%d %s: %s", value.status_code, self._request_summary(), message)
+        else:
+            self.log.error(
+                "Uncaught exception %s", self._request_summary(), exc_info=(typ, value, tb)
+            )
 
     @property
     def log(self) -> Any:
@@ -89,7 +110,27 @@ class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
         raise web.HTTPError(401, "authentication required: send 'Authorization: token …'")
 
     def lease_id(self, raw: str) -> int:
-        return int(raw)
+        """The ``{id}`` of the path as an int (:func:`validation.lease_id`).
+
+        Raises:
+            NotFound: not an id any lease can have (beyond 64 bits).
+        """
+        return validation.lease_id(raw)
+
+    def name_arg(self, name: str) -> str | None:
+        """A name query argument (``?user=``), checked, or ``None`` when absent.
+
+        Raises:
+            BadRequest: malformed (see :func:`validation.check_name`).
+        """
+        return validation.optional_name_arg(self.get_argument(name, None), name)
+
+
+class NotFoundHandler(APIHandler):
+    """Any path that is no route: a JSON 404 like every other error."""
+
+    def prepare(self) -> None:
+        raise NotFound(f"path {validation.echo(self.request.path)}: no such endpoint")
 
 
 class HealthHandler(APIHandler):
@@ -114,8 +155,9 @@ class DevicesHandler(APIHandler):
         model = self.caller()
         admin = auth.is_admin(model)
         devices = []
-        for device, lease_id in self.broker.device_rows():
-            devices.append(self._device(device, lease_id, admin))
+        me = auth.caller_name(model)
+        for device, holders in self.broker.device_rows():
+            devices.append(self._device(device, holders, admin, me))
         present = [d for d in devices if d["present"]]
         summary = {
             "total": len(present),
@@ -137,12 +179,17 @@ class DevicesHandler(APIHandler):
         )
         return {"kind": backend.kind, "simulated": backend.simulated, "message": message}
 
-    def _device(self, device: Any, lease_id: int | None, admin: bool) -> dict[str, Any]:
+    def _device(
+        self, device: Any, holders: list[dict[str, Any]], admin: bool, me: str
+    ) -> dict[str, Any]:
+        """One device's view; admins see every holder, users their own."""
         view = device_view(device)
-        state = "leased" if lease_id is not None else "drained" if device.drained else "free"
+        held = bool(holders)
+        state = "leased" if held else "drained" if device.drained else "free"
         pool = self.broker.pool_spec(device.uuid)
-        if pool.mode != "exclusive" and lease_id is not None:
+        if held and (pool.mode != "exclusive" or holders[0]["kind"] != "device"):
             state = "shared"
+        lease_id = holders[0]["lease_id"] if holders else None
         view.update(
             pool=pool.name,
             pool_mode=pool.mode,
@@ -152,6 +199,8 @@ class DevicesHandler(APIHandler):
             mig_enabled=device.mig_enabled,
             state=state,
             lease_id=lease_id if admin else None,
+            holders=[h for h in holders if admin or h["user"] == me],
+            slots_held=len(holders),
             usage=self._usage(device.uuid) if device.present else None,
         )
         return view
@@ -174,10 +223,12 @@ class LeasesHandler(APIHandler):
 
     def get(self) -> None:
         model = self.caller()
-        user = self.get_argument("user", None)
+        user = self.name_arg("user")
         state = self.get_argument("state", "active")
         if state not in ("active", "all"):
-            raise validation.BadRequest(f"state: must be 'active' or 'all', got {state!r}")
+            raise validation.BadRequest(
+                f"state: must be 'active' or 'all', got {validation.echo(state)}"
+            )
         if not auth.is_admin(model):
             if user is not None and user != auth.caller_name(model):
                 auth.check_owner(model, user)
@@ -207,15 +258,33 @@ class LeaseHandler(APIHandler):
     """``GET /api/v1/leases/{id}[?wait=SECONDS&version=N]``, ``PATCH`` (admins:
     priority class of a pending request) and ``DELETE /api/v1/leases/{id}``."""
 
+    _gone: asyncio.Event | None = None
+
     async def get(self, raw_id: str) -> None:
+        """The lease; with ``wait``, a long-poll, one of at most
+        ``GPUBrokerApp.max_long_polls_per_user`` of this caller (one more
+        answers the caller's oldest at once with the lease as it stands)."""
         model = self.caller()
         lease = self.broker.get_lease(self.lease_id(raw_id))
         auth.check_owner(model, lease["user"])
         wait = validation.wait_seconds(self.get_argument("wait", None), MAX_WAIT)
         version = validation.optional_int(self.get_argument("version", None), "version")
         if wait:
-            lease = await self.broker.wait_for_change(lease["id"], wait, version)
+            registry: LongPollRegistry = self.settings["long_polls"]
+            caller = f"{model.get('kind', 'user')}:{auth.caller_name(model)}"
+            self._gone = asyncio.Event()
+            changed = await registry.wait(
+                caller, self.broker.wait_for_change(lease["id"], wait, version), self._gone
+            )
+            if self._gone.is_set():
+                return  # the client went away: nobody to answer
+            lease = changed if changed is not None else self.broker.get_lease(lease["id"])
         self.write_json(lease)
+
+    def on_connection_close(self) -> None:
+        """The client went away: end its long-poll (frees its place in the limit)."""
+        if self._gone is not None:
+            self._gone.set()
 
     def patch(self, raw_id: str) -> None:
         """Admins: ``{"priority_class": NAME}`` moves a pending request;
@@ -226,15 +295,20 @@ class LeaseHandler(APIHandler):
         body = validation.parse_json_object(self.request.body)
         lease_id = self.lease_id(raw_id)
         if set(body) == {"server_url"} and isinstance(body["server_url"], str):
-            if not body["server_url"].startswith(("http://", "https://")):
-                raise validation.BadRequest("server_url: must be an http(s) URL")
+            url = body["server_url"]
+            if not url.startswith(("http://", "https://")) or len(url) > MAX_URL:
+                raise validation.BadRequest(
+                    f"server_url: must be an http(s) URL of at most {MAX_URL} characters,"
+                    f" got {validation.echo(url)}"
+                )
             self.write_json(self.broker.set_server_url(lease_id, body["server_url"]))
             return
         if set(body) != {"priority_class"} or not isinstance(body["priority_class"], str):
             raise validation.BadRequest(
                 'body: must be {"priority_class": NAME} or {"server_url": URL}'
             )
-        self.write_json(self.broker.set_priority_class(lease_id, body["priority_class"]))
+        name = validation.check_name(body["priority_class"], "priority_class")
+        self.write_json(self.broker.set_priority_class(lease_id, name))
 
     def delete(self, raw_id: str) -> None:
         model = self.caller()
@@ -270,7 +344,7 @@ class NoticesHandler(APIHandler):
 
     def get(self) -> None:
         model = self.caller()
-        user = self.get_argument("user", None)
+        user = self.name_arg("user")
         if not auth.is_admin(model):
             if user is not None:
                 auth.check_owner(model, user)
@@ -292,12 +366,14 @@ class QuotaHandler(AdminOnlyMixin, APIHandler):
 
     def put(self, kind: str, name: str) -> None:
         self.require_admin(self.caller())
+        name = validation.check_name(name, "name")
         guaranteed, limit = validation.quota_body(validation.parse_json_object(self.request.body))
         self.broker.set_quota(kind, name, guaranteed, limit)
         self.write_json(self.broker.quotas())
 
     def delete(self, kind: str, name: str) -> None:
         self.require_admin(self.caller())
+        name = validation.check_name(name, "name")
         self.broker.delete_quota(kind, name)
         self.write_json(self.broker.quotas())
 
@@ -310,6 +386,7 @@ class DeviceHandler(AdminOnlyMixin, APIHandler):
 
     def patch(self, uuid: str) -> None:
         self.require_admin(self.caller())
+        uuid = validation.check_name(uuid, "uuid")
         body = validation.parse_json_object(self.request.body)
         if set(body) == {"mig_mode"} and isinstance(body["mig_mode"], bool):
             self.write_json(self.broker.request_mig_mode(uuid, body["mig_mode"]))
@@ -327,7 +404,7 @@ class PoolsHandler(APIHandler):
 
     def get(self) -> None:
         model = self.caller()
-        user = self.get_argument("user", None)
+        user = self.name_arg("user")
         if user is not None:
             auth.check_owner(model, user)
         else:

@@ -7,17 +7,31 @@ the field and the limit, and is raised before anything changes.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
-from ..devices.mig import PROFILE_NAME_RE
-from ..errors import BadRequest
+from ..devices.mig import PROFILE_NAME_RE, profile_for_many
+from ..errors import BadRequest, NotFound
 from ..store.models import HolderKind
 
-#: JupyterHub user and server names: printable, at most 255 characters
-_NAME = re.compile(r"^[^\s/][^/]{0,254}$")
+#: longest name (user, server, group, pool, class, quota name), characters
+MAX_NAME = 255
+#: JupyterHub user and server names: no leading space, no '/', no control
+#: characters (C0, DEL, C1) and no lone surrogates, at most MAX_NAME characters
+_NAME = re.compile(r"^[^\s/\x00-\x1f\x7f-\x9f\ud800-\udfff][^/\x00-\x1f\x7f-\x9f\ud800-\udfff]*$")
+
+#: deepest nesting of arrays/objects a JSON body may have
+MAX_JSON_DEPTH = 32
+#: characters of a caller's value echoed back in an error message
+MAX_ECHO = 60
+#: largest id or version (SQLite and PostgreSQL integers are signed 64-bit)
+MAX_INT64 = 2**63 - 1
+#: a JSON string (skipped whole) or one bracket, for the depth check
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 LEASE_FIELDS = {
+    "restart_of",
     "user",
     "server_name",
     "gpus",
@@ -44,21 +58,152 @@ MIN_SHARE_GIB = 0.25
 MAX_TIME_LIMIT = 365 * 86400.0
 
 
+def echo(value: Any) -> str:
+    """A caller's value for an error message: its JSON form, ASCII only (so
+    control characters and lone surrogates show escaped, ``"\\ud800"``), cut
+    to :data:`MAX_ECHO` characters plus ``…``."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + "…"
+
+
+def _refuse_constant(name: str) -> Any:
+    raise BadRequest(f"body: {name} is not a number JSON allows (finite numbers only)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadRequest(f"body: number {echo(text)} is out of range (finite numbers only)")
+    return value
+
+
+def _int64(text: str) -> int:
+    if len(text.lstrip("-")) > 19 or abs(value := int(text)) > MAX_INT64:
+        raise BadRequest(
+            f"body: integer {echo(text)} is out of range (at most {MAX_INT64} in magnitude)"
+        )
+    return value
+
+
+def json_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deeply arrays and objects nest in ``body`` (strings skipped), up to
+    the first point beyond ``limit``; a cheap scan, no parse.
+
+    Returns:
+        the depth, or ``limit + 1`` as soon as the nesting exceeds ``limit``.
+    """
+    depth = deepest = 0
+    for match in _JSON_TOKEN.finditer(body):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return depth
+            deepest = max(deepest, depth)
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return deepest
+
+
+def _check_strings(value: Any, where: str) -> None:
+    """Refuse lone surrogates anywhere (keys and values) in a parsed body."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise BadRequest(
+                f"{where}: not valid Unicode (lone surrogate at character {err.start}),"
+                f" got {echo(value)}"
+            ) from err
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, "body: a field name")
+            _check_strings(item, key if where == "body" else where)
+    elif isinstance(value, list):
+        for item in value:
+            _check_strings(item, where)
+
+
 def parse_json_object(body: bytes) -> dict[str, Any]:
     """Decode a JSON object body (empty body → ``{}``).
 
+    Only standard JSON is taken: ``NaN``, ``Infinity``, ``-Infinity`` and
+    numbers beyond the float range (``1e400``) and integers beyond signed
+    64 bits are refused, nesting deeper
+    than :data:`MAX_JSON_DEPTH` is refused before parsing, and strings with
+    lone surrogates (``"\\ud800"``) are refused.
+
     Raises:
-        BadRequest: not JSON, or not an object.
+        BadRequest: not JSON, not an object, too deep, a non-finite number or
+            a string that is not valid Unicode.
     """
     if not body.strip():
         return {}
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise BadRequest(f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        data = json.loads(body)
+        data = json.loads(
+            body, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_int64
+        )
+    except RecursionError as err:  # the depth scan should prevent it; never a 500
+        raise BadRequest(f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels") from err
     except (ValueError, UnicodeDecodeError) as err:
         raise BadRequest(f"body: not valid JSON ({err})") from err
     if not isinstance(data, dict):
         raise BadRequest("body: must be a JSON object")
+    _check_strings(data, "body")
     return data
+
+
+def check_name(value: Any, field: str, *, allow_empty: bool = False) -> str:
+    """``value`` as a name of a user, server, group, pool, class or quota:
+    1-:data:`MAX_NAME` characters, no ``/``, no control characters, no lone
+    surrogates, no leading space, not ``.`` or ``..`` (``""`` too with
+    ``allow_empty``).
+
+    Args:
+        value: what the caller sent (any JSON value, path or query argument).
+        field: the field's name, for the message.
+
+    Returns:
+        the name, unchanged.
+
+    Raises:
+        BadRequest: not a string, or malformed.
+    """
+    if not isinstance(value, str):
+        raise BadRequest(f"{field}: must be a string, got {echo(value)}")
+    if value == "" and allow_empty:
+        return value
+    if len(value) > MAX_NAME or value in (".", "..") or not _NAME.match(value):
+        raise BadRequest(
+            f"{field}: must be 1-{MAX_NAME} characters without '/', control characters or"
+            f" a leading space, and not '.' or '..', got {echo(value)}"
+        )
+    return value
+
+
+def optional_name_arg(raw: str | None, field: str) -> str | None:
+    """A name query argument (e.g. ``?user=``), or ``None`` when absent.
+
+    Raises:
+        BadRequest: present but malformed (see :func:`check_name`).
+    """
+    return None if raw is None else check_name(raw, field)
+
+
+def lease_id(raw: str) -> int:
+    """A lease id from the URL path: ASCII digits, 1 to :data:`MAX_INT64`.
+
+    Raises:
+        NotFound: anything else (no lease can have that id).
+    """
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19 or not 0 < int(raw) <= MAX_INT64:
+        raise NotFound(f"lease {echo(raw)}: no such lease (ids are 1 to {MAX_INT64})")
+    return int(raw)
 
 
 def require_int(data: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
@@ -71,27 +216,20 @@ def require_int(data: dict[str, Any], key: str, low: int, high: int | None = Non
         raise BadRequest(f"{key}: required")
     value = data[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{key}: must be an integer, got {json.dumps(value)}")
+        raise BadRequest(f"{key}: must be an integer, got {echo(value)}")
     if value < low or (high is not None and value > high):
-        upper = "" if high is None else f" and {high}"
-        raise BadRequest(f"{key}: must be between {low}{upper}, got {value}")
+        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise BadRequest(f"{key}: must be {bounds}, got {value}")
     return value
 
 
 def require_name(data: dict[str, Any], key: str, *, allow_empty: bool = False) -> str:
-    """``data[key]`` as a JupyterHub-style name (no ``/``, 255 chars at most).
+    """``data[key]`` as a name (see :func:`check_name`).
 
     Raises:
         BadRequest: missing, not a string, or malformed.
     """
-    value = data.get(key, "" if allow_empty else None)
-    if not isinstance(value, str):
-        raise BadRequest(f"{key}: must be a string")
-    if value == "" and allow_empty:
-        return value
-    if not _NAME.match(value):
-        raise BadRequest(f"{key}: must be 1-255 characters without '/', got {value!r}")
-    return value
+    return check_name(data.get(key, "" if allow_empty else None), key, allow_empty=allow_empty)
 
 
 def lease_request(data: dict[str, Any]) -> dict[str, Any]:
@@ -113,7 +251,7 @@ def lease_request(data: dict[str, Any]) -> dict[str, Any]:
     kinds = [k.value for k in HolderKind]
     holder_kind = data.get("holder_kind", HolderKind.server.value)
     if holder_kind not in kinds:
-        raise BadRequest(f"holder_kind: must be one of {kinds}, got {json.dumps(holder_kind)}")
+        raise BadRequest(f"holder_kind: must be one of {kinds}, got {echo(holder_kind)}")
     return {
         "user": require_name(data, "user"),
         "server_name": require_name(data, "server_name", allow_empty=True),
@@ -123,6 +261,9 @@ def lease_request(data: dict[str, Any]) -> dict[str, Any]:
         "time_limit": optional_seconds(data, "time_limit", MAX_TIME_LIMIT),
         "group": optional_name(data, "group"),
         "pool": optional_name(data, "pool"),
+        "restart_of": None
+        if data.get("restart_of") is None
+        else require_int(data, "restart_of", 1, MAX_INT64),
     }
 
 
@@ -150,31 +291,53 @@ def slot_request(data: dict[str, Any]) -> dict[str, Any]:
         )
     shape: dict[str, Any] = {"gpus": None, "mig_profile": None, "memory_gib": None, "count": None}
     if given == ["gpus"]:
+        if data["gpus"] == 0 and not isinstance(data["gpus"], bool):
+            raise BadRequest(
+                "gpus: must be at least 1, got 0 (a lease holds GPUs: a server "
+                "without a GPU needs no lease)"
+            )
         shape["gpus"] = require_int(data, "gpus", 1)
     elif given == ["mig_profile"]:
         profile = data["mig_profile"]
         name = profile.strip().removeprefix("MIG ") if isinstance(profile, str) else None
         if name is None or not PROFILE_NAME_RE.match(name):
             raise BadRequest(
-                f"mig_profile: must be a MIG profile name such as '1g.10gb', got "
-                f"{json.dumps(profile)}"
+                f"mig_profile: must be a MIG profile name such as '1g.10gb', got {echo(profile)}"
             )
         shape["mig_profile"] = name
     else:
         memory = data["memory_gib"]
         if isinstance(memory, bool) or not isinstance(memory, (int, float)):
-            raise BadRequest(f"memory_gib: must be a number of GiB, got {json.dumps(memory)}")
+            raise BadRequest(f"memory_gib: must be a number of GiB, got {echo(memory)}")
         if not MIN_SHARE_GIB <= memory <= MAX_SHARE_GIB:
             raise BadRequest(
                 f"memory_gib: must be between {MIN_SHARE_GIB:g} and {MAX_SHARE_GIB:g} GiB,"
-                f" got {memory}"
+                f" got {echo(memory)}"
             )
         shape["memory_gib"] = float(memory)
     if data.get("count") is not None:
+        if shape["mig_profile"] is not None:
+            raise BadRequest(_mig_count_hint(shape["mig_profile"], data["count"]))
         if shape["memory_gib"] is None:
             raise BadRequest("count: only with memory_gib (the number of shares)")
         shape["count"] = require_int(data, "count", 1)
     return shape
+
+
+def _mig_count_hint(profile: str, count: Any) -> str:
+    """The refusal of ``count`` with ``mig_profile``, with the profile to ask
+    for instead (:func:`~gpubroker.devices.mig.profile_for_many`)."""
+    message = "count: a MIG request is one instance (count is only for memory_gib shares)"
+    if isinstance(count, bool) or not isinstance(count, int) or count < 2:
+        return message
+    found = profile_for_many(profile, count)
+    if not found:
+        return f"{message}; no single profile holds {count} x {profile}"
+    names = sorted(set(found.values()))
+    if len(names) == 1:
+        return f"{message}; for {count} x {profile} ask for mig_profile {names[0]!r}"
+    per_model = ", ".join(f"{name} on {model}" for model, name in sorted(found.items()))
+    return f"{message}; for {count} x {profile} ask for one larger profile: {per_model}"
 
 
 def optional_name(data: dict[str, Any], key: str) -> str | None:
@@ -198,9 +361,11 @@ def optional_seconds(data: dict[str, Any], key: str, limit: float) -> float | No
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"{key}: must be a number of seconds, got {json.dumps(value)}")
+        raise BadRequest(f"{key}: must be a number of seconds, got {echo(value)}")
     if not 0 < value <= limit:
-        raise BadRequest(f"{key}: must be more than 0 and at most {limit:g} seconds, got {value}")
+        raise BadRequest(
+            f"{key}: must be more than 0 and at most {limit:g} seconds, got {echo(value)}"
+        )
     return float(value)
 
 
@@ -218,10 +383,17 @@ def quota_body(data: dict[str, Any]) -> tuple[float, float | None]:
     for key, value in (("guaranteed", guaranteed), ("limit", limit)):
         if value is None and key == "limit":
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise BadRequest(f"{key}: must be a number of GPUs >= 0, got {json.dumps(value)}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise BadRequest(f"{key}: must be a finite number of GPUs >= 0, got {echo(value)}")
     if limit is not None and limit < guaranteed:
-        raise BadRequest(f"limit: must be at least guaranteed ({guaranteed}), got {limit}")
+        raise BadRequest(
+            f"limit: must be at least guaranteed ({echo(guaranteed)}), got {echo(limit)}"
+        )
     return float(guaranteed), None if limit is None else float(limit)
 
 
@@ -235,7 +407,7 @@ def flag(raw: str | None, name: str) -> bool:
         return False
     if raw.lower() in ("true", "1"):
         return True
-    raise BadRequest(f"{name}: must be true or false, got {raw!r}")
+    raise BadRequest(f"{name}: must be true or false, got {echo(raw)}")
 
 
 def wait_seconds(raw: str | None, limit: float) -> float:
@@ -249,20 +421,20 @@ def wait_seconds(raw: str | None, limit: float) -> float:
     try:
         value = float(raw)
     except ValueError as err:
-        raise BadRequest(f"wait: must be a number of seconds, got {raw!r}") from err
+        raise BadRequest(f"wait: must be a number of seconds, got {echo(raw)}") from err
     if not 0 <= value <= limit:
-        raise BadRequest(f"wait: must be between 0 and {limit:g} seconds, got {raw}")
+        raise BadRequest(f"wait: must be between 0 and {limit:g} seconds, got {echo(raw)}")
     return value
 
 
 def optional_int(raw: str | None, name: str) -> int | None:
-    """An optional non-negative integer query argument.
+    """An optional integer query argument, ASCII digits, 0 to :data:`MAX_INT64`.
 
     Raises:
-        BadRequest: present but not a non-negative integer.
+        BadRequest: present but not such an integer.
     """
     if raw is None:
         return None
-    if not raw.isdecimal():
-        raise BadRequest(f"{name}: must be a non-negative integer, got {raw!r}")
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19 or int(raw) > MAX_INT64:
+        raise BadRequest(f"{name}: must be an integer from 0 to {MAX_INT64}, got {echo(raw)}")
     return int(raw)

@@ -821,3 +821,36 @@ def is_mig_uuid(value: str) -> bool:
     if _UUID_RE.match("MIG-" + value[4:].lower()):
         return True
     return _LEGACY_RE.match(value) is not None
+
+
+def profile_for_many(profile: str, count: int) -> dict[str, str]:
+    """The smallest single profile that holds ``count`` instances' worth of
+    ``profile`` (compute and memory), per GPU model that offers ``profile``.
+
+    A MIG request is one instance; someone asking for two ``1g.10gb`` on an
+    H100 wants ``2g.20gb``. Profiles with media extensions are not offered.
+
+    Args:
+        profile: a profile name, e.g. ``1g.10gb``.
+        count: how many of it were asked for, >= 2.
+
+    Returns:
+        model spec name → suggested profile name; models where nothing is
+        large enough are left out (an empty dict when none fits).
+    """
+    found: dict[str, str] = {}
+    for spec in SPECS.values():
+        one = spec.profiles.get(profile)
+        if one is None:
+            continue
+        fits = [
+            p
+            for p in spec.profiles.values()
+            if not p.media_extensions
+            and p.compute_slices >= count * one.compute_slices
+            and p.memory_gib >= count * one.memory_gib
+        ]
+        if fits:
+            best = min(fits, key=lambda p: (p.compute_slices, p.memory_gib, p.name))
+            found[spec.name] = best.name
+    return found

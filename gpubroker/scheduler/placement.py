@@ -154,16 +154,27 @@ class Pool:
         ]
 
     def place(
-        self, gpus: int, ends: dt.datetime, pool: str | None = None
+        self,
+        gpus: int,
+        ends: dt.datetime,
+        pool: str | None = None,
+        prefer: tuple[str, ...] = (),
     ) -> tuple[str, ...] | None:
         """Devices for a request of ``gpus`` ending at ``ends``, or ``None``.
 
-        Among nodes with room, the one with the fewest usable devices (best
+        ``prefer`` (``gpus`` devices of one node, e.g. those a restarted
+        server held) wins when every one of them is usable now. Otherwise,
+        among nodes with room, the one with the fewest usable devices (best
         fit), then the closest set by topology. ``pool``: only devices of
         that pool.
         """
         if gpus > self.largest_free():
             return None
+        if len(prefer) == gpus:
+            home = self.node_of(prefer[0])
+            ready = {s.uuid for s in self.usable(home, ends, pool)} if home else set()
+            if ready.issuperset(prefer):
+                return tuple(sorted(prefer, key=lambda uuid: self.slots[uuid].index))
         best: tuple[tuple[int, int, int, str], tuple[Slot, ...]] | None = None
         for node, free in self.free.items():
             if len(free) < gpus:

@@ -84,6 +84,21 @@ class _Pass:
     blocked: bool = False
     told: set[int] = field(default_factory=set)
     spare: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    #: waits so far by (slot kind, pool asked for; None: any pool)
+    waiting: dict[tuple[str, str | None], int] = field(default_factory=lambda: defaultdict(int))
+    waiting_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def position(self, request: Request) -> int:
+        """1-based place among the waits so far that compete with ``request``:
+        the same kind of slot (whole devices, MIG instances, shares) and a
+        pool that overlaps (either asks for any pool, or both the same)."""
+        if request.pool is None:
+            ahead = self.waiting_kind[request.kind]
+        else:
+            ahead = self.waiting[(request.kind, request.pool)] + self.waiting[(request.kind, None)]
+        self.waiting[(request.kind, request.pool)] += 1
+        self.waiting_kind[request.kind] += 1
+        return ahead + 1
 
     def wait(
         self,
@@ -93,7 +108,7 @@ class _Pass:
         detail: str = "",
         earmarked: tuple[str, ...] = (),
     ) -> None:
-        position = len(self.waits) + 1
+        position = self.position(request)
         message = wait_message(reason, position, eta, self.now, detail, request.whole)
         self.waits.append(Wait(request.lease_id, position, reason, message, eta, earmarked))
 
@@ -312,7 +327,7 @@ def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:
         ends = (
             NEVER if request.time_limit is None else now + dt.timedelta(seconds=request.time_limit)
         )
-        devices = p.pool.place(request.gpus, ends, request.pool)
+        devices = p.pool.place(request.gpus, ends, request.pool, request.prefer)
         if devices is not None:
             p.grant(request, devices)
             continue

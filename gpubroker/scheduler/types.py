@@ -300,6 +300,8 @@ class Request:
             granted (whole devices: ``gpus``; else the broker's estimate from
             the pool's devices, see :func:`gpubroker.scheduler.sharing.mig_weight` and
             :func:`~gpubroker.scheduler.sharing.share_weight`).
+        prefer: whole devices to take when all of them are usable now (a
+            restarted server's previous devices); else placement as usual.
     """
 
     lease_id: int
@@ -315,6 +317,7 @@ class Request:
     memory_mib: int = 0
     pool: str | None = None
     weight: float | None = None
+    prefer: tuple[str, ...] = ()
 
     @property
     def amount(self) -> float:
@@ -408,7 +411,10 @@ class Wait:
 
     Attributes:
         lease_id: the pending lease.
-        position: 1-based place among the waiting requests, in policy order.
+        position: 1-based place, in policy order, among the waiting requests
+            that compete with it: the same kind of slot (whole devices, MIG
+            instances or shares) and an overlapping pool (either asks for
+            any pool, or both for the same one).
         reason: a :class:`WaitReason` code.
         message: one sentence for the user.
         eta: estimated start (aware UTC), ``None`` when unknown.

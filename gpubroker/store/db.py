@@ -8,6 +8,8 @@ broker start-up run.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -29,12 +32,29 @@ def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
     cursor.close()
 
 
+def create_private_sqlite(url: str) -> None:
+    """Create the file of a SQLite ``url`` readable by its owner only (0600)
+    if it does not exist yet; other URLs are left alone.
+
+    SQLite gives its ``-wal`` and ``-shm`` files the database file's mode, so
+    they are private too. A file that exists keeps its mode (an admin may
+    have chosen one).
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(parsed.database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """Create an engine for ``url`` (any SQLAlchemy URL).
 
-    For SQLite, WAL journal mode, foreign keys and a 5 s busy timeout are set
-    on every connection.
+    For SQLite, the file is created 0600 (:func:`create_private_sqlite`);
+    WAL journal mode, foreign keys and a 5 s busy timeout are set on every
+    connection.
     """
+    create_private_sqlite(url)
     engine = create_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -60,6 +80,7 @@ def upgrade(url: str, revision: str = "head") -> None:
     Raises:
         sqlalchemy.exc.SQLAlchemyError: the database cannot be reached or migrated.
     """
+    create_private_sqlite(url)
     command.upgrade(alembic_config(url), revision)
 
 

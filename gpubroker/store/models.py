@@ -151,6 +151,12 @@ class Lease(Base):
     pool: Mapped[str | None] = mapped_column(String(64), nullable=True)
     weight: Mapped[float | None] = mapped_column(Float, nullable=True)
     grant_env: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    #: restarts of the server this lease serves (previous lease's + 1)
+    restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    #: the lease of the same server this one replaces after a restart
+    restart_of: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: devices placement tries first (the previous lease's, after a restart)
+    prefer_devices: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
 
     allocations: Mapped[list[Allocation]] = relationship(
         back_populates="lease", order_by="Allocation.id", lazy="selectin"

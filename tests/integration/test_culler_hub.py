@@ -7,6 +7,7 @@ exempt. A second hub runs the culler in dry-run mode.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -178,3 +179,100 @@ def test_dry_run_culls_nothing_but_reports(tmp_path_factory: pytest.TempPathFact
         assert dry.server("idle2") is not None
     finally:
         dry.stop()
+
+
+#: jupyter_server config a user could put in her own home: before her server
+#: answers an API call, try the token that came with it on everything that is
+#: not hers (the attack of issue #10), and write down what each try got
+SNOOPER = """
+import json, os, urllib.error, urllib.request
+from jupyter_server.base.handlers import APIHandler
+
+HUB = {hub!r}
+PROBES = {probes!r}
+OUT = os.path.join(os.environ["HOME"], "captured.jsonl")
+_prepare = APIHandler.prepare
+
+
+def _try(method, url, token, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method)
+    request.add_header("Authorization", token)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, None
+
+
+async def prepare(self):
+    token = self.request.headers.get("Authorization")
+    # the culler's read (it asks not to count as activity)
+    if token and self.get_argument("no_track_activity", None):
+        tried = {{k: _try(m, HUB + path, token, body)[0] for k, (m, path, body) in PROBES.items()}}
+        whoami = _try("GET", HUB + "/hub/api/user", token)[1]
+        with open(OUT, "a") as f:
+            f.write(json.dumps({{"token": token, "tried": tried, "whoami": whoami}}) + "\\n")
+    return await _prepare(self)
+
+
+APIHandler.prepare = prepare
+"""
+
+#: what the snooper tries: name -> (method, path under the hub's public URL, body)
+PROBES = {
+    "hub: list users": ("GET", "/hub/api/users", None),
+    "hub: read victim": ("GET", "/hub/api/users/victim", None),
+    "hub: new token for victim": ("POST", "/hub/api/users/victim/tokens", {}),
+    "hub: stop victim": ("DELETE", "/hub/api/users/victim/server", None),
+    "victim: files": ("GET", "/user/victim/api/contents", None),
+    "victim: kernels": ("GET", "/user/victim/api/kernels", None),
+    "victim: terminals": ("POST", "/user/victim/api/terminals", {}),
+    "broker: quotas": ("GET", "/services/gpubroker/api/v1/quotas", None),
+    "broker: raise quota": (
+        "PUT",
+        "/services/gpubroker/api/v1/quotas/user/snoop",
+        {"guaranteed": 8, "limit": 8},
+    ),
+    "broker: all leases": ("GET", "/services/gpubroker/api/v1/leases?user=victim", None),
+}
+
+
+def test_what_reaches_a_server_carries_only_its_users_rights(hub: RunningHub) -> None:
+    """The culler's read of a server's kernels sends a token of that server's
+    user limited to that one server, revoked after use: a user who records
+    it reaches nothing of anyone else's, nor the hub or broker admin API."""
+    home = hub.workdir / "home" / "snoop"
+    (home / ".jupyter").mkdir(parents=True, exist_ok=True)
+    (home / ".jupyter" / "jupyter_server_config.py").write_text(
+        SNOOPER.format(hub=hub.url, probes=PROBES)
+    )
+    _, victim_lease, _ = start(hub, "victim", util=80, memory_gib=4)
+    _, lease, _ = start(hub, "snoop", util=80, memory_gib=4)
+    captured = home / "captured.jsonl"
+    wait_until(lambda: captured.exists() and captured.read_text().strip(), timeout=30)
+    record = json.loads(captured.read_text().splitlines()[0])
+    broker_token = (hub.workdir / "gpubroker-service-token").read_text().strip()
+    assert broker_token not in record["token"]
+    tried = record["tried"]
+    # it is hers, and reaches her own server only
+    assert record["whoami"]["name"] == "snoop"
+    scopes = set(record["whoami"]["scopes"])
+    # beyond the access to her one server: only the identity every token has
+    assert scopes - {"access:servers!server=snoop/"} <= {
+        "read:users:name!user=snoop",
+        "read:users:groups!user=snoop",
+    }, scopes
+    assert "access:servers!server=snoop/" in scopes
+    assert all(status in (401, 403, 404) for status in tried.values()), tried
+    # and it is revoked once the read is done
+    token = record["token"].split()[-1]
+    gone = requests.get(
+        f"{hub.url}/hub/api/user", headers={"Authorization": f"token {token}"}, timeout=10
+    )
+    assert gone.status_code == 403
+    assert hub.server("victim") is not None
+    assert hub.broker_api("GET", f"/leases/{victim_lease['id']}").json()["state"] == "granted"
+    for user, held in (("snoop", lease), ("victim", victim_lease)):
+        hub.api("DELETE", f"/users/{user}/server")
+        wait_for_release(hub, held["id"])

@@ -178,3 +178,80 @@ def test_share_over_its_cap_is_warned_then_its_process_ended(hub: RunningHub) ->
     backend.set_usage(device, utilization_gpu=0, processes=[])
     stop(hub, "hog")
     stop(hub, "calm")
+
+
+def external(hub: RunningHub, user: str, **request: object) -> dict:
+    r = hub.broker_api("POST", "/leases", json={"user": user, "holder_kind": "external", **request})
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+def test_devices_show_every_holder_and_the_queue_counts_competitors_only(
+    hub: RunningHub,
+) -> None:
+    ann = hub.create_user("ann")
+    held = [
+        external(hub, "ann", mig_profile="1g.10gb"),
+        external(hub, "bob", mig_profile="1g.10gb"),
+    ]
+    devices = {d["uuid"]: d for d in hub.broker_api("GET", "/devices").json()["devices"]}
+    shared = devices[held[0]["slots"][0]["device"]]
+    assert shared["state"] == "shared" and shared["slots_held"] == 2
+    assert [(h["user"], h["kind"]) for h in shared["holders"]] == [("ann", "mig"), ("bob", "mig")]
+    assert all(h["instance_uuid"].startswith("MIG-") for h in shared["holders"])
+    mine = hub.broker_api("GET", "/devices", token=ann).json()["devices"]
+    seen = next(d for d in mine if d["uuid"] == shared["uuid"])
+    assert [h["user"] for h in seen["holders"]] == ["ann"] and seen["slots_held"] == 2
+
+    # every whole GPU (4-7) and every MIG slice held; two MIG requests wait
+    held += [external(hub, "w", gpus=4)]
+    held += [external(hub, f"m{i}", mig_profile="1g.10gb") for i in range(12)]
+    waiting = [external(hub, f"q{i}", mig_profile="1g.10gb") for i in range(2)]
+    assert [x["queue"]["position"] for x in waiting] == [1, 2]
+    whole = external(hub, "solo", gpus=1)
+    assert whole["state"] == "pending" and whole["queue"]["position"] == 1
+    for lease in [*held, *waiting, whole]:
+        hub.broker_api("DELETE", f"/leases/{lease['id']}")
+
+
+def test_bad_requests_get_a_hint_not_a_bare_refusal(hub: RunningHub) -> None:
+    token = hub.create_user("hinted")
+    r = hub.broker_api(
+        "POST",
+        "/leases",
+        token=token,
+        json={"user": "hinted", "mig_profile": "1g.10gb", "count": 2},
+    )
+    assert r.status_code == 400 and "2g.20gb on H100-80GB" in r.json()["message"]
+    r = hub.broker_api("POST", "/leases", token=token, json={"user": "hinted", "gpus": 0})
+    assert r.status_code == 400
+    assert r.json()["message"].startswith("gpus: must be at least 1, got 0 (a lease holds GPUs")
+
+
+def test_switching_pools_off_leaves_mig_devices_out_until_mig_mode_is_off(
+    hub: RunningHub,
+) -> None:
+    """Last in this module: it restarts the hub without pools (whole GPUs),
+    keeping the store and the fake GPUs' MIG state."""
+    mig_lease = external(hub, "keeper", mig_profile="3g.40gb")
+    gpu = mig_lease["slots"][0]["device"]
+    hub.stop()
+    (hub.workdir / "broker_config.py").write_text("")
+    hub.start()
+    eight = external(hub, "big", gpus=8)
+    assert eight["state"] == "pending"  # devices 0-1 are still in MIG mode
+    six = external(hub, "six", gpus=6)
+    assert six["state"] == "granted" and gpu not in [d["uuid"] for d in six["devices"]]
+    hub.broker_api("DELETE", f"/leases/{six['id']}")
+    hub.broker_api("DELETE", f"/leases/{mig_lease['id']}")
+    granted = wait_until(
+        lambda: (
+            (x := hub.broker_api("GET", f"/leases/{eight['id']}").json())["state"] == "granted"
+            and x
+        ),
+        timeout=30,
+    )
+    assert len({d["uuid"] for d in granted["devices"]}) == 8
+    state = json.loads((hub.workdir / "fake-gpu-usage.json").read_text())
+    assert all(not entry.get("enabled") for entry in state["_mig"].values()), state["_mig"]
+    hub.broker_api("DELETE", f"/leases/{eight['id']}")

@@ -387,7 +387,14 @@ def check_pass(state: SchedulerState, now: dt.datetime, d: Decisions) -> None:
     pending = {r.lease_id: r for r in state.pending}
     decided = [g.lease_id for g in d.grants] + [w.lease_id for w in d.waits]
     assert sorted(decided) == sorted(pending), "not exactly one grant or wait per request"
-    assert [w.position for w in d.waits] == list(range(1, len(d.waits) + 1))
+    for i, w in enumerate(d.waits):  # place among the earlier waits it competes with
+        mine = pending[w.lease_id]
+        ahead = [
+            o
+            for o in (pending[x.lease_id] for x in d.waits[:i])
+            if o.kind == mine.kind and (None in (o.pool, mine.pool) or o.pool == mine.pool)
+        ]
+        assert w.position == len(ahead) + 1, (w, mine)
     before = Held.of(slots, state.running)
     for g in d.grants:
         request = pending[g.lease_id]

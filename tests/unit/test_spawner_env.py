@@ -60,6 +60,9 @@ async def test_form_tells_why_the_last_lease_ended(monkeypatch) -> None:
         async def devices(self):
             return {"summary": {"request_limit": 2, "free": 2, "total": 2}, "devices": []}
 
+        async def pools(self, user):
+            return {"pools": [], "quota": {"user": user, "limit": None, "remaining": None}}
+
     monkeypatch.setattr(type(spawner), "broker", property(lambda self: Inventory()))
     page = await spawner._gpu_options_form()
     assert "Your previous server lost its GPUs: culled: idle 62 min &lt;GPU 0%&gt;" in page

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpubroker.api import validation
-from gpubroker.errors import BadRequest
+from gpubroker.errors import BadRequest, NotFound
 from gpubroker_spawner import form
 
 
@@ -22,7 +22,12 @@ def test_lease_request_defaults_and_types() -> None:
         "memory_gib": None,
         "count": None,
         "pool": None,
+        "restart_of": None,
     }
+    assert validation.lease_request({"user": "ann", "gpus": 1, "restart_of": 7})["restart_of"] == 7
+    for bad in (0, -1, "7", True, 2**63):
+        with pytest.raises(BadRequest, match="restart_of"):
+            validation.lease_request({"user": "ann", "gpus": 1, "restart_of": bad})
     share = {"user": "ann", "memory_gib": 10, "count": 2, "pool": "shared"}
     parsed = validation.lease_request(share)
     assert (parsed["gpus"], parsed["memory_gib"], parsed["count"], parsed["pool"]) == (
@@ -44,12 +49,12 @@ def test_lease_request_defaults_and_types() -> None:
         ({"user": "ann", "memory_gib": 0}, "memory_gib: must be between 0.25 and 1024 GiB"),
         ({"user": "ann", "memory_gib": "10G"}, "memory_gib: must be a number of GiB"),
         ({"user": "ann", "gpus": 1, "count": 2}, "count: only with memory_gib"),
-        ({"user": "ann", "memory_gib": 4, "count": 0}, "count: must be between 1, got 0"),
+        ({"user": "ann", "memory_gib": 4, "count": 0}, "count: must be at least 1, got 0"),
         ({"user": "ann", "gpus": 1, "pool": "a/b"}, "pool: must be 1-255 characters"),
         ({"user": "ann", "gpus": "two"}, 'gpus: must be an integer, got "two"'),
         ({"user": "ann", "gpus": True}, "gpus: must be an integer, got true"),
         ({"user": "ann", "gpus": 1.5}, "gpus: must be an integer, got 1.5"),
-        ({"user": "ann", "gpus": 0}, "gpus: must be between 1, got 0"),
+        ({"user": "ann", "gpus": 0}, "gpus: must be at least 1, got 0 (a lease holds GPUs"),
         ({"gpus": 1}, "user: must be a string"),
         ({"user": "a/b", "gpus": 1}, "user: must be 1-255 characters without '/'"),
         ({"user": "ann", "gpus": 1, "server_name": 3}, "server_name: must be a string"),
@@ -112,3 +117,90 @@ def test_form_html_offers_zero_to_limit_and_says_when_simulated() -> None:
     assert html.count("<option") == 3
     assert "(will queue)" in html and "Simulated GPUs" in html
     assert "1 of 2 GPUs free now (NVIDIA H100 80GB HBM3)" in html
+
+
+# -- hardening (issue #10): hostile input gets a 400/404 naming the limit ---------------
+
+
+def test_deep_json_is_refused_before_parsing() -> None:
+    deep = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(BadRequest, match="body: JSON nested deeper than 32 levels"):
+        validation.parse_json_object(deep)
+    ok = b'{"a": ' + b"[" * 31 + b"]" * 31 + b', "s": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}'
+    assert validation.parse_json_object(ok)["s"].startswith("[[[")
+    assert validation.json_depth(b'{"a": [1, {"b": "]]]\\"["}]}') == 3
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b'{"guaranteed": NaN}', "body: NaN is not a number JSON allows"),
+        (b'{"limit": Infinity}', "body: Infinity is not a number JSON allows"),
+        (b'{"limit": -Infinity}', "body: -Infinity is not a number JSON allows"),
+        (b'{"limit": 1e400}', 'body: number "1e400" is out of range (finite numbers only)'),
+        (b'{"gpus": 9223372036854775808}', "at most 9223372036854775807 in magnitude"),
+        (b'{"gpus": ' + b"7" * 5000 + b"}", "is out of range"),
+        (b'{"user": "ann", "server_name": "\\ud800"}', "server_name: not valid Unicode"),
+        (b'{"\\udfff": 1}', "body: a field name: not valid Unicode"),
+        (b'{"reason": ["ok", "\\ud800x"]}', "reason: not valid Unicode"),
+    ],
+)
+def test_non_finite_numbers_huge_integers_and_surrogates_are_refused(
+    raw: bytes, message: str
+) -> None:
+    with pytest.raises(BadRequest) as err:
+        validation.parse_json_object(raw)
+    assert message in err.value.message
+
+
+def test_quota_body_refuses_non_finite_numbers_given_directly() -> None:
+    for bad in (float("nan"), float("inf"), -1):
+        with pytest.raises(BadRequest, match="guaranteed: must be a finite number of GPUs >= 0"):
+            validation.quota_body({"guaranteed": bad})
+    assert validation.quota_body({"guaranteed": 1, "limit": 2}) == (1.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [".", "..", "a/b", "a\x00b", "tab\there", "del\x7f", "c1\x85", "\ud800", " lead", "x" * 256],
+)
+def test_names_are_checked(name: str) -> None:
+    with pytest.raises(BadRequest, match="group: must be 1-255 characters without '/'"):
+        validation.lease_request({"user": "ann", "gpus": 1, "group": name})
+    with pytest.raises(BadRequest, match="name: must be 1-255"):
+        validation.check_name(name, "name")
+
+
+def test_good_names_pass() -> None:
+    for name in ("ann", "x" * 255, "a.b", "...", "é-ü", "team a"):
+        assert validation.check_name(name, "name") == name
+    assert validation.check_name("", "server_name", allow_empty=True) == ""
+    assert validation.optional_name_arg(None, "user") is None
+
+
+@pytest.mark.parametrize("raw", ["0", str(2**63), "9" * 5000, "\u0661\u0662"])
+def test_lease_ids_beyond_64_bits_are_not_found(raw: str) -> None:
+    with pytest.raises(NotFound, match="no such lease"):
+        validation.lease_id(raw)
+    assert validation.lease_id(str(2**63 - 1)) == 2**63 - 1
+
+
+def test_version_argument_is_bounded() -> None:
+    assert validation.optional_int("7", "version") == 7
+    for raw in ("9" * 5000, str(2**63), "-1", "\u0661"):
+        with pytest.raises(
+            BadRequest, match="version: must be an integer from 0 to 9223372036854775807"
+        ):
+            validation.optional_int(raw, "version")
+    with pytest.raises(BadRequest, match="wait: must be between 0 and 300"):
+        validation.wait_seconds("nan", 300)
+
+
+def test_echoed_values_are_escaped_and_cut() -> None:
+    with pytest.raises(BadRequest) as err:
+        validation.lease_request({"user": "ann", "gpus": "g" * 10_000})
+    assert err.value.message == 'gpus: must be an integer, got "' + "g" * 59 + "…"
+    with pytest.raises(BadRequest) as err:
+        validation.check_name("\x00" * 500, "user")
+    assert "\x00" not in err.value.message and len(err.value.message) < 200
+    assert validation.echo("\ud800") == '"\\ud800"'
