@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import select
 
 from . import scheduler
+from .commands import command
 from .errors import BadRequest, Conflict, NotFound
 from .store.models import Device, Lease, LeaseState, QuotaRow
 from .views import device_view, lease_view
@@ -33,6 +34,7 @@ class AdminMixin:
             "default_user": shape(policy.default_user_quota),
         }
 
+    @command("admin")
     def set_quota(self, kind: str, name: str, guaranteed: float, limit: float | None) -> None:
         """Store a quota (overrides config); applies from the next pass on.
 
@@ -47,6 +49,7 @@ class AdminMixin:
         self.log.info("Quota of %s %s: guaranteed %s, limit %s", kind, name, guaranteed, limit)
         self._notify()
 
+    @command("admin")
     def delete_quota(self, kind: str, name: str) -> None:
         """Remove a stored quota (the configured one, if any, applies again).
 
@@ -62,6 +65,7 @@ class AdminMixin:
             self._schedule(session, dt.datetime.now(dt.timezone.utc))
         self._notify()
 
+    @command("admin")
     def set_priority_class(self, lease_id: int, priority_class: str) -> dict[str, Any]:
         """Move a pending request to another priority class.
 
@@ -78,14 +82,19 @@ class AdminMixin:
             lease = self._get(session, lease_id)
             if lease.state != LeaseState.pending.value:
                 raise Conflict(f"priority_class: lease {lease_id} is {lease.state}, not pending")
-            lease.priority_class = priority_class
+            before, lease.priority_class = lease.priority_class, priority_class
             lease.version += 1
+            now = dt.datetime.now(dt.timezone.utc)
+            self._rec(session, now).note(  # type: ignore[attr-defined]
+                lease, "priority-changed", f"priority class {before} -> {priority_class}"
+            )
             session.flush()
             self._schedule(session, dt.datetime.now(dt.timezone.utc))
             view = lease_view(lease)
         self._notify()
         return view
 
+    @command("admin")
     def set_drained(self, uuid: str, drained: bool) -> dict[str, Any]:
         """Drain (no new grants; running leases continue) or undrain a device.
 

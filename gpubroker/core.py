@@ -13,9 +13,10 @@ so two changes never interleave: that, plus the partial unique indexes of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from sqlalchemy import select
@@ -24,10 +25,11 @@ from traitlets import Any as AnyTrait
 from traitlets import Bool, Enum, Float, Instance, Integer, default
 from traitlets.config import LoggingConfigurable
 
-from . import scheduler
+from . import scheduler, state_check
 from .admin import AdminMixin
 from .admission import AdmissionMixin
 from .availability import AvailabilityMixin
+from .commands import command
 from .devices.base import DeviceBackend
 from .enforce.mps import MPSControl
 from .errors import BadRequest, Conflict, NotFound
@@ -41,12 +43,15 @@ from .store.models import (
     Allocation,
     Device,
     HolderKind,
+    Intent,
     Lease,
+    LeaseEvent,
     LeaseState,
     QuotaRow,
 )
+from .transitions import EventBus, Recorder, Stimulus, event_view
 from .usage import record_usage
-from .views import lease_view
+from .views import lease_view, summary
 
 
 def utcnow() -> dt.datetime:
@@ -107,6 +112,17 @@ class Broker(
 
     mps = Instance(MPSControl, help="CUDA MPS for shares (configure MPSControl).")
 
+    check_state = Enum(
+        ["off", "log", "raise"],
+        default_value="off",
+        help="""Check the broker's invariants after every command
+        (validate_state: no slot held twice, every granted lease holds its
+        slots, each changed lease's transition log replays to its state).
+        "log": log each broken invariant as an error; "raise": fail the
+        command (the test suite runs so); "off": skip (it reads every active
+        allocation per command).""",
+    ).tag(config=True)
+
     @default("mps")
     def _default_mps(self) -> MPSControl:
         return MPSControl(parent=self)
@@ -126,9 +142,72 @@ class Broker(
         #: called with the view of each server lease to evict (preemption, time
         #: limit), so the service can stop its hub server
         self.on_evict: Callable[[dict[str, Any]], None] | None = None
-        #: server leases being evicted: when their stop was asked, and why
-        self._stopping: dict[int, tuple[dt.datetime, str]] = {}
+        #: lease events go here after each command's commit
+        self.bus = EventBus(self.log)
+        self._stimulus: Stimulus | None = None
+        self._touched: set[int] = set()
         self._init_sharing()
+
+    # -- commands and their events ---------------------------------------------------
+
+    @contextlib.contextmanager
+    def _command(self, actor: str) -> Iterator[Stimulus]:
+        """Run one command as ``actor``: events staged meanwhile are published
+        after it and the state checked (``check_state``); a command inside a
+        command shares its stimulus."""
+        if self._stimulus is not None:
+            yield self._stimulus
+            return
+        self._stimulus = Stimulus(actor)
+        self._touched = set()
+        try:
+            yield self._stimulus
+        except BaseException:
+            self.bus.discard()
+            raise
+        finally:
+            self._stimulus = None
+        self.bus.publish()
+        if self.check_state != "off":
+            self.validate_state(self._touched)
+
+    def _rec(self, session: Session, now: dt.datetime, actor: str | None = None) -> Recorder:
+        """A recorder of the current command's changes in ``session``."""
+        stimulus = self._stimulus or Stimulus("broker")
+        recorder = Recorder(session, stimulus, now, self.bus, actor)
+        recorder.touched = self._touched
+        return recorder
+
+    def validate_state(self, touched: Iterable[int] = ()) -> list[str]:
+        """Check the invariants (:mod:`gpubroker.state_check`), replaying
+        the transition logs of the leases ``touched``.
+
+        Returns:
+            the broken invariants (logged as errors), empty when all hold.
+
+        Raises:
+            StateInvalid: one is broken and ``check_state`` is ``raise``.
+        """
+        with self._session() as session:
+            found = state_check.problems(session, touched)
+        for problem in found:
+            self.log.error("State check: %s", problem)
+        if found and self.check_state == "raise":
+            raise state_check.StateInvalid("; ".join(found))
+        return found
+
+    def lease_events(self, lease_id: int) -> list[dict[str, Any]]:
+        """The transition log of lease ``lease_id``, oldest first.
+
+        Raises:
+            NotFound: no such lease.
+        """
+        with self._session() as session:
+            self._get(session, lease_id)
+            rows = session.scalars(
+                select(LeaseEvent).where(LeaseEvent.lease_id == lease_id).order_by(LeaseEvent.id)
+            )
+            return [event_view(row) for row in rows]
 
     # -- sessions and notification -------------------------------------------------
 
@@ -143,6 +222,7 @@ class Broker(
 
     # -- inventory -----------------------------------------------------------------
 
+    @command("broker")
     def sync_inventory(self) -> list[dict[str, Any]]:
         """Write the backend's devices into the store; mark vanished ones absent.
 
@@ -195,6 +275,7 @@ class Broker(
                 )
                 device.mig_target = False
 
+    @command("broker")
     def adopt(self) -> dict[str, int]:
         """Re-adopt the leases of the store after a (re)start.
 
@@ -216,6 +297,7 @@ class Broker(
                     self.log.warning("Lease %s: %s", lease.id, why)
                     self._evict(lease, why, now)
             session.flush()
+            self._resume_stops(session)
             self._schedule(session, now)
         self.log.info(
             "Adopted %s granted and %s pending leases", counts["granted"], counts["pending"]
@@ -248,6 +330,7 @@ class Broker(
 
     # -- state changes ---------------------------------------------------------------
 
+    @command("broker")
     def request_lease(
         self,
         user: str,
@@ -363,6 +446,10 @@ class Broker(
                 lease.prefer_devices = _devices_to_prefer(previous, shape.kind, shape.count)
             session.add(lease)
             session.flush()
+            detail = {"summary": summary(lease), "priority_class": cls, "group": charged}
+            if previous is not None:
+                detail["restart_of"] = previous.id
+            self._rec(session, now).created(lease, f"requested {summary(lease)}", detail)
             self._schedule(session, now)
             view = lease_view(lease)
         self.log.info(
@@ -412,6 +499,7 @@ class Broker(
                 f"lease {existing}; one active lease per server"
             )
 
+    @command("unknown")
     def release_lease(self, lease_id: int, reason: str) -> dict[str, Any]:
         """Release lease ``lease_id`` (granted or pending), recording ``reason``.
 
@@ -424,8 +512,9 @@ class Broker(
         with self._session() as session, session.begin():
             lease = self._get(session, lease_id)
             if lease.state != LeaseState.released.value:
-                if lease.id in self._stopping:
-                    reason = f"{self._stopping.pop(lease.id)[1]} (server stopped)"
+                stopping = _open_stop(session, lease.id)
+                if stopping is not None:  # the broker asked for this stop: its reason
+                    reason = f"{stopping.reason} (server stopped)"
                 self._release(lease, reason, now)
                 session.flush()
                 self._schedule(session, now)
@@ -435,11 +524,13 @@ class Broker(
         return view
 
     def _release(self, lease: Lease, reason: str, now: dt.datetime) -> None:
+        session = self._session_of(lease)
         if lease.state == LeaseState.granted.value:
-            record_usage(self._session_of(lease), lease, now, self.policy.fairshare_half_life)
+            record_usage(session, lease, now, self.policy.fairshare_half_life)
             self._unrealize(lease)
-        lease.state = LeaseState.released.value
-        lease.version += 1
+        self._rec(session, now).transition(lease, LeaseState.released.value, reason)
+        for intent in _open_intents(session, lease.id):
+            intent.state, intent.done_at = "done", now
         lease.released_at = now
         lease.release_reason = reason
         lease.queue_position = lease.queue_reason = lease.queue_message = None
@@ -456,6 +547,7 @@ class Broker(
         assert session is not None
         return session
 
+    @command("reconcile")
     def reconcile(self, servers: Iterable[tuple[str, str]], as_of: dt.datetime) -> list[int]:
         """Release server leases whose hub server no longer exists.
 
@@ -585,6 +677,7 @@ class Broker(
 
     # -- scheduling ----------------------------------------------------------------
 
+    @command("scheduler")
     def schedule_now(self) -> None:
         """Run a scheduling pass in its own transaction (the periodic timer)."""
         with self._session() as session, session.begin():
@@ -605,7 +698,10 @@ class Broker(
         """Run the pure scheduler on the session's state and apply its decisions.
 
         When an eviction released devices, one more pass hands them on.
+        Server stops that took longer than ``evict_timeout`` end first.
         """
+        self._expire_stops(session, now)
+        session.flush()
         state, leases = build_state(
             session,
             self._policy(session),
@@ -622,6 +718,7 @@ class Broker(
             now,
             lambda lease, why: self._evict(lease, why, now),
             self._realize,
+            self._rec(session, now, "scheduler"),
         )
         session.flush()
         for grant in decisions.grants:
@@ -641,20 +738,76 @@ class Broker(
     def _evict(self, lease: Lease, reason: str, now: dt.datetime) -> bool:
         """End an evicted lease; a hub server is stopped first (so two servers
         never share a device) and released when it has stopped, or after
-        ``evict_timeout`` seconds. Returns whether the lease is released now."""
+        ``evict_timeout`` seconds. Returns whether the lease is released now.
+
+        The stop is a stored intent (``intents``, kind ``stop-server``): a
+        restarted broker asks the hub again (:meth:`adopt`), and the first
+        reason stays the release reason."""
         if lease.holder_kind == HolderKind.server.value and self.on_evict is not None:
-            if lease.id not in self._stopping:
-                self._stopping[lease.id] = (now, reason)
+            session = self._session_of(lease)
+            intent = _open_stop(session, lease.id)
+            if intent is None:
+                intent = Intent(
+                    kind="stop-server",
+                    lease_id=lease.id,
+                    reason=reason,
+                    created=now,
+                    state="open",
+                    attempts=1,
+                )
+                session.add(intent)
+                self._rec(session, now).note(lease, "stopping", reason)
                 self.log.warning("Stopping server of lease %s: %s", lease.id, reason)
                 self.on_evict(lease_view(lease) | {"release_reason": reason})
-            asked, reason = self._stopping[lease.id]  # the first reason stays
-            if (now - asked).total_seconds() < self.evict_timeout:
+            if (now - intent.created).total_seconds() < self.evict_timeout:
                 return False
-            del self._stopping[lease.id]
+            reason = intent.reason
         self._release(lease, reason, now)
         self.log.warning("Evicted lease %s of %s: %s", lease.id, lease.user, reason)
         return True
 
+    def _expire_stops(self, session: Session, now: dt.datetime) -> None:
+        """Release the leases whose server stop was asked ``evict_timeout``
+        seconds ago or more and has not happened."""
+        since = now - dt.timedelta(seconds=self.evict_timeout)
+        stale = select(Intent).where(
+            Intent.kind == "stop-server", Intent.state == "open", Intent.created <= since
+        )
+        for intent in list(session.scalars(stale)):
+            lease = session.get(Lease, intent.lease_id)
+            if lease is not None and lease.state == LeaseState.granted.value:
+                self.log.warning(
+                    "Server of lease %s did not stop in %s s; releasing it",
+                    lease.id,
+                    self.evict_timeout,
+                )
+                self._release(lease, intent.reason, now)
+            else:
+                intent.state, intent.done_at = "done", now
+
+    def _resume_stops(self, session: Session) -> int:
+        """Ask the hub again to stop the servers whose stop a previous run of
+        the broker asked for (at start-up). Returns how many."""
+        if self.on_evict is None:
+            return 0
+        count = 0
+        stmt = select(Intent).where(Intent.kind == "stop-server", Intent.state == "open")
+        for intent in list(session.scalars(stmt)):
+            lease = session.get(Lease, intent.lease_id)
+            if lease is None or lease.state != LeaseState.granted.value:
+                continue
+            intent.attempts += 1
+            self.log.warning(
+                "Resuming the stop of lease %s's server (asked %s): %s",
+                lease.id,
+                intent.created.isoformat(),
+                intent.reason,
+            )
+            self.on_evict(lease_view(lease) | {"release_reason": intent.reason})
+            count += 1
+        return count
+
+    @command("culler")
     def stop_lease(self, lease_id: int, reason: str) -> None:
         """End a granted server lease the way an eviction does: its hub server
         is stopped first, then the lease is released with ``reason``.
@@ -703,3 +856,14 @@ def _devices_to_prefer(previous: Lease, kind: str, count: int) -> list[str] | No
         return None
     devices = [a.device_uuid for a in previous.allocations if a.kind == "device"]
     return devices if len(devices) == count else None
+
+
+def _open_intents(session: Session, lease_id: int) -> list[Intent]:
+    """The intents of ``lease_id`` not yet carried out."""
+    stmt = select(Intent).where(Intent.lease_id == lease_id, Intent.state == "open")
+    return list(session.scalars(stmt))
+
+
+def _open_stop(session: Session, lease_id: int) -> Intent | None:
+    """The open ``stop-server`` intent of ``lease_id``, if any."""
+    return next((i for i in _open_intents(session, lease_id) if i.kind == "stop-server"), None)

@@ -36,6 +36,7 @@ the reason, not used to decide.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import re
@@ -48,6 +49,7 @@ from traitlets import Bool, Float, Integer, List, Unicode
 from traitlets.config import LoggingConfigurable
 
 from .core import Broker, utcnow
+from .culler_store import load_tracks, save_tracks
 from .enforce.watchdog import lease_of_pid
 from .hub import HubClient
 from .store.models import Lease
@@ -89,7 +91,8 @@ class Signals:
 
 @dataclass
 class Track:
-    """What the culler remembers of a lease between checks (in memory)."""
+    """What the culler remembers of a lease between checks (kept in the
+    store, ``culler_tracks``, across broker restarts)."""
 
     gpu_active: dt.datetime
     busy_since_gpu_idle: dt.datetime | None = None
@@ -221,11 +224,21 @@ class Culler(LoggingConfigurable):
         self.pid_lease = pid_lease
         self.tracks: dict[int, Track] = {}
         self.groups: dict[str, list[str]] = {}
+        #: the tracks as last stored (None: not read from the store yet)
+        self._stored: dict[int, dict[str, Any]] | None = None
 
     # -- one check -------------------------------------------------------------------
 
     async def check_once(self, now: dt.datetime | None = None) -> list[int]:
-        """Judge every granted server lease once; return ids culled now."""
+        """Judge every granted server lease once; return ids culled now.
+
+        The tracks (clocks, warnings) are read from the store at the first
+        check and written back after each check that changed them, so a
+        broker restart keeps a warning's deadline
+        (:mod:`gpubroker.culler_store`)."""
+        if self._stored is None:
+            self._stored = load_tracks(self.broker.session_factory)
+            self.tracks = {k: Track(**v) for k, v in self._stored.items()}
         servers, groups = await self.hub.active_server_models()
         self.groups = groups
         now = now or utcnow()
@@ -242,6 +255,10 @@ class Culler(LoggingConfigurable):
                 culled.append(lease.id)
         live = {lease.id for lease in leases}
         self.tracks = {k: v for k, v in self.tracks.items() if k in live}
+        now_stored = {k: dataclasses.asdict(v) for k, v in self.tracks.items()}
+        if now_stored != self._stored:
+            save_tracks(self.broker.session_factory, now_stored)
+            self._stored = now_stored
         return culled
 
     def _exempt(self, lease: Lease) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from .commands import command
 from .store.models import Lease, Notice
 from .views import isoformat
 
@@ -14,6 +15,7 @@ from .views import isoformat
 class NoticesMixin:
     """Record and list notices (see :class:`gpubroker.store.models.Notice`)."""
 
+    @command("culler")
     def add_notice(
         self,
         lease: Lease,
@@ -21,8 +23,12 @@ class NoticesMixin:
         message: str,
         deadline: dt.datetime | None = None,
     ) -> None:
-        """Record a notice for ``lease``'s holder (see :class:`Notice`)."""
-        with self._session() as session, session.begin():
+        """Record a notice for ``lease``'s holder (see :class:`Notice`), and
+        the notice in the lease's transition log (kind: the notice's kind)."""
+        now = dt.datetime.now(dt.timezone.utc)
+        with self._session() as session, session.begin():  # type: ignore[attr-defined]
+            detail = {"deadline": isoformat(deadline)} if deadline else {}
+            self._rec(session, now).note(lease, kind, message, detail)  # type: ignore[attr-defined]
             session.add(
                 Notice(
                     lease_id=lease.id,

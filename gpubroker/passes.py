@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -13,6 +14,7 @@ from . import scheduler
 from .pools import PoolSpec
 from .scheduler import Decisions, Instance, Part, Policy, PoolMode, SchedulerState
 from .store.models import Allocation, Device, Lease, LeaseState
+from .transitions import Recorder
 from .usage import usage_records
 
 #: the MIG instances present on each device: parent UUID -> instances
@@ -159,6 +161,7 @@ def apply_decisions(
     now: dt.datetime,
     evict: Callable[[Lease, str], bool],
     realize: Realize | None = None,
+    rec: Recorder | None = None,
 ) -> list[Lease]:
     """Write ``decisions`` to the rows; return the leases ended by eviction.
 
@@ -167,7 +170,12 @@ def apply_decisions(
     ``realize(lease, parts)`` creates what a fractional grant needs; when it
     raises ``RuntimeError`` the lease stays pending with the error as its
     reason's message (the next pass tries again).
+
+    ``rec`` logs each grant, each change of wait reason and each preemption
+    notice as an event (:mod:`gpubroker.transitions`); without it (the
+    simulator's own use) nothing is logged.
     """
+    rec = rec or _Silent()
     evicted = []
     for eviction in decisions.evictions:
         lease = leases[eviction.lease_id]
@@ -182,6 +190,7 @@ def apply_decisions(
         lease = leases[lease_id]
         lease.preempted_for = lease.preempt_deadline = lease.preempt_reason = None
         _bump(lease)
+        rec.note(lease, "preemption-withdrawn", "no longer needed for another request")
     for grant in decisions.grants:
         lease = leases[grant.lease_id]
         if grant.parts:
@@ -191,19 +200,21 @@ def apply_decisions(
                 failed = scheduler.Wait(
                     lease.id, 1, scheduler.WaitReason.resources, f"waiting: {err}"
                 )
-                _wait(lease, failed)
+                _wait(lease, failed, rec)
                 continue
-            _grant_parts(session, lease, parts, now)
+            _grant_parts(session, lease, parts, now, rec)
             continue
-        _grant(session, lease, grant.devices, now)
+        _grant(session, lease, grant.devices, now, rec)
     for preemption in decisions.preemptions:
         victim = leases[preemption.lease_id]
         victim.preempted_for = preemption.for_lease
         victim.preempt_deadline = preemption.deadline
         victim.preempt_reason = preemption.reason
         _bump(victim)
+        detail = {"for_lease": preemption.for_lease, "deadline": preemption.deadline.isoformat()}
+        rec.note(victim, "preempting", preemption.reason, detail)
     for wait in decisions.waits:
-        _wait(leases[wait.lease_id], wait)
+        _wait(leases[wait.lease_id], wait, rec)
     for lease in leases.values():
         if lease.state == LeaseState.granted.value:
             # only whole devices are ever reclaimed (fractional leases are not victims)
@@ -214,8 +225,9 @@ def apply_decisions(
     return evicted
 
 
-def _grant(session: Session, lease: Lease, uuids: tuple[str, ...], now: dt.datetime) -> None:
-    lease.state = LeaseState.granted.value
+def _grant(
+    session: Session, lease: Lease, uuids: tuple[str, ...], now: dt.datetime, rec: Any
+) -> None:
     lease.granted_at = now
     if lease.time_limit is not None:
         lease.ends_at = now + dt.timedelta(seconds=lease.time_limit)
@@ -225,10 +237,13 @@ def _grant(session: Session, lease: Lease, uuids: tuple[str, ...], now: dt.datet
     for uuid in uuids:
         session.add(Allocation(lease=lease, device_uuid=uuid, active=True))
     session.flush()
-    _bump(lease)
+    slots = [a.instance_uuid or a.device_uuid for a in lease.allocations if a.active]
+    rec.transition(lease, LeaseState.granted.value, "granted", {"slots": slots})
 
 
-def _grant_parts(session: Session, lease: Lease, parts: tuple[Part, ...], now: dt.datetime) -> None:
+def _grant_parts(
+    session: Session, lease: Lease, parts: tuple[Part, ...], now: dt.datetime, rec: Any
+) -> None:
     for part in parts:
         session.add(
             Allocation(
@@ -245,10 +260,10 @@ def _grant_parts(session: Session, lease: Lease, parts: tuple[Part, ...], now: d
             )
         )
     lease.weight = sum(part.weight for part in parts)
-    _grant(session, lease, (), now)
+    _grant(session, lease, (), now, rec)
 
 
-def _wait(lease: Lease, wait: scheduler.Wait) -> None:
+def _wait(lease: Lease, wait: scheduler.Wait, rec: Any) -> None:
     verdict = (wait.position, wait.reason.value, wait.message, wait.eta, list(wait.earmarked))
     current = (
         lease.queue_position,
@@ -258,7 +273,20 @@ def _wait(lease: Lease, wait: scheduler.Wait) -> None:
         list(lease.earmarked or ()),
     )
     if current != verdict:
+        if lease.queue_reason != wait.reason.value:  # the story: why it waits now
+            rec.note(lease, "waiting", wait.message, {"reason": wait.reason.value})
         lease.queue_position, lease.queue_reason, lease.queue_message = verdict[:3]
         lease.queue_eta = wait.eta
         lease.earmarked = list(wait.earmarked) or None
         _bump(lease)
+
+
+class _Silent:
+    """A recorder that only changes states (no log), for callers without one."""
+
+    def transition(self, lease: Lease, to_state: str, reason: str, detail: Any = None) -> None:
+        lease.state = to_state
+        lease.version += 1
+
+    def note(self, lease: Lease, kind: str, reason: str, detail: Any = None) -> None:
+        """Nothing to log."""

@@ -105,10 +105,12 @@ class ShareGuard(LoggingConfigurable):
                 f"Free memory, or process {action.pid} will be ended at "
                 f"{action.deadline:%H:%M:%S} UTC."
             )
-            self.broker.add_notice(lease, "share-overuse", message, action.deadline)
+            self.broker.add_notice(
+                lease, "share-overuse", message, action.deadline, actor="watchdog"
+            )
         elif isinstance(action, Withdrawn):
             message = f"Process {action.pid} is back under your share's memory cap."
-            self.broker.add_notice(lease, "share-overuse-withdrawn", message)
+            self.broker.add_notice(lease, "share-overuse-withdrawn", message, actor="watchdog")
         elif isinstance(action, Terminate):
             self.log.warning(
                 "Ending process %s of lease %s on %s: %s",
@@ -119,4 +121,4 @@ class ShareGuard(LoggingConfigurable):
             )
             await asyncio.to_thread(end_process, action.pid, self.watchdog.term_timeout)
             message = f"Process {action.pid} was ended: {action.reason}"
-            self.broker.add_notice(lease, "share-process-ended", message)
+            self.broker.add_notice(lease, "share-process-ended", message, actor="watchdog")

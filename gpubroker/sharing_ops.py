@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from .commands import command
 from .devices.base import DeviceBackendError
 from .devices.mig import Placement
 from .devices.models import MODELS
@@ -235,6 +236,7 @@ class SharingOpsMixin:
                 if a.lease.state == "granted"
             ]
 
+    @command("scheduler")
     def housekeep_mig(self) -> None:
         """Apply MIG mode changes asked for, and destroy left-over instances
         (run by the broker's scheduling loop)."""
@@ -246,6 +248,7 @@ class SharingOpsMixin:
 
     # -- MIG mode: an admin drain operation ------------------------------------------
 
+    @command("admin")
     def request_mig_mode(self, uuid: str, enabled: bool) -> dict[str, Any]:
         """Ask for MIG mode ``enabled`` on device ``uuid``: the device takes no
         new grants and the mode changes once nothing holds it

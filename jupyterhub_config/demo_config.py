@@ -16,6 +16,8 @@ config on free ports):
 - ``GPUBROKER_DEMO_RECONCILE_INTERVAL``: seconds between broker/hub
   reconciliations (default 30); ``GPUBROKER_DEMO_POLL_INTERVAL``: the hub's
   server poll interval (default 30).
+- ``GPUBROKER_DEMO_CHECK_STATE``: ``off`` (the default), ``log`` or
+  ``raise``: the broker's ``Broker.check_state`` (the tests use ``raise``).
 - ``GPUBROKER_DEMO_HUB_GONE_TIMEOUT``: seconds after which the broker exits
   when its hub is gone (default: the broker's, 60).
 - ``GPUBROKER_DEMO_API_TOKEN``: if set, a service ``demo-admin`` with this
@@ -95,6 +97,8 @@ if sharing:
         "--FakeDeviceBackend.mig_enabled=[4, 5]",
     ]
 extra_broker_args = []
+if os.environ.get("GPUBROKER_DEMO_CHECK_STATE"):
+    extra_broker_args.append(f"--Broker.check_state={os.environ['GPUBROKER_DEMO_CHECK_STATE']}")
 if os.environ.get("GPUBROKER_DEMO_HUB_GONE_TIMEOUT"):
     extra_broker_args.append(
         f"--GPUBrokerApp.hub_gone_timeout={os.environ['GPUBROKER_DEMO_HUB_GONE_TIMEOUT']}"

@@ -11,6 +11,10 @@ from gpubroker.core import Broker
 from gpubroker.devices.fake import FakeDeviceBackend
 from gpubroker.store.db import make_engine, make_session_factory, upgrade
 
+# every broker in the tests checks its invariants after every command
+# (Broker.check_state; the hub tests' brokers get --Broker.check_state=raise)
+Broker.check_state.default_value = "raise"  # type: ignore[attr-defined]
+
 
 @pytest.fixture
 def db_url(tmp_path: Path) -> str:

@@ -72,6 +72,7 @@ class RunningHub:
             "GPUBROKER_DEMO_BROKER_PORT": str(self.broker_port),
             "GPUBROKER_DEMO_API_TOKEN": self.token,
             "GPUBROKER_DEMO_SHARING": "0",
+            "GPUBROKER_DEMO_CHECK_STATE": "raise",
             **env,
         }
         self.proc: subprocess.Popen[bytes] | None = None

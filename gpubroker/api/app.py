@@ -31,6 +31,7 @@ ROUTES: list[tuple[str, type[web.RequestHandler]]] = [
     ("/devices/{uuid}", handlers.DeviceHandler),
     ("/leases", handlers.LeasesHandler),
     ("/leases/{id}", handlers.LeaseHandler),
+    ("/leases/{id}/events", handlers.LeaseEventsHandler),
     ("/queue", handlers.QueueHandler),
     ("/pools", handlers.PoolsHandler),
     ("/notices", handlers.NoticesHandler),

@@ -245,7 +245,11 @@ class LeasesHandler(APIHandler):
             raise Forbidden(f"holder_kind: {body['holder_kind']!r} needs {auth.ADMIN_SCOPE}")
         groups = await self.settings["groups_of"](body["user"])
         lease = self.broker.request_lease(
-            **body, groups=groups, dry_run=dry_run, admin=auth.is_admin(model)
+            **body,
+            groups=groups,
+            dry_run=dry_run,
+            admin=auth.is_admin(model),
+            actor=auth.caller_name(model),
         )
         if dry_run:
             self.write_json(lease)
@@ -308,7 +312,9 @@ class LeaseHandler(APIHandler):
                 'body: must be {"priority_class": NAME} or {"server_url": URL}'
             )
         name = validation.check_name(body["priority_class"], "priority_class")
-        self.write_json(self.broker.set_priority_class(lease_id, name))
+        self.write_json(
+            self.broker.set_priority_class(lease_id, name, actor=auth.caller_name(model))
+        )
 
     def delete(self, raw_id: str) -> None:
         model = self.caller()
@@ -318,7 +324,20 @@ class LeaseHandler(APIHandler):
         reason = body.get("reason") or f"released by {auth.caller_name(model)}"
         if not isinstance(reason, str) or len(reason) > 1000:
             raise validation.BadRequest("reason: must be a string of at most 1000 characters")
-        self.write_json(self.broker.release_lease(lease["id"], reason))
+        self.write_json(
+            self.broker.release_lease(lease["id"], reason, actor=auth.caller_name(model))
+        )
+
+
+class LeaseEventsHandler(APIHandler):
+    """``GET /api/v1/leases/{id}/events``: the lease's transition log (its
+    owner or an admin)."""
+
+    def get(self, raw_id: str) -> None:
+        model = self.caller()
+        lease_id = self.lease_id(raw_id)
+        auth.check_owner(model, self.broker.get_lease(lease_id)["user"])
+        self.write_json({"events": self.broker.lease_events(lease_id)})
 
 
 class AdminOnlyMixin:
@@ -356,7 +375,8 @@ class QuotasHandler(AdminOnlyMixin, APIHandler):
     """``GET /api/v1/quotas``: quotas in force (admins)."""
 
     def get(self) -> None:
-        self.require_admin(self.caller())
+        model = self.caller()
+        self.require_admin(model)
         self.write_json(self.broker.quotas())
 
 
@@ -365,16 +385,18 @@ class QuotaHandler(AdminOnlyMixin, APIHandler):
     quota of a ``user`` or ``group`` (admins); applies from the next pass."""
 
     def put(self, kind: str, name: str) -> None:
-        self.require_admin(self.caller())
+        model = self.caller()
+        self.require_admin(model)
         name = validation.check_name(name, "name")
         guaranteed, limit = validation.quota_body(validation.parse_json_object(self.request.body))
-        self.broker.set_quota(kind, name, guaranteed, limit)
+        self.broker.set_quota(kind, name, guaranteed, limit, actor=auth.caller_name(model))
         self.write_json(self.broker.quotas())
 
     def delete(self, kind: str, name: str) -> None:
-        self.require_admin(self.caller())
+        model = self.caller()
+        self.require_admin(model)
         name = validation.check_name(name, "name")
-        self.broker.delete_quota(kind, name)
+        self.broker.delete_quota(kind, name, actor=auth.caller_name(model))
         self.write_json(self.broker.quotas())
 
 
@@ -385,17 +407,22 @@ class DeviceHandler(AdminOnlyMixin, APIHandler):
     operation: no new grants meanwhile). Admins only."""
 
     def patch(self, uuid: str) -> None:
-        self.require_admin(self.caller())
+        model = self.caller()
+        self.require_admin(model)
         uuid = validation.check_name(uuid, "uuid")
         body = validation.parse_json_object(self.request.body)
         if set(body) == {"mig_mode"} and isinstance(body["mig_mode"], bool):
-            self.write_json(self.broker.request_mig_mode(uuid, body["mig_mode"]))
+            self.write_json(
+                self.broker.request_mig_mode(uuid, body["mig_mode"], actor=auth.caller_name(model))
+            )
             return
         if set(body) != {"drained"} or not isinstance(body["drained"], bool):
             raise validation.BadRequest(
                 'drained/mig_mode: body must be {"drained": true|false} or {"mig_mode": true|false}'
             )
-        self.write_json(self.broker.set_drained(uuid, body["drained"]))
+        self.write_json(
+            self.broker.set_drained(uuid, body["drained"], actor=auth.caller_name(model))
+        )
 
 
 class PoolsHandler(APIHandler):

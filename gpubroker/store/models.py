@@ -262,3 +262,65 @@ class Notice(Base):
     message: Mapped[str] = mapped_column(Text)
     created: Mapped[dt.datetime] = mapped_column(UTCDateTime)
     deadline: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class LeaseEvent(Base):
+    """One entry of the durable transition log: a lease's change of state,
+    or something that happened to it (see :mod:`gpubroker.model.lifecycle`).
+
+    Appended in the same transaction as the change it records, so the log
+    and the leases never disagree; never updated or deleted.
+    """
+
+    __tablename__ = "lease_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    to_state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    actor: Mapped[str] = mapped_column(String(255))
+    stimulus: Mapped[str] = mapped_column(String(64), index=True)
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    detail: Mapped[dict[str, object] | None] = mapped_column(JSON, nullable=True)
+
+
+class Intent(Base):
+    """A side effect on the outside world the broker has decided on and must
+    see carried out, kept so a restart resumes it instead of forgetting it.
+
+    ``kind``: ``stop-server`` (ask the hub to stop the server of ``lease_id``
+    before its slots are released; ``reason`` is the lease's release
+    reason). ``state``: ``open`` until it is carried out or given up
+    (``done``, with ``done_at``).
+    """
+
+    __tablename__ = "intents"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"), index=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    created: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    state: Mapped[str] = mapped_column(String(8), default="open", index=True)
+    done_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class CullerTrack(Base):
+    """What the culler remembers of a lease between checks, kept across
+    broker restarts (see :class:`gpubroker.culler.Track`): when its GPUs
+    were last used, since when its kernel is busy on an idle GPU, the
+    deadline of a warning, whether admins were told, whether it is culled."""
+
+    __tablename__ = "culler_tracks"
+
+    lease_id: Mapped[int] = mapped_column(
+        ForeignKey("leases.id", ondelete="CASCADE"), primary_key=True
+    )
+    gpu_active: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    busy_since_gpu_idle: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    warned_until: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    flagged: Mapped[bool] = mapped_column(Boolean, default=False)
+    culled: Mapped[bool] = mapped_column(Boolean, default=False)

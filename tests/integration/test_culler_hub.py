@@ -8,6 +8,8 @@ exempt. A second hub runs the culler in dry-run mode.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -146,6 +148,24 @@ def test_idle_tab_holding_memory_is_warned_then_culled_and_told(hub: RunningHub)
     assert reason.startswith("culled: idle ") and "GPU 0%, 20.0 GiB held, no busy kernel" in reason
     wait_until(lambda: hub.server("idler") is None, timeout=30)
     assert "culled" in kinds(hub, "idler", token)
+    # the lease's transition log tells the story, to its owner (and admins) only
+    r = requests.get(
+        f"{hub.broker}/leases/{lease['id']}/events",
+        headers={"Authorization": f"token {token}"},
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
+    story = [(e["kind"], e["actor"]) for e in r.json()["events"]]
+    assert story[:2] == [("requested", "gpubroker"), ("granted", "scheduler")], story
+    assert ("cull-warning", "culler") in story and ("stopping", "culler") in story
+    assert story[-1][0] == "released" and r.json()["events"][-1]["reason"].startswith("culled: ")
+    assert story.index(("cull-warning", "culler")) < story.index(("stopping", "culler"))
+    other = requests.get(
+        f"{hub.broker}/leases/{lease['id']}/events",
+        headers={"Authorization": f"token {vip_token}"},
+        timeout=10,
+    )
+    assert other.status_code == 403
     # the exempt user, idle just as long, keeps the GPU
     assert hub.broker_api("GET", f"/leases/{vip_lease['id']}").json()["state"] == "granted"
     assert kinds(hub, "vip", vip_token) == []
@@ -276,3 +296,22 @@ def test_what_reaches_a_server_carries_only_its_users_rights(hub: RunningHub) ->
     for user, held in (("snoop", lease), ("victim", victim_lease)):
         hub.api("DELETE", f"/users/{user}/server")
         wait_for_release(hub, held["id"])
+
+
+def test_a_warning_deadline_holds_across_a_broker_restart(hub: RunningHub) -> None:
+    """The culler's tracks are stored: a broker killed after its warning
+    culls at the original deadline once it is back, with no second warning
+    and no new idle timeout."""
+    token, lease, _ = start(hub, "phoenix", util=0, memory_gib=2)
+    wait_until(lambda: "cull-warning" in kinds(hub, "phoenix", token), timeout=30)
+    old = hub.broker_pid()
+    assert old
+    os.kill(old, signal.SIGKILL)
+    wait_until(lambda: (pid := hub.broker_pid()) and pid != old, timeout=90)
+    wait_until(lambda: hub.broker_api("GET", "/health").status_code == 200, timeout=30)
+    released = wait_for_release(hub, lease["id"], timeout=60)
+    assert released["release_reason"].startswith("culled: idle ")
+    seen = kinds(hub, "phoenix", token)
+    assert seen.count("cull-warning") == 1, seen
+    assert "culled" in seen
+    wait_until(lambda: hub.server("phoenix") is None, timeout=30)

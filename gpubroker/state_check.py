@@ -1,0 +1,100 @@
+"""``validate_state``: the invariants of the store, checked after commands.
+
+- no whole device, and no MIG instance, held by two active allocations;
+  a device never held both whole and in parts;
+- the shares of a device never reserve more memory than it has;
+- every granted lease holds its slots (whole: ``gpus`` devices; MIG: one
+  instance; shares: ``count``); pending and released leases hold none;
+- at most one active lease per hub server;
+- the transition log of every lease a command touched replays to the
+  lease's stored state (:func:`gpubroker.model.lifecycle.replay`), with no
+  gap.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from .model.lifecycle import IllegalTransition, replay
+from .store.models import ACTIVE_STATES, Allocation, Device, HolderKind, Lease, LeaseEvent
+from .transitions import as_events
+
+
+class StateInvalid(AssertionError):
+    """The broker's state breaks an invariant (a bug: never user input)."""
+
+
+def problems(session: Session, touched: Iterable[int] = ()) -> list[str]:
+    """Every invariant the store breaks now, in words (empty: all hold).
+
+    Args:
+        session: a session on the store.
+        touched: ids of the leases whose transition logs to replay.
+    """
+    found: list[str] = []
+    active = list(session.scalars(select(Allocation).where(Allocation.active)))
+    found += _slots(session, active)
+    found += _leases(session, active)
+    found += _logs(session, touched)
+    return found
+
+
+def _slots(session: Session, active: list[Allocation]) -> list[str]:
+    found = []
+    whole = Counter(a.device_uuid for a in active if a.kind == "device")
+    found += [f"device {uuid} held whole {n} times" for uuid, n in whole.items() if n > 1]
+    parts = [a for a in active if a.kind != "device"]
+    instances = Counter(a.instance_uuid for a in parts if a.instance_uuid)
+    found += [f"MIG instance {uuid} held {n} times" for uuid, n in instances.items() if n > 1]
+    found += [
+        f"device {a.device_uuid} held whole and in parts" for a in parts if a.device_uuid in whole
+    ]
+    shared: dict[str, int] = defaultdict(int)
+    for a in parts:
+        if a.kind == "share":
+            shared[a.device_uuid] += a.memory_mib or 0
+    for uuid, mib in shared.items():
+        device = session.get(Device, uuid)
+        if device is not None and mib > device.memory_total_mib:
+            found.append(f"device {uuid}: shares reserve {mib} MiB of {device.memory_total_mib}")
+    return found
+
+
+def _leases(session: Session, active: list[Allocation]) -> list[str]:
+    found = []
+    held = Counter(a.lease_id for a in active)
+    leases = list(session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES))))
+    for lease in leases:
+        want = 1 if lease.kind == "mig" else lease.gpus
+        have = held.pop(lease.id, 0)
+        if lease.state == "granted" and have != want:
+            found.append(f"granted lease {lease.id} holds {have} slots, not {want}")
+        if lease.state == "pending" and have:
+            found.append(f"pending lease {lease.id} holds {have} slots")
+    found += [f"lease {lease_id} is not active but holds slots" for lease_id in held]
+    servers = Counter(
+        (x.user, x.server_name) for x in leases if x.holder_kind == HolderKind.server.value
+    )
+    found += [f"server {u}/{s} has {n} active leases" for (u, s), n in servers.items() if n > 1]
+    return found
+
+
+def _logs(session: Session, touched: Iterable[int]) -> list[str]:
+    found = []
+    for lease_id in sorted(set(touched)):
+        lease = session.get(Lease, lease_id)
+        rows = session.scalars(
+            select(LeaseEvent).where(LeaseEvent.lease_id == lease_id).order_by(LeaseEvent.id)
+        )
+        try:
+            state = replay(as_events(rows))
+        except IllegalTransition as err:
+            found.append(str(err))
+            continue
+        if lease is not None and state != lease.state:
+            found.append(f"lease {lease_id}: its log ends {state!r}, the lease is {lease.state!r}")
+    return found
