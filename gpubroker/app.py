@@ -127,9 +127,17 @@ class GPUBrokerApp(Application):
 
     hub_gone_timeout = Float(
         60,
-        help="Seconds after which a broker whose hub is gone exits (status 3): the "
-        "hub API does not answer, or the hub process that started this managed "
-        "service has died (a restarted hub starts a broker of its own). 0: never.",
+        help="Seconds after which a broker whose hub API does not answer exits "
+        "(status 3); 0: never. A hub-managed broker whose hub process died "
+        "exits within a second anyway (a restarted hub starts a broker of its own).",
+    ).tag(config=True)
+
+    lock_wait_timeout = Float(
+        120,
+        help="Seconds a hub-managed broker waits for the database lock held by "
+        "another broker (e.g. the broker of a hub that was killed, which exits "
+        "within a second of its hub) before it gives up; a broker not started "
+        "by a hub refuses at once.",
     ).tag(config=True)
 
     groups_ttl = Float(
@@ -228,9 +236,21 @@ class UpgradeDBCommand(_Command):
     description = "Migrate the store (GPUBrokerApp.db_url) to the newest schema."
 
     def start(self) -> None:
-        from .store.db import upgrade
+        from .store.db import make_engine, upgrade
+        from .store.lock import DatabaseLocked, WriterLock
 
-        upgrade(self.broker_app.db_url)
+        engine = make_engine(self.broker_app.db_url)
+        lock = WriterLock(engine)
+        try:
+            lock.acquire()  # never migrate under a live broker
+        except DatabaseLocked as err:
+            self.log.critical("Not upgrading: %s", err)
+            self.exit(2)
+        try:
+            upgrade(self.broker_app.db_url)
+        finally:
+            lock.release()
+            engine.dispose()
         self.log.info("Store %s is at the newest schema", self.broker_app.db_url)
 
 

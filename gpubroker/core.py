@@ -812,7 +812,9 @@ class Broker(
         """End a granted server lease the way an eviction does: its hub server
         is stopped first, then the lease is released with ``reason``.
 
-        Used by the culler. External leases are released at once.
+        Used by the culler, and for a user who releases the lease of her
+        running server (``DELETE /leases/{id}``): she keeps no GPU she gave
+        back. External leases are released at once.
 
         Raises:
             NotFound: no such lease.

@@ -55,9 +55,11 @@ from .hub import HubClient
 from .store.models import Lease
 
 
-def parse_time(value: str | None) -> dt.datetime | None:
-    """An ISO 8601 time as aware UTC; naive means UTC; ``None``/bad → ``None``."""
-    if not value:
+def parse_time(value: Any) -> dt.datetime | None:
+    """An ISO 8601 time as aware UTC; naive means UTC; ``None``, a value
+    that is not a string (servers are read as untrusted) or a bad string →
+    ``None``."""
+    if not value or not isinstance(value, str) or len(value) > 64:
         return None
     try:
         when = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
@@ -66,6 +68,38 @@ def parse_time(value: str | None) -> dt.datetime | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.timezone.utc)
     return when.astimezone(dt.timezone.utc)
+
+
+#: how far ahead of the broker's clock a server's activity time may be and
+#: still count (as now); later claims are not evidence of use
+CLOCK_SKEW = dt.timedelta(seconds=60)
+
+#: largest kernels answer read from a server, bytes (a server is untrusted)
+MAX_KERNELS_BYTES = 1024 * 1024
+
+
+def kernel_list(data: Any) -> list[dict[str, Any]]:
+    """A server's ``/api/kernels`` answer as kernels with checked fields:
+    ``execution_state`` a string or ``None``, ``last_activity`` a string or
+    ``None``; entries that are not objects are dropped.
+
+    Raises:
+        ValueError: the answer is not a list (the kernels are then unknown).
+    """
+    if not isinstance(data, list):
+        raise ValueError("kernels: not a list")
+    kernels = []
+    for item in data[:1000]:
+        if not isinstance(item, dict):
+            continue
+        state, last = item.get("execution_state"), item.get("last_activity")
+        kernels.append(
+            {
+                "execution_state": state if isinstance(state, str) else None,
+                "last_activity": last if isinstance(last, str) else None,
+            }
+        )
+    return kernels
 
 
 @dataclass(frozen=True)
@@ -132,8 +166,9 @@ def judge(
     # with kernels known, the hub's activity (which counts any browser traffic,
     # e.g. an open idle tab's keep-alives) is not evidence of use
     user_activity = signals.kernel_activity if signals.kernels is not None else signals.hub_activity
-    if user_activity is not None:
-        marks.append(user_activity)
+    if user_activity is not None and user_activity <= now + CLOCK_SKEW:
+        # a server may claim the future: beyond a little clock skew it is no evidence
+        marks.append(min(user_activity, now))
     if signals.busy:
         marks.append(now)
     idle = max(0.0, (now - max(marks)).total_seconds())
@@ -202,6 +237,12 @@ class Culler(LoggingConfigurable):
         config=True
     )
     request_timeout = Float(10, help="Seconds for reading a server's kernels.").tag(config=True)
+    concurrency = Integer(
+        8,
+        min=1,
+        help="Servers whose kernels the culler reads at once (each read is "
+        "bounded by request_timeout), so slow servers do not hold up the others.",
+    ).tag(config=True)
     token_lifetime = Integer(
         60,
         min=1,
@@ -244,15 +285,27 @@ class Culler(LoggingConfigurable):
         now = now or utcnow()
         culled = []
         leases = self.broker.server_leases()
-        for lease in leases:
-            if self._exempt(lease):
+        judged = [
+            (lease, servers[(lease.user, lease.server_name)])
+            for lease in leases
+            if not self._exempt(lease) and (lease.user, lease.server_name) in servers
+        ]  # a lease whose server is gone is left to reconciliation
+        limit = asyncio.Semaphore(self.concurrency)
+
+        async def read(lease: Lease, server: dict[str, Any]) -> Signals:
+            async with limit:
+                return await self._signals(lease, server)
+
+        seen = await asyncio.gather(*(read(*pair) for pair in judged), return_exceptions=True)
+        for (lease, _), signals in zip(judged, seen, strict=True):
+            if isinstance(signals, BaseException):
+                self.log.error("Culler: cannot judge lease %s: %s", lease.id, signals)
                 continue
-            server = servers.get((lease.user, lease.server_name))
-            if server is None:
-                continue  # reconciliation releases it
-            signals = await self._signals(lease, server)
-            if await self._act(lease, signals, now):
-                culled.append(lease.id)
+            try:
+                if await self._act(lease, signals, now):
+                    culled.append(lease.id)
+            except Exception:
+                self.log.exception("Culler: judging lease %s failed", lease.id)
         live = {lease.id for lease in leases}
         self.tracks = {k: v for k, v in self.tracks.items() if k in live}
         now_stored = {k: dataclasses.asdict(v) for k, v in self.tracks.items()}
@@ -323,15 +376,19 @@ class Culler(LoggingConfigurable):
             ) as token:
                 request = HTTPRequest(
                     url,
-                    headers={"Authorization": f"token {token}"},
+                    headers={"Authorization": f"token {token}", "Accept-Encoding": "identity"},
                     request_timeout=self.request_timeout,
+                    decompress_response=False,
                 )
-                response = await AsyncHTTPClient().fetch(request)
-            kernels: list[dict[str, Any]] = json.loads(response.body)
+                client = AsyncHTTPClient(force_instance=True, max_body_size=MAX_KERNELS_BYTES)
+                try:
+                    response = await client.fetch(request)
+                finally:
+                    client.close()
+            return kernel_list(json.loads(response.body))
         except Exception as err:
             self.log.warning("Cannot read kernels of %s/%s: %s", lease.user, lease.server_name, err)
             return None
-        return kernels
 
     # -- actions -------------------------------------------------------------------
 
@@ -381,16 +438,25 @@ class Culler(LoggingConfigurable):
             self.log.warning("Dry run: lease %s of %s would be %s", lease.id, lease.user, why)
             track.warned_until = None
             return False
-        await self._pre_stop(lease)
+        if not await self._pre_stop(lease):
+            self.log.error(
+                "Not culling lease %s of %s yet: its pre-stop hook could not run "
+                "(tried again at the next check)",
+                lease.id,
+                lease.user,
+            )
+            return False
         track.culled = True
         self.broker.add_notice(lease, "culled", why)
         self.broker.stop_lease(lease.id, why)
         self.log.warning("Culled lease %s of %s: %s", lease.id, lease.user, why)
         return True
 
-    async def _pre_stop(self, lease: Lease) -> None:
+    async def _pre_stop(self, lease: Lease) -> bool:
+        """Run the pre-stop hook, if any; whether the cull may go on (the
+        hook ran, whatever its exit status, or there is none)."""
         if not self.pre_stop_hook:
-            return
+            return True
         lifetime = int(self.pre_stop_timeout) + 30
         try:
             async with self.hub.server_token(
@@ -398,7 +464,9 @@ class Culler(LoggingConfigurable):
             ) as token:
                 await self._run_hook(lease, token)
         except Exception as err:
-            self.log.error("Pre-stop hook for lease %s failed: %s", lease.id, err)
+            self.log.error("Pre-stop hook for lease %s could not run: %s", lease.id, err)
+            return False
+        return True
 
     async def _run_hook(self, lease: Lease, token: str) -> None:
         # exactly these variables: no PATH, and never the broker's own token
@@ -409,7 +477,11 @@ class Culler(LoggingConfigurable):
             "GPUBROKER_SERVER_URL": lease.server_url or "",
             "GPUBROKER_SERVER_TOKEN": token,
         }
-        proc = await asyncio.create_subprocess_exec(*self.pre_stop_hook, env=env)
+        try:
+            proc = await asyncio.create_subprocess_exec(*self.pre_stop_hook, env=env)
+        except OSError as err:  # a broken hook command does not keep GPUs held
+            self.log.error("Pre-stop hook for lease %s cannot start: %s", lease.id, err)
+            return
         try:
             code = await asyncio.wait_for(proc.wait(), self.pre_stop_timeout)
             self.log.info("Pre-stop hook for lease %s exited %s", lease.id, code)

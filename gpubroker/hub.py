@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from traitlets import Float, Unicode, default
 from traitlets.config import LoggingConfigurable
 
@@ -91,6 +92,19 @@ class HubClient(LoggingConfigurable):
         model = await self._fetch("GET", f"/users/{quote(user, safe='')}")
         return sorted(model.get("groups") or [])
 
+    async def server_running(self, user: str, server_name: str) -> bool:
+        """Whether the hub lists ``user``'s server ``server_name`` (ready or
+        pending); ``True`` when the hub cannot tell (unreachable, an error):
+        callers stop a server they are unsure of rather than leave it
+        holding devices."""
+        try:
+            model = await self._fetch("GET", f"/users/{quote(user, safe='')}")
+        except HTTPClientError as err:
+            return err.code != 404
+        except Exception:
+            return True
+        return server_name in (model.get("servers") or {})
+
     async def stop_server(self, user: str, server_name: str) -> None:
         """Ask the hub to stop ``user``'s server ``server_name`` (needs ``delete:servers``)."""
         user_path = quote(user, safe="")
@@ -135,7 +149,15 @@ class HubClient(LoggingConfigurable):
             "expires_in": max(1, int(expires_in)),
             "note": f"gpubroker: {purpose}",
         }
-        model = await self._fetch("POST", f"/users/{user_path}/tokens", body=body)
+        try:
+            model = await self._fetch("POST", f"/users/{user_path}/tokens", body=body)
+        except HTTPClientError as err:
+            # the hub's token_expires_in_max_seconds is lower: ask for that much
+            most = _max_lifetime(err)
+            if most is None:
+                raise
+            body["expires_in"] = most
+            model = await self._fetch("POST", f"/users/{user_path}/tokens", body=body)
         try:
             yield str(model["token"])
         finally:
@@ -181,3 +203,12 @@ class HubClient(LoggingConfigurable):
         (the default server's name is ``""``)."""
         servers, _ = await self.active_server_models(page_size)
         return set(servers)
+
+
+def _max_lifetime(err: HTTPClientError) -> int | None:
+    """The hub's longest token lifetime, from its 400 "expires_in: N must not
+    exceed M" (``JupyterHub.token_expires_in_max_seconds``), else ``None``."""
+    if err.code != 400 or err.response is None or not err.response.body:
+        return None
+    match = re.search(rb"must not exceed (\d{1,9})", err.response.body)
+    return int(match.group(1)) if match and int(match.group(1)) > 0 else None

@@ -24,7 +24,7 @@ from .devices import load_backend
 from .hub import HubClient
 from .share_guard import ShareGuard
 from .store.db import make_engine, make_session_factory, upgrade
-from .store.lock import WriterLock, describe_self
+from .store.lock import DatabaseLocked, WriterLock, describe_self
 
 if TYPE_CHECKING:
     from .app import GPUBrokerApp
@@ -45,12 +45,31 @@ class BrokerService:
         #: the process's exit status: 0, or 3 (hub gone), 4 (database lock lost)
         self.exit_code = 0
 
+    async def _take_lock(self) -> None:
+        """One writer per database: the lock, before any migration, adoption
+        or pass. A hub-managed broker waits up to ``lock_wait_timeout`` for a
+        previous broker of a hub that died to exit (a hub stops when its
+        managed service fails at its start); others refuse at once.
+
+        Raises:
+            DatabaseLocked: held by another broker (for longer than the wait).
+        """
+        self.engine = make_engine(self.app.db_url)
+        self.lock = WriterLock(self.engine, describe_self(self._url()))
+        managed = bool(os.environ.get("JUPYTERHUB_SERVICE_NAME"))
+        deadline = time.monotonic() + (self.app.lock_wait_timeout if managed else 0)
+        while True:
+            try:
+                self.lock.acquire()
+                return
+            except DatabaseLocked as err:
+                if time.monotonic() >= deadline:
+                    raise
+                self.log.warning("Waiting for the database lock: %s", err)
+                await asyncio.sleep(1)
+
     def _build(self) -> None:
         app = self.app
-        self.engine = make_engine(app.db_url)
-        # one writer per database: before any migration, adoption or pass
-        self.lock = WriterLock(self.engine, describe_self(self._url()))
-        self.lock.acquire()
         if app.upgrade_db:
             upgrade(app.db_url)
         self.backend = load_backend(app.device_backend, parent=app, log=self.log)
@@ -123,6 +142,7 @@ class BrokerService:
                 nothing was changed.
         """
         self._parent = os.getppid()
+        await self._take_lock()
         self._build()
         loop = asyncio.get_running_loop()
         # a service started with `&` inherits "ignore SIGINT": set our own handlers
@@ -136,6 +156,7 @@ class BrokerService:
             log=self.log,
             hub_auth=self.hub_auth,
             groups_of=self.groups_of,
+            server_running=self.hub.server_running,
             max_body_bytes=self.app.max_body_bytes,
             max_long_polls=self.app.max_long_polls_per_user,
         )
@@ -203,17 +224,28 @@ class BrokerService:
     async def _watch_loop(self) -> None:
         """Exit when the hub is gone or the database lock is lost.
 
-        The hub is gone when, for ``hub_gone_timeout`` seconds, its API does
-        not answer, or (a hub-managed service) the hub process that started
-        this broker has died: a hub restarted after SIGKILL starts its own
-        broker, which must not meet this one on the database. A lost lock
-        (PostgreSQL session gone) stops the broker at once.
+        A hub-managed broker whose hub process died exits within a second: a
+        hub restarted after SIGKILL starts its own broker, which waits for
+        this one's lock. A hub whose API does not answer for
+        ``hub_gone_timeout`` seconds (checked every 5 s) is gone too. A lost
+        lock (PostgreSQL session gone) stops the broker at once.
         """
         timeout = self.app.hub_gone_timeout
-        every = min(5.0, timeout / 4) if timeout > 0 else 5.0
         gone_since: float | None = None
+        tick = 0
         while True:
-            await asyncio.sleep(every)
+            await asyncio.sleep(1.0)
+            tick += 1
+            if self._orphaned():
+                # certain, not a blip: the restarted hub's broker waits for our lock
+                self.log.critical(
+                    "The hub process %s that started this broker exited; exiting", self._parent
+                )
+                self.exit_code = 3
+                self._stop.set()
+                return
+            if tick % 5:
+                continue
             if not self.lock.check():
                 self.log.critical("Lost the database lock; stopping (another broker may hold it)")
                 self.exit_code = 4
@@ -235,11 +267,13 @@ class BrokerService:
                 self._stop.set()
                 return
 
-    async def _hub_gone(self) -> str | None:
-        """Why the hub looks gone, or ``None`` while it is there."""
+    def _orphaned(self) -> bool:
+        """Whether this hub-managed broker's hub process has died."""
         managed = bool(os.environ.get("JUPYTERHUB_SERVICE_NAME")) and self._parent > 1
-        if managed and os.getppid() != self._parent:
-            return f"the hub process {self._parent} that started this broker exited"
+        return managed and os.getppid() != self._parent
+
+    async def _hub_gone(self) -> str | None:
+        """Why the hub API looks gone, or ``None`` while it answers."""
         try:
             await self.hub.ping()
         except Exception as err:

@@ -752,7 +752,12 @@ class GPUSpawnerMixin(LoggingConfigurable):
                     f"(last reason: {lease['queue']['message']}); the request was withdrawn.",
                     "gpu-queue-timeout",
                 )
+            before = lease["version"]
             lease = await self._poll(lease, min(self.poll_wait, remaining))
+            if lease["version"] == before and lease["state"] == "pending":
+                # answered early with nothing new (e.g. the broker's long-poll
+                # limit): wait a moment rather than polling in a tight loop
+                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         if lease["state"] != "granted":
             raise spawn_error(
                 f"GPU lease ended before it was granted: {lease['release_reason']}", "gpu-released"

@@ -56,6 +56,7 @@ def make_app(
     log: logging.Logger | None = None,
     hub_auth: Any = None,
     groups_of: Any = None,
+    server_running: Any = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_long_polls: int = MAX_LONG_POLLS,
     **settings: Any,
@@ -70,6 +71,8 @@ def make_app(
         hub_auth: the :class:`jupyterhub.services.auth.HubAuth` that checks
             callers' tokens.
         groups_of: ``async (user) -> list[str] | None``, the user's hub groups.
+        server_running: ``async (user, server_name) -> bool``, whether the hub
+            runs that server (a user's release of its lease stops it first).
         max_body_bytes: largest request body, bytes; a request whose
             ``Content-Length`` is larger gets 413 before its body is read
             (pass the same value as ``max_body_size`` to the HTTPServer,
@@ -91,6 +94,7 @@ def make_app(
         log=log,
         hub_auth=hub_auth,
         groups_of=groups_of or _no_groups,
+        server_running=server_running or _no_server,
         max_body_bytes=max_body_bytes,
         long_polls=LongPollRegistry(max_long_polls, log),
         **settings,
@@ -99,6 +103,10 @@ def make_app(
 
 async def _no_groups(user: str) -> list[str] | None:
     return None
+
+
+async def _no_server(user: str, server_name: str) -> bool:
+    return False
 
 
 class BrokerApplication(web.Application):

@@ -276,6 +276,9 @@ class LeaseHandler(APIHandler):
         if wait:
             registry: LongPollRegistry = self.settings["long_polls"]
             caller = f"{model.get('kind', 'user')}:{auth.caller_name(model)}"
+            if auth.is_admin(model) and lease["user"] != auth.caller_name(model):
+                # the spawner (an admin) polls for every user: bound it per user
+                caller += f" for {lease['user']}"
             self._gone = asyncio.Event()
             changed = await registry.wait(
                 caller, self.broker.wait_for_change(lease["id"], wait, version), self._gone
@@ -316,7 +319,7 @@ class LeaseHandler(APIHandler):
             self.broker.set_priority_class(lease_id, name, actor=auth.caller_name(model))
         )
 
-    def delete(self, raw_id: str) -> None:
+    async def delete(self, raw_id: str) -> None:
         model = self.caller()
         lease = self.broker.get_lease(self.lease_id(raw_id))
         auth.check_owner(model, lease["user"])
@@ -324,9 +327,18 @@ class LeaseHandler(APIHandler):
         reason = body.get("reason") or f"released by {auth.caller_name(model)}"
         if not isinstance(reason, str) or len(reason) > 1000:
             raise validation.BadRequest("reason: must be a string of at most 1000 characters")
-        self.write_json(
-            self.broker.release_lease(lease["id"], reason, actor=auth.caller_name(model))
-        )
+        actor = auth.caller_name(model)
+        granted = lease["state"] == "granted" and lease["holder_kind"] == HolderKind.server.value
+        running = granted and not auth.is_admin(model)
+        if running:
+            running = await self.settings["server_running"](lease["user"], lease["server_name"])
+        if running:
+            # a user's server keeps no GPU it released: the hub stops it first,
+            # then the lease is released (the spawner, an admin, releases after stops)
+            self.broker.stop_lease(lease["id"], reason, actor=actor)
+            self.write_json(self.broker.get_lease(lease["id"]))
+            return
+        self.write_json(self.broker.release_lease(lease["id"], reason, actor=actor))
 
 
 class LeaseEventsHandler(APIHandler):

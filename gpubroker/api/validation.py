@@ -142,6 +142,10 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     """
     if not body.strip():
         return {}
+    try:  # JSON text is UTF-8 (RFC 8259 §8.1); other encodings could hide brackets
+        body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"body: not UTF-8 ({err.reason} at byte {err.start})") from None
     if json_depth(body) > MAX_JSON_DEPTH:
         raise BadRequest(f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:

@@ -150,9 +150,12 @@ class MPSControl(LoggingConfigurable):
         return Path(self.pipe_root) / safe_name(device_uuid) / "log"
 
     def _daemon_env(self, device_uuid: str) -> dict[str, str]:
-        """The broker's environment without inherited ``CUDA_MPS_*`` settings,
-        plus the device and the daemon's directories."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
+        """The broker's environment without inherited ``CUDA_MPS_*`` settings
+        and without the broker's credentials (``JUPYTERHUB_*``,
+        ``GPUBROKER_*``: the daemon outlives the broker and serves users'
+        processes), plus the device and the daemon's directories."""
+        private = ("CUDA_MPS_", "JUPYTERHUB_", "GPUBROKER_")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(private)}
         env["CUDA_VISIBLE_DEVICES"] = device_uuid
         env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.pipe_dir(device_uuid))
         env["CUDA_MPS_LOG_DIRECTORY"] = str(self.log_dir(device_uuid))

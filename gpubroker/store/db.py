@@ -32,6 +32,24 @@ def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
     cursor.close()
 
 
+def sqlite_path(url: str) -> str | None:
+    """The file of a SQLite ``url``, resolved (symlinks followed, relative
+    to the working directory), also for URI filenames
+    (``sqlite:///file:NAME?uri=true``); ``None`` for in-memory databases and
+    other back ends."""
+    parsed = make_url(url)
+    name = parsed.database
+    if parsed.get_backend_name() != "sqlite" or name in (None, "", ":memory:"):
+        return None
+    if name.startswith("file:"):
+        name = name[5:].split("?", 1)[0]
+        if name.startswith("//"):  # file://host/path: the path part
+            name = "/" + name[2:].split("/", 1)[-1]
+        if name in ("", ":memory:"):
+            return None
+    return os.path.realpath(name)
+
+
 def create_private_sqlite(url: str) -> None:
     """Create the file of a SQLite ``url`` readable by its owner only (0600)
     if it does not exist yet; other URLs are left alone.
@@ -40,11 +58,11 @@ def create_private_sqlite(url: str) -> None:
     they are private too. A file that exists keeps its mode (an admin may
     have chosen one).
     """
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+    path = sqlite_path(url)
+    if path is None:
         return
     with contextlib.suppress(FileExistsError):
-        os.close(os.open(parsed.database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:

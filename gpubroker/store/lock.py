@@ -4,10 +4,11 @@ A broker takes this lock before it migrates, adopts or schedules, and holds
 it for its whole life (DESIGN.md, principle 7). A second broker on the same
 database refuses to start and says which process holds the lock.
 
-- **SQLite**: an exclusive ``flock`` on ``<database file>.lock`` beside the
-  database. The kernel frees it the moment the holder exits, however it
-  dies. The file holds the holder's description (pid, host, start time),
-  which a refused broker prints. ``flock`` is not reliable on network file
+- **SQLite**: an exclusive ``flock`` on the database file itself, found by
+  its real path (symlinks, hard links, relative and URI forms all meet the
+  same lock). The kernel frees it the moment the holder exits, however it
+  dies. ``<database file>.lock`` holds the holder's description (pid, host,
+  start time), which a refused broker prints. ``flock`` is not reliable on network file
   systems: keep a SQLite store on a local disk.
 - **PostgreSQL**: a session advisory lock (``pg_try_advisory_lock``) on a
   connection kept open for the broker's life, named by its
@@ -34,6 +35,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import make_url
+
+from .db import create_private_sqlite, sqlite_path
 
 #: key of the PostgreSQL advisory lock (``b"gpubrokr"`` read as a big-endian int64)
 ADVISORY_KEY = int.from_bytes(b"gpubrokr", "big") & 0x7FFF_FFFF_FFFF_FFFF
@@ -90,9 +93,10 @@ class WriterLock:
         """
         url = self.engine.url
         if url.get_backend_name() == "sqlite":
-            if url.database in (None, "", ":memory:"):
+            path = sqlite_path(url.render_as_string(hide_password=False))
+            if path is None:
                 return
-            self._acquire_file(f"{url.database}.lock")
+            self._acquire_file(path)
         elif url.get_backend_name() == "postgresql":
             self._acquire_advisory()
         else:
@@ -101,16 +105,24 @@ class WriterLock:
                 "(use SQLite or PostgreSQL)"
             )
 
-    def _acquire_file(self, path: str) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    def _acquire_file(self, database: str) -> None:
+        """``flock`` the database file itself (its inode: every path to it,
+        symlinks and hard links included, meets the same lock; SQLite's own
+        locks are POSIX record locks, which ``flock`` leaves alone); the
+        holder is described in ``<database>.lock``."""
+        create_private_sqlite(f"sqlite:///{database}")
+        fd = os.open(database, os.O_RDONLY)
+        note = f"{database}.lock"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
             os.close(fd)
-            raise DatabaseLocked(path, _holder_text(holder)) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(self.me).encode(), 0)
+            raise DatabaseLocked(database, _holder_text(_read(note))) from None
+        info = os.open(note, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(info, json.dumps(self.me).encode())
+        finally:
+            os.close(info)
         self._fd = fd
 
     def _acquire_advisory(self) -> None:
@@ -173,6 +185,14 @@ class WriterLock:
                 self._conn.close()
             finally:
                 self._conn = None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(4096)
+    except OSError:
+        return ""
 
 
 def _holder_text(raw: str) -> str:

@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 import requests
 
 from ..hubutil import RunningHub
+from .test_spawn import lease_of, spawn, wait_for_release, wait_until
 
 JSON = {"Content-Type": "application/json"}
 
@@ -213,3 +214,45 @@ def test_tokens_in_urls_never_reach_the_log(clean_hub: RunningHub) -> None:
     log = (hub.workdir / "hub.log").read_text(errors="replace")
     assert "token=[redacted]" in log
     assert token not in log
+
+
+def test_a_user_releasing_her_running_servers_lease_loses_the_server_too(
+    clean_hub: RunningHub,
+) -> None:
+    """She keeps no GPU she gave back: the hub stops the server first."""
+    hub = clean_hub
+    token = hub.create_user("giver")
+    assert spawn(hub, "giver", {"gpus": 1}).status_code in (201, 202)
+    hub.wait_for_server("giver")
+    lease = lease_of(hub, "giver")
+    answer = hub.broker_api("DELETE", f"/leases/{lease['id']}", token=token)
+    assert answer.status_code == 200 and answer.json()["state"] == "granted"  # stopping
+    released = wait_for_release(hub, lease["id"], timeout=60)
+    assert released["release_reason"] == "released by giver (server stopped)"
+    hub.wait_for_no_server("giver")
+
+
+def test_queued_spawns_of_many_users_are_not_one_callers_long_polls(
+    clean_hub: RunningHub,
+) -> None:
+    """The spawner polls for every user with one token: the long-poll limit
+    counts per user it polls for, so nine waiting spawns do not end each
+    other's polls (which made them poll in a tight loop)."""
+    hub = clean_hub
+    blockers = [
+        hub.broker_api(
+            "POST", "/leases", json={"user": f"full{i}", "gpus": 1, "holder_kind": "external"}
+        ).json()
+        for i in range(8)
+    ]
+    users = [f"queued{i}" for i in range(9)]
+    for user in users:
+        hub.create_user(user)
+        assert spawn(hub, user, {"gpus": 1}).status_code == 202
+    wait_until(lambda: len([x for x in hub.leases() if x["state"] == "pending"]) == 9, timeout=60)
+    time.sleep(3)
+    assert "Long-poll limit of 8 reached for service:gpubroker" not in hub.log_tail(400_000)
+    for user in users:
+        hub.api("DELETE", f"/users/{user}/server")
+    for blocker in blockers:
+        hub.broker_api("DELETE", f"/leases/{blocker['id']}")

@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
+
+from gpubroker.store.db import make_engine, upgrade
+from gpubroker.store.lock import WriterLock, describe_self
 
 from ..hubutil import RunningHub, _pid_alive, free_port
 from .test_spawn import wait_until
@@ -71,9 +73,7 @@ def test_the_database_file_is_private(clean_hub: RunningHub) -> None:
 
 @pytest.fixture(scope="module")
 def orphan_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningHub]:
-    hub = RunningHub(
-        tmp_path_factory.mktemp("orphan-hub"), GPUBROKER_DEMO_HUB_GONE_TIMEOUT="15"
-    ).start()
+    hub = RunningHub(tmp_path_factory.mktemp("orphan-hub")).start()
     yield hub
     hub.stop()
 
@@ -90,19 +90,68 @@ def test_a_sigkilled_hubs_broker_exits_and_the_new_hubs_broker_takes_over(
     hub.proc.kill()  # the hub only: proxy, broker and servers live on
     hub.proc.wait(10)
     hub.log.close()
-    hub.start()  # at once: the old broker still serves and holds the store
-    wait_until(lambda: not _pid_alive(old), timeout=60)
+    hub.start()  # at once: the old broker may still hold the store
+    wait_until(lambda: not _pid_alive(old), timeout=30)  # it exits within seconds
     log = (hub.workdir / "hub.log").read_text(errors="replace")
-    assert "that started this broker exited" in log
-    # the new hub's broker met the old one on the store, and refused to start
-    assert "Not starting: another gpubroker is the active broker" in log
+    assert "that started this broker exited; exiting" in log
     new = wait_until(lambda: (pid := hub.broker_pid()) and pid != old and pid, timeout=90)
     assert new != old
     wait_until(lambda: hub.broker_api("GET", "/health").status_code == 200, timeout=30)
+    assert hub.proc.poll() is None  # the hub did not give up on its service
     again = hub.broker_api("GET", f"/leases/{lease['id']}").json()
     assert again["state"] == "granted"
     assert again["devices"] == lease["devices"]
     held = [d["uuid"] for x in hub.leases() for d in x["devices"]]
     assert len(held) == len(set(held)) == 2
-    time.sleep(0.1)
     hub.broker_api("DELETE", f"/leases/{lease['id']}")
+
+
+def test_a_hub_managed_broker_waits_for_the_lock_of_one_that_is_exiting(
+    tmp_path: Path,
+) -> None:
+    """A hub stops when its managed service fails at start: a broker started
+    by a hub waits (bounded) for the previous broker's lock instead."""
+    db = tmp_path / "b.sqlite"
+    upgrade(f"sqlite:///{db}")
+    held = WriterLock(make_engine(f"sqlite:///{db}"), describe_self("http://old/"))
+    held.acquire()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
+    env.update(JUPYTERHUB_SERVICE_NAME="gpubroker", JUPYTERHUB_API_URL="http://127.0.0.1:9/hub/api")
+    log = open(tmp_path / "broker.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpubroker",
+            "serve",
+            f"--db-url=sqlite:///{db}",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            "--device-backend=fake",
+            "--GPUBrokerApp.lock_wait_timeout=60",
+        ],
+        env=env,
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(
+            lambda: "Waiting for the database lock" in (tmp_path / "broker.log").read_text(),
+            timeout=30,
+        )
+        assert proc.poll() is None
+        held.release()  # the old broker exits
+        wait_until(lambda: _health(port), timeout=30)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _health(port: int) -> bool:
+    try:
+        return requests.get(f"http://127.0.0.1:{port}/api/v1/health", timeout=2).ok
+    except requests.RequestException:
+        return False

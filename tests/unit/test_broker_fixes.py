@@ -5,16 +5,21 @@ Real SQLite store; only the GPUs are simulated."""
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from gpubroker.api import validation
 from gpubroker.core import Broker
+from gpubroker.culler import Signals, Track, judge, kernel_list, parse_time
 from gpubroker.devices import mig
 from gpubroker.devices.fake import FakeDeviceBackend
+from gpubroker.enforce.mps import MPSControl
 from gpubroker.errors import BadRequest
 from gpubroker.store.db import make_engine, make_session_factory, upgrade
 from gpubroker.store.lock import DatabaseLocked, WriterLock, describe_self
@@ -187,3 +192,76 @@ def test_the_store_is_created_readable_by_its_owner_only(tmp_path: Path) -> None
         path = tmp_path / name
         if path.exists():
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
+
+
+# -- from trying to break the fixes ---------------------------------------------------------
+
+
+def test_the_writer_lock_follows_the_file_not_the_path(tmp_path: Path) -> None:
+    db = tmp_path / "b.sqlite"
+    url = f"sqlite:///{db}"
+    upgrade(url)
+    first = WriterLock(make_engine(url), describe_self())
+    first.acquire()
+    (tmp_path / "link.sqlite").symlink_to(db)
+    os.link(db, tmp_path / "hard.sqlite")
+    others = [
+        f"sqlite:///{tmp_path / 'link.sqlite'}",
+        f"sqlite:///{tmp_path / 'hard.sqlite'}",
+        f"sqlite:///file:{db}?uri=true",
+    ]
+    for other in others:
+        with pytest.raises(DatabaseLocked) as refused:
+            WriterLock(make_engine(other)).acquire()
+        if "hard" not in other:  # a hard link has no path back to the holder's note
+            assert f"pid {os.getpid()} on " in str(refused.value)
+    first.release()
+
+
+def test_upgrade_db_refuses_while_a_broker_holds_the_store(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'b.sqlite'}"
+    upgrade(url)
+    lock = WriterLock(make_engine(url), describe_self())
+    lock.acquire()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "gpubroker", "upgrade-db", f"--db-url={url}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        lock.release()
+    assert done.returncode == 2, done.stderr
+    assert "Not upgrading: another gpubroker is the active broker" in done.stderr
+
+
+def test_the_mps_daemon_gets_no_broker_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "secret-token")
+    monkeypatch.setenv("GPUBROKER_API_TOKEN", "secret-too")
+    env = MPSControl()._daemon_env("GPU-1")
+    assert "JUPYTERHUB_API_TOKEN" not in env and "GPUBROKER_API_TOKEN" not in env
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-1"
+
+
+def test_a_servers_kernels_answer_is_read_as_untrusted() -> None:
+    assert kernel_list([{"execution_state": "busy", "last_activity": 5}, 7, "x"]) == [
+        {"execution_state": "busy", "last_activity": None}
+    ]
+    with pytest.raises(ValueError, match="not a list"):
+        kernel_list({"kernels": []})
+    assert parse_time(5) is None and parse_time(["2026"]) is None
+
+
+def test_activity_claimed_in_the_future_does_not_keep_a_lease() -> None:
+    now = dt.datetime(2026, 12, 1, 12, tzinfo=dt.timezone.utc)
+    granted = now - dt.timedelta(hours=3)
+
+    def verdict(claimed: dt.datetime) -> object:
+        signals = Signals(claimed, claimed, 1, False, 0, 0)
+        return judge(signals, Track(gpu_active=granted), granted, now, 3600, 5, 4 * 3600, False)
+
+    far = verdict(now + dt.timedelta(days=365))
+    assert far.cull is True and far.idle == 3 * 3600  # no evidence of use
+    skewed = verdict(now + dt.timedelta(seconds=30))  # a clock a little ahead: now
+    assert skewed.cull is False and skewed.idle == 0
