@@ -20,19 +20,24 @@ from ..hubutil import RunningHub, _pid_alive, free_port
 from .test_spawn import wait_until
 
 
+def _serve_command(db: Path, port: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "gpubroker",
+        "serve",
+        f"--db-url=sqlite:///{db}",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--device-backend=fake",
+        *extra,
+    ]
+
+
 def _serve(db: Path, port: int, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gpubroker",
-            "serve",
-            f"--db-url=sqlite:///{db}",
-            "--ip=127.0.0.1",
-            f"--port={port}",
-            "--device-backend=fake",
-        ],
+        _serve_command(db, port),
         env=env,
         cwd=db.parent,
         capture_output=True,
@@ -120,17 +125,7 @@ def test_a_hub_managed_broker_waits_for_the_lock_of_one_that_is_exiting(
     env.update(JUPYTERHUB_SERVICE_NAME="gpubroker", JUPYTERHUB_API_URL="http://127.0.0.1:9/hub/api")
     log = open(tmp_path / "broker.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpubroker",
-            "serve",
-            f"--db-url=sqlite:///{db}",
-            "--ip=127.0.0.1",
-            f"--port={port}",
-            "--device-backend=fake",
-            "--GPUBrokerApp.lock_wait_timeout=60",
-        ],
+        _serve_command(db, port, "--GPUBrokerApp.lock_wait_timeout=60"),
         env=env,
         cwd=tmp_path,
         stdout=log,
