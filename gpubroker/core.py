@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 from traitlets import Any as AnyTrait
 from traitlets import Bool, Enum, Float, Instance, Integer, default
@@ -174,9 +174,7 @@ class Broker(
     def _rec(self, session: Session, now: dt.datetime, actor: str | None = None) -> Recorder:
         """A recorder of the current command's changes in ``session``."""
         stimulus = self._stimulus or Stimulus("broker")
-        recorder = Recorder(session, stimulus, now, self.bus, actor)
-        recorder.touched = self._touched
-        return recorder
+        return Recorder(session, stimulus, now, self.bus, actor, self._touched)
 
     def validate_state(self, touched: Iterable[int] = ()) -> list[str]:
         """Check the invariants (:mod:`gpubroker.state_check`), replaying
@@ -499,7 +497,7 @@ class Broker(
                 f"lease {existing}; one active lease per server"
             )
 
-    @command("unknown")
+    @command("broker")
     def release_lease(self, lease_id: int, reason: str) -> dict[str, Any]:
         """Release lease ``lease_id`` (granted or pending), recording ``reason``.
 
@@ -529,8 +527,11 @@ class Broker(
             record_usage(session, lease, now, self.policy.fairshare_half_life)
             self._unrealize(lease)
         self._rec(session, now).transition(lease, LeaseState.released.value, reason)
-        for intent in _open_intents(session, lease.id):
-            intent.state, intent.done_at = "done", now
+        session.execute(
+            update(Intent)
+            .where(Intent.lease_id == lease.id, Intent.state == "open")
+            .values(state="done", done_at=now)
+        )
         lease.released_at = now
         lease.release_reason = reason
         lease.queue_position = lease.queue_reason = lease.queue_message = None
@@ -679,9 +680,13 @@ class Broker(
 
     @command("scheduler")
     def schedule_now(self) -> None:
-        """Run a scheduling pass in its own transaction (the periodic timer)."""
+        """Run a scheduling pass in its own transaction (the periodic timer);
+        server stops that took longer than ``evict_timeout`` end first."""
+        now = utcnow()
         with self._session() as session, session.begin():
-            self._schedule(session, utcnow())
+            self._expire_stops(session, now)
+            session.flush()
+            self._schedule(session, now)
         self._notify()
 
     def _policy(self, session: Session | None = None) -> scheduler.Policy:
@@ -698,10 +703,7 @@ class Broker(
         """Run the pure scheduler on the session's state and apply its decisions.
 
         When an eviction released devices, one more pass hands them on.
-        Server stops that took longer than ``evict_timeout`` end first.
         """
-        self._expire_stops(session, now)
-        session.flush()
         state, leases = build_state(
             session,
             self._policy(session),
@@ -860,12 +862,10 @@ def _devices_to_prefer(previous: Lease, kind: str, count: int) -> list[str] | No
     return devices if len(devices) == count else None
 
 
-def _open_intents(session: Session, lease_id: int) -> list[Intent]:
-    """The intents of ``lease_id`` not yet carried out."""
-    stmt = select(Intent).where(Intent.lease_id == lease_id, Intent.state == "open")
-    return list(session.scalars(stmt))
-
-
 def _open_stop(session: Session, lease_id: int) -> Intent | None:
     """The open ``stop-server`` intent of ``lease_id``, if any."""
-    return next((i for i in _open_intents(session, lease_id) if i.kind == "stop-server"), None)
+    return session.scalar(
+        select(Intent).where(
+            Intent.lease_id == lease_id, Intent.kind == "stop-server", Intent.state == "open"
+        )
+    )

@@ -77,6 +77,7 @@ class Recorder:
         bus: where the events go after the commit.
         actor: who acts here, when not the stimulus's actor (the
             ``scheduler`` granting in a pass that a user's release ran).
+        touched: where to add the ids of the leases changed.
     """
 
     def __init__(
@@ -86,20 +87,15 @@ class Recorder:
         now: dt.datetime,
         bus: EventBus,
         actor: str | None = None,
+        touched: set[int] | None = None,
     ) -> None:
         self.session = session
         self.stimulus = stimulus
         self.now = now
         self.bus = bus
         self.actor = actor or stimulus.actor
-        #: ids of the leases this recorder changed (for the state check)
-        self.touched: set[int] = set()
-
-    def as_actor(self, actor: str) -> Recorder:
-        """The same command's recorder acting as ``actor``."""
-        other = Recorder(self.session, self.stimulus, self.now, self.bus, actor)
-        other.touched = self.touched
-        return other
+        #: ids of the leases changed (the command's set, for the state check)
+        self.touched: set[int] = set() if touched is None else touched
 
     def created(self, lease: Lease, reason: str, detail: Mapping[str, Any] | None = None) -> Event:
         """Log the creation of ``lease`` (a new row, state ``pending``)."""

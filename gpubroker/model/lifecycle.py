@@ -19,8 +19,8 @@ Besides transitions, events record what happens to a lease without changing
 its state, so that its log reads like a story: ``waiting`` (the wait reason
 changed), ``preempting`` (a grace period started, or was withdrawn),
 ``stopping`` (its hub server is being stopped before the slots are
-released), notices (``cull-warning``, ``culled``, ...), ``restarted`` (a
-later lease of the same server replaced it).
+released), ``priority-changed``, notices (``cull-warning``, ``culled``,
+...); ``adopted`` begins the log of a lease older than the log.
 
 Where the rules come from: Slurm's job states (PENDING → RUNNING →
 COMPLETED/CANCELLED), dask.distributed's explicit transition table with a
@@ -51,7 +51,7 @@ TRANSITIONS: Mapping[tuple[str | None, str], str] = {
 
 #: event kinds that record something without a change of state
 NOTES = frozenset(
-    {"waiting", "preempting", "preemption-withdrawn", "stopping", "restarted", "adopted"}
+    {"waiting", "preempting", "preemption-withdrawn", "stopping", "priority-changed", "adopted"}
 )
 
 #: who may cause a change, besides a user's or an admin's name
