@@ -9,12 +9,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import select
-
 from . import scheduler
 from .commands import command
 from .errors import BadRequest, Conflict, NotFound
-from .store.models import Device, Lease, LeaseState, QuotaRow
+from .store.models import Device, LeaseState, QuotaRow
 from .views import device_view, lease_view
 
 
@@ -40,7 +38,7 @@ class AdminMixin:
 
         Lowering a quota never ends a running lease; it holds back pending ones.
         """
-        with self._session() as session, session.begin():
+        with self._write() as session:
             row = session.get(QuotaRow, (kind, name)) or QuotaRow(kind=kind, name=name)
             row.guaranteed, row.limit = guaranteed, limit
             session.add(row)
@@ -56,7 +54,7 @@ class AdminMixin:
         Raises:
             NotFound: no quota stored for ``kind`` ``name``.
         """
-        with self._session() as session, session.begin():
+        with self._write() as session:
             row = session.get(QuotaRow, (kind, name))
             if row is None:
                 raise NotFound(f"quota: no stored quota for {kind} {name!r}")
@@ -78,7 +76,7 @@ class AdminMixin:
             raise BadRequest(
                 f"priority_class: must be one of {sorted(classes)}, got {priority_class!r}"
             )
-        with self._session() as session, session.begin():
+        with self._write() as session:
             lease = self._get(session, lease_id)
             if lease.state != LeaseState.pending.value:
                 raise Conflict(f"priority_class: lease {lease_id} is {lease.state}, not pending")
@@ -101,7 +99,7 @@ class AdminMixin:
         Raises:
             NotFound: no such device.
         """
-        with self._session() as session, session.begin():
+        with self._write() as session:
             device = session.get(Device, uuid)
             if device is None:
                 raise NotFound(f"device {uuid}: no such device")
@@ -115,9 +113,6 @@ class AdminMixin:
 
     def queue(self) -> list[dict[str, Any]]:
         """Pending leases in queue order (position 1 first)."""
-        with self._session() as session:
-            pending = session.scalars(
-                select(Lease).where(Lease.state == LeaseState.pending.value)
-            ).all()
-            views = [lease_view(lease) for lease in pending]
+        pending = [x for x in self._world.active() if x.state == LeaseState.pending.value]
+        views = [lease_view(lease) for lease in pending]
         return sorted(views, key=lambda v: (v["queue"]["position"] or 0, v["id"]))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from . import scheduler
@@ -17,7 +16,7 @@ from .devices import mig
 from .errors import BadRequest, Forbidden
 from .pools import PoolSpec
 from .scheduler.sharing import share_weight
-from .store.models import ACTIVE_STATES, Device, Lease
+from .store.models import Device, Lease
 
 
 def _check_numbers(gpus: int | None, memory_gib: float | None, count: int | None) -> None:
@@ -234,7 +233,7 @@ class AdmissionMixin:
         gpus: float,
     ) -> None:
         """Refuse what would take held plus pending GPUs above a limit (403)."""
-        active = list(session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES))))
+        active = self._world.active()  # type: ignore[attr-defined]
         checks = [("user", user, policy.user_quota(user), [x for x in active if x.user == user])]
         quota = policy.group_quota(group)
         if quota is not None and group is not None:

@@ -68,10 +68,10 @@ class AvailabilityMixin:
             slices / the device's, a share memory / the device's memory);
             ``limit`` and ``remaining`` are ``None`` when there is no limit.
         """
-        with self._session() as session:  # type: ignore[attr-defined]
+        with self._read():  # type: ignore[attr-defined]
             state, leases = build_state(
-                session,
-                self._policy(session),  # type: ignore[attr-defined]
+                self._world,  # type: ignore[attr-defined]
+                self._policy(),  # type: ignore[attr-defined]
                 self._topology,  # type: ignore[attr-defined]
                 self._pools,  # type: ignore[attr-defined]
                 self._mig_inventory,  # type: ignore[attr-defined]

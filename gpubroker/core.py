@@ -12,14 +12,13 @@ so two changes never interleave: that, plus the partial unique indexes of
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from traitlets import Any as AnyTrait
 from traitlets import Bool, Enum, Float, Instance, Integer, default
@@ -29,6 +28,8 @@ from . import scheduler, state_check
 from .admin import AdminMixin
 from .admission import AdmissionMixin
 from .availability import AvailabilityMixin
+from .broker.waiters import Waiters
+from .broker.world import World
 from .commands import command
 from .devices.base import DeviceBackend
 from .enforce.mps import MPSControl
@@ -40,14 +41,12 @@ from .pools import Pools, PoolSpec
 from .sharing_ops import SharingOpsMixin
 from .store.models import (
     ACTIVE_STATES,
-    Allocation,
     Device,
     HolderKind,
     Intent,
     Lease,
     LeaseEvent,
     LeaseState,
-    QuotaRow,
 )
 from .transitions import EventBus, Recorder, Stimulus, event_view
 from .usage import record_usage
@@ -137,7 +136,7 @@ class Broker(
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._changed = asyncio.Event()
+        self._waiters = Waiters()
         self._topology: dict[str, scheduler.Topology] = {}
         #: called with the view of each server lease to evict (preemption, time
         #: limit), so the service can stop its hub server
@@ -146,6 +145,8 @@ class Broker(
         self.bus = EventBus(self.log)
         self._stimulus: Stimulus | None = None
         self._touched: set[int] = set()
+        self._world = World(self.session_factory)
+        self._policy_cache: tuple[tuple[int, str], scheduler.Policy] | None = None
         self._init_sharing()
 
     # -- commands and their events ---------------------------------------------------
@@ -186,7 +187,7 @@ class Broker(
         Raises:
             StateInvalid: one is broken and ``check_state`` is ``raise``.
         """
-        with self._session() as session:
+        with self._read() as session:
             found = state_check.problems(session, touched)
         for problem in found:
             self.log.error("State check: %s", problem)
@@ -200,7 +201,7 @@ class Broker(
         Raises:
             NotFound: no such lease.
         """
-        with self._session() as session:
+        with self._read() as session:
             self._get(session, lease_id)
             rows = session.scalars(
                 select(LeaseEvent).where(LeaseEvent.lease_id == lease_id).order_by(LeaseEvent.id)
@@ -209,14 +210,33 @@ class Broker(
 
     # -- sessions and notification -------------------------------------------------
 
+    def _write(self) -> contextlib.AbstractContextManager[Session]:
+        """A write-through transaction on the in-memory state (see
+        :meth:`World.write`)."""
+        return self._world.write()
+
+    def _read(self) -> contextlib.AbstractContextManager[Session]:
+        """Read the in-memory state (see :meth:`World.read`)."""
+        return self._world.read()
+
     def _session(self) -> Session:
+        """A fresh session on the store, outside the broker's memory: what a
+        restart would load (for :meth:`validate_state`)."""
         factory: sessionmaker[Session] = self.session_factory
         return factory()
 
     def _notify(self) -> None:
-        """Wake every long-poll waiter; each re-checks its own lease."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        """Wake the long-poll waiters whose lease changed (see
+        :class:`~gpubroker.broker.waiters.Waiters`)."""
+        self._waiters.wake(self._version_of)
+
+    def _version_of(self, lease_id: int) -> int | None:
+        lease = self._world.leases.get(lease_id)
+        if lease is not None:
+            return lease.version
+        with self._read() as session:
+            gone = session.get(Lease, lease_id)
+            return None if gone is None else gone.version
 
     # -- inventory -----------------------------------------------------------------
 
@@ -234,7 +254,7 @@ class Broker(
             self._topology = {
                 nodes.pop(): tuple(tuple(int(x) for x in row) for row in backend.topology())
             }
-        with self._session() as session, session.begin():
+        with self._write() as session:
             known = {d.uuid: d for d in session.scalars(select(Device))}
             for uuid, info in reported.items():
                 row = known.get(uuid) or Device(uuid=uuid, drained=False)
@@ -285,7 +305,7 @@ class Broker(
             counts of ``granted`` and ``pending`` leases found.
         """
         now = utcnow()
-        with self._session() as session, session.begin():
+        with self._write() as session:
             counts = {state: 0 for state in ACTIVE_STATES}
             for lease in session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES))):
                 counts[lease.state] += 1
@@ -314,9 +334,7 @@ class Broker(
 
     def pool_devices(self) -> list[tuple[Device, PoolSpec]]:
         """Every present device (detached row) with its pool."""
-        with self._session() as session:
-            devices = list(session.scalars(select(Device).where(Device.present)))
-        return [(d, self.pool_spec(d.uuid)) for d in devices]
+        return [(d, self.pool_spec(d.uuid)) for d in self._world.present_devices()]
 
     def request_limit(self, devices: list[tuple[Device, PoolSpec]] | None = None) -> int:
         """Most GPUs one lease may ask for now (see ``max_gpus_per_request``);
@@ -402,7 +420,7 @@ class Broker(
         charged = self._charge_group(user, group, groups, policy)
         self._check_guarantee_room(policy, cls, user, charged, shape.weight)
         now = utcnow()
-        with self._session() as session, session.begin():
+        with self._write() as session:
             previous = None
             if restart_of is not None:
                 previous = self._restarted(session, restart_of, user, server_name, holder_kind)
@@ -482,19 +500,11 @@ class Broker(
     def _check_no_active_lease(
         self, session: Session, user: str, server_name: str, replaced: int | None = None
     ) -> None:
-        existing = session.scalar(
-            select(Lease.id).where(
-                Lease.user == user,
-                Lease.server_name == server_name,
-                Lease.holder_kind == HolderKind.server.value,
-                Lease.state.in_(ACTIVE_STATES),
-                Lease.id != (replaced or 0),
-            )
-        )
-        if existing is not None:
+        existing = self._world.server_lease(user, server_name, replaced or 0)
+        if existing is not None and existing.state in ACTIVE_STATES:
             raise Conflict(
                 f"server_name: {user}/{server_name or '(default)'} already has active "
-                f"lease {existing}; one active lease per server"
+                f"lease {existing.id}; one active lease per server"
             )
 
     @command("broker")
@@ -507,10 +517,10 @@ class Broker(
             NotFound: no such lease.
         """
         now = utcnow()
-        with self._session() as session, session.begin():
+        with self._write() as session:
             lease = self._get(session, lease_id)
             if lease.state != LeaseState.released.value:
-                stopping = _open_stop(session, lease.id)
+                stopping = self._open_stop(lease.id)
                 if stopping is not None:  # the broker asked for this stop: its reason
                     reason = f"{stopping.reason} (server stopped)"
                 self._release(lease, reason, now)
@@ -527,11 +537,9 @@ class Broker(
             record_usage(session, lease, now, self.policy.fairshare_half_life)
             self._unrealize(lease)
         self._rec(session, now).transition(lease, LeaseState.released.value, reason)
-        session.execute(
-            update(Intent)
-            .where(Intent.lease_id == lease.id, Intent.state == "open")
-            .values(state="done", done_at=now)
-        )
+        stop = self._world.stops.get(lease.id)
+        if stop is not None and stop.state == "open":
+            stop.state, stop.done_at = "done", now
         lease.released_at = now
         lease.release_reason = reason
         lease.queue_position = lease.queue_reason = lease.queue_message = None
@@ -564,13 +572,10 @@ class Broker(
         alive = set(servers)
         released = []
         now = utcnow()
-        with self._session() as session, session.begin():
-            stmt = select(Lease).where(
-                Lease.state.in_(ACTIVE_STATES),
-                Lease.holder_kind == HolderKind.server.value,
-                Lease.created < as_of,
-            )
-            for lease in session.scalars(stmt):
+        with self._write() as session:
+            for lease in self._world.active():
+                if lease.holder_kind != HolderKind.server.value or lease.created >= as_of:
+                    continue
                 if (lease.user, lease.server_name) not in alive:
                     why = f"reconcile: server {lease.user}/{lease.server_name} is gone from the hub"
                     self._release(lease, why, now)
@@ -597,18 +602,19 @@ class Broker(
         Raises:
             NotFound: no such lease.
         """
-        with self._session() as session:
+        with self._read() as session:
             return lease_view(self._get(session, lease_id))
 
     def list_leases(self, user: str | None = None, active: bool = True) -> list[dict[str, Any]]:
         """Lease views, oldest first; only ``user``'s when given; only
         pending and granted ones unless ``active`` is false."""
+        if active:
+            leases = [x for x in self._world.active() if user is None or x.user == user]
+            return [lease_view(lease) for lease in leases]
         stmt = select(Lease).order_by(Lease.id)
         if user is not None:
             stmt = stmt.where(Lease.user == user)
-        if active:
-            stmt = stmt.where(Lease.state.in_(ACTIVE_STATES))
-        with self._session() as session:
+        with self._read() as session:
             return [lease_view(lease) for lease in session.scalars(stmt)]
 
     def device_rows(self) -> list[tuple[Device, list[dict[str, Any]]]]:
@@ -621,30 +627,25 @@ class Broker(
             is ``{"lease_id", "user", "server_name", "kind"`` (``device``,
             ``mig``, ``share``), ``"profile", "instance_uuid", "memory_gib"}``.
         """
-        with self._session() as session:
-            active = (
-                select(Allocation, Lease)
-                .join(Lease, Allocation.lease_id == Lease.id)
-                .where(Allocation.active)
-                .order_by(Allocation.id)
+        held = [(a, x) for x in self._world.active() for a in x.allocations if a.active]
+        held.sort(key=lambda pair: pair[0].id)
+        holders: dict[str, list[dict[str, Any]]] = {}
+        for allocation, lease in held:
+            holders.setdefault(allocation.device_uuid, []).append(
+                {
+                    "lease_id": lease.id,
+                    "user": lease.user,
+                    "server_name": lease.server_name,
+                    "kind": allocation.kind,
+                    "profile": allocation.profile,
+                    "instance_uuid": allocation.instance_uuid,
+                    "memory_gib": None
+                    if allocation.memory_mib is None
+                    else allocation.memory_mib / 1024,
+                }
             )
-            holders: dict[str, list[dict[str, Any]]] = {}
-            for allocation, lease in session.execute(active):
-                holders.setdefault(allocation.device_uuid, []).append(
-                    {
-                        "lease_id": lease.id,
-                        "user": lease.user,
-                        "server_name": lease.server_name,
-                        "kind": allocation.kind,
-                        "profile": allocation.profile,
-                        "instance_uuid": allocation.instance_uuid,
-                        "memory_gib": None
-                        if allocation.memory_mib is None
-                        else allocation.memory_mib / 1024,
-                    }
-                )
-            devices = session.scalars(select(Device).order_by(Device.node, Device.index))
-            return [(d, holders.get(d.uuid, [])) for d in devices]
+        devices = sorted(self._world.devices.values(), key=lambda d: (d.node, d.index))
+        return [(d, holders.get(d.uuid, [])) for d in devices]
 
     async def wait_for_change(
         self, lease_id: int, timeout: float, known_version: int | None = None
@@ -668,13 +669,10 @@ class Broker(
         known = current["version"] if known_version is None else known_version
         deadline = time.monotonic() + timeout
         while current["version"] == known and (remaining := deadline - time.monotonic()) > 0:
-            event = self._changed
-            try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except asyncio.TimeoutError:
+            if not await self._waiters.wait(lease_id, known, remaining):
                 break
             current = self.get_lease(lease_id)
-        return self.get_lease(lease_id) if current["version"] == known else current
+        return current
 
     # -- scheduling ----------------------------------------------------------------
 
@@ -683,30 +681,30 @@ class Broker(
         """Run a scheduling pass in its own transaction (the periodic timer);
         server stops that took longer than ``evict_timeout`` end first."""
         now = utcnow()
-        with self._session() as session, session.begin():
+        with self._write() as session:
             self._expire_stops(session, now)
             session.flush()
             self._schedule(session, now)
         self._notify()
 
-    def _policy(self, session: Session | None = None) -> scheduler.Policy:
-        """The pure policy: config plus quotas stored through the admin API."""
-        if session is None:
-            with self._session() as own:
-                return self._policy(own)
-        stored = [
-            (q.kind, q.name, q.guaranteed, q.limit) for q in session.scalars(select(QuotaRow))
-        ]
-        return self.policy.build(stored)
+    def _policy(self) -> scheduler.Policy:
+        """The pure policy: config plus quotas stored through the admin API
+        (built again only when the stored quotas changed)."""
+        key = (self._world.quota_version, self.policy.fingerprint())
+        if self._policy_cache is None or self._policy_cache[0] != key:
+            stored = [(q.kind, q.name, q.guaranteed, q.limit) for q in self._world.quotas.values()]
+            self._policy_cache = (key, self.policy.build(stored))
+        return self._policy_cache[1]
 
     def _schedule(self, session: Session, now: dt.datetime, again: bool = True) -> None:
         """Run the pure scheduler on the session's state and apply its decisions.
 
         When an eviction released devices, one more pass hands them on.
         """
+        session.flush()  # waits are set in memory only: no change may be pending
         state, leases = build_state(
-            session,
-            self._policy(session),
+            self._world,
+            self._policy(),
             self._topology,
             self._pools,
             self._mig_inventory,
@@ -747,7 +745,7 @@ class Broker(
         reason stays the release reason."""
         if lease.holder_kind == HolderKind.server.value and self.on_evict is not None:
             session = self._session_of(lease)
-            intent = _open_stop(session, lease.id)
+            intent = self._open_stop(lease.id)
             if intent is None:
                 intent = Intent(
                     kind="stop-server",
@@ -758,6 +756,7 @@ class Broker(
                     attempts=1,
                 )
                 session.add(intent)
+                self._world.stops[lease.id] = intent
                 self._rec(session, now).note(lease, "stopping", reason)
                 self.log.warning("Stopping server of lease %s: %s", lease.id, reason)
                 self.on_evict(lease_view(lease) | {"release_reason": reason})
@@ -768,14 +767,17 @@ class Broker(
         self.log.warning("Evicted lease %s of %s: %s", lease.id, lease.user, reason)
         return True
 
+    def _open_stop(self, lease_id: int) -> Intent | None:
+        """The open ``stop-server`` intent of ``lease_id``, if any."""
+        intent = self._world.stops.get(lease_id)
+        return intent if intent is not None and intent.state == "open" else None
+
     def _expire_stops(self, session: Session, now: dt.datetime) -> None:
         """Release the leases whose server stop was asked ``evict_timeout``
         seconds ago or more and has not happened."""
         since = now - dt.timedelta(seconds=self.evict_timeout)
-        stale = select(Intent).where(
-            Intent.kind == "stop-server", Intent.state == "open", Intent.created <= since
-        )
-        for intent in list(session.scalars(stale)):
+        stale = [i for i in self._world.stops.values() if i.created <= since]
+        for intent in stale:
             lease = session.get(Lease, intent.lease_id)
             if lease is not None and lease.state == LeaseState.granted.value:
                 self.log.warning(
@@ -793,8 +795,7 @@ class Broker(
         if self.on_evict is None:
             return 0
         count = 0
-        stmt = select(Intent).where(Intent.kind == "stop-server", Intent.state == "open")
-        for intent in list(session.scalars(stmt)):
+        for intent in list(self._world.stops.values()):
             lease = session.get(Lease, intent.lease_id)
             if lease is None or lease.state != LeaseState.granted.value:
                 continue
@@ -822,7 +823,7 @@ class Broker(
             NotFound: no such lease.
         """
         now = utcnow()
-        with self._session() as session, session.begin():
+        with self._write() as session:
             lease = self._get(session, lease_id)
             if lease.state == LeaseState.granted.value and self._evict(lease, reason, now):
                 session.flush()
@@ -837,7 +838,7 @@ class Broker(
         Raises:
             NotFound: no such lease.
         """
-        with self._session() as session, session.begin():
+        with self._write() as session:
             lease = self._get(session, lease_id)
             lease.server_url = url
             view = lease_view(lease)
@@ -845,12 +846,11 @@ class Broker(
 
     def server_leases(self) -> list[Lease]:
         """Granted leases of hub servers (detached rows, for the culler)."""
-        with self._session() as session:
-            stmt = select(Lease).where(
-                Lease.state == LeaseState.granted.value,
-                Lease.holder_kind == HolderKind.server.value,
-            )
-            return list(session.scalars(stmt))
+        return [
+            x
+            for x in self._world.active()
+            if x.state == LeaseState.granted.value and x.holder_kind == HolderKind.server.value
+        ]
 
 
 def _devices_to_prefer(previous: Lease, kind: str, count: int) -> list[str] | None:
@@ -860,12 +860,3 @@ def _devices_to_prefer(previous: Lease, kind: str, count: int) -> list[str] | No
         return None
     devices = [a.device_uuid for a in previous.allocations if a.kind == "device"]
     return devices if len(devices) == count else None
-
-
-def _open_stop(session: Session, lease_id: int) -> Intent | None:
-    """The open ``stop-server`` intent of ``lease_id``, if any."""
-    return session.scalar(
-        select(Intent).where(
-            Intent.lease_id == lease_id, Intent.kind == "stop-server", Intent.state == "open"
-        )
-    )

@@ -26,7 +26,7 @@ class NoticesMixin:
         """Record a notice for ``lease``'s holder (see :class:`Notice`), and
         the notice in the lease's transition log (kind: the notice's kind)."""
         now = dt.datetime.now(dt.timezone.utc)
-        with self._session() as session, session.begin():  # type: ignore[attr-defined]
+        with self._write() as session:  # type: ignore[attr-defined]
             detail = {"deadline": isoformat(deadline)} if deadline else {}
             self._rec(session, now).note(lease, kind, message, detail)  # type: ignore[attr-defined]
             session.add(
@@ -47,7 +47,7 @@ class NoticesMixin:
         stmt = select(Notice).order_by(Notice.id.desc()).limit(limit)
         if user is not None:
             stmt = stmt.where(Notice.user == user)
-        with self._session() as session:
+        with self._read() as session:
             return [
                 {
                     "id": n.id,

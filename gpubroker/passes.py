@@ -7,15 +7,23 @@ import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from . import scheduler
+from .broker.world import World
 from .pools import PoolSpec
-from .scheduler import Decisions, Instance, Part, Policy, PoolMode, SchedulerState
+from .scheduler import (
+    Decisions,
+    Instance,
+    Part,
+    Policy,
+    PoolMode,
+    SchedulerState,
+    UsageRecord,
+)
 from .store.models import Allocation, Device, Lease, LeaseState
 from .transitions import Recorder
-from .usage import usage_records
 
 #: the MIG instances present on each device: parent UUID -> instances
 MigInventory = Mapping[str, Sequence[Instance]]
@@ -32,6 +40,17 @@ def _part(allocation: Allocation) -> Part:
         memory_mib=allocation.memory_mib or 0,
         instance=allocation.instance_uuid or "",
     )
+
+
+def _cached(cache: dict[int, tuple[Any, Any]], lease: Lease, key: Any, build: Any) -> Any:
+    """``build(lease)``, reused while ``key`` (what it depends on that can
+    change) stays the same."""
+    hit = cache.get(lease.id)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    value = build(lease)
+    cache[lease.id] = (key, value)
+    return value
 
 
 def _running(lease: Lease) -> scheduler.Running:
@@ -106,23 +125,23 @@ def _slot(
 
 
 def build_state(
-    session: Session,
+    world: World,
     policy: Policy,
     topology: Mapping[str, scheduler.Topology],
     pools: Mapping[str, PoolSpec] | None = None,
     mig_instances: MigInventory | None = None,
     sharing_strategy: str = "least-fragmentation",
 ) -> tuple[SchedulerState, dict[int, Lease]]:
-    """The scheduler's view of the store, and the active leases by id.
+    """The scheduler's view of the broker's memory (no database read), and
+    the active leases by id.
 
     Args:
+        world: the broker's in-memory state.
         pools: the pool of each device by UUID (default: all exclusive).
         mig_instances: MIG instances present per device (from the backend).
     """
-    devices = list(session.scalars(select(Device).where(Device.present)))
-    active = list(
-        session.scalars(select(Lease).where(Lease.state.in_((LeaseState.pending.value, "granted"))))
-    )
+    devices = world.present_devices()
+    active = world.active()
     held = {
         a.instance_uuid
         for x in active
@@ -131,14 +150,25 @@ def build_state(
     }
     pools = pools or {}
     mig_instances = mig_instances or {}
+    # a lease's scheduler value changes only with these (the rest is fixed
+    # at creation or grant): reuse the values of the previous pass
+    cache, world.scheduled = world.scheduled, {}
+    running, pending = [], []
+    for x in active:
+        if x.state == LeaseState.granted.value:
+            running.append(_cached(cache, x, ("granted", x.version), _running))
+        else:
+            key = ("pending", x.priority_class, tuple(x.earmarked or ()))
+            pending.append(_cached(cache, x, key, _request))
+        world.scheduled[x.id] = cache[x.id]
     state = SchedulerState(
         slots=tuple(
             _slot(d, pools.get(d.uuid), mig_instances.get(d.uuid, ()), held) for d in devices
         ),
-        running=tuple(_running(x) for x in active if x.state == LeaseState.granted.value),
-        pending=tuple(_request(x) for x in active if x.state == LeaseState.pending.value),
+        running=tuple(running),
+        pending=tuple(pending),
         policy=policy,
-        usage=usage_records(session),
+        usage={u.user: UsageRecord(u.gpu_seconds, u.as_of) for u in world.usage.values()},
         topology=topology,
         sharing_strategy=sharing_strategy,
     )
@@ -275,10 +305,17 @@ def _wait(lease: Lease, wait: scheduler.Wait, rec: Any) -> None:
     if current != verdict:
         if lease.queue_reason != wait.reason.value:  # the story: why it waits now
             rec.note(lease, "waiting", wait.message, {"reason": wait.reason.value})
-        lease.queue_position, lease.queue_reason, lease.queue_message = verdict[:3]
-        lease.queue_eta = wait.eta
-        lease.earmarked = list(wait.earmarked) or None
-        _bump(lease)
+        # kept in memory only (served from there, recomputed by the first pass
+        # after a restart): a pass writes nothing for the requests that wait
+        for name, value in (
+            ("queue_position", wait.position),
+            ("queue_reason", wait.reason.value),
+            ("queue_message", wait.message),
+            ("queue_eta", wait.eta),
+            ("earmarked", list(wait.earmarked) or None),
+            ("version", lease.version + 1),
+        ):
+            set_committed_value(lease, name, value)
 
 
 class _Silent:

@@ -139,6 +139,22 @@ class SchedulingPolicy(LoggingConfigurable):
             classes[item["name"]] = PriorityClass(**item)
         return classes
 
+    def fingerprint(self) -> str:
+        """The configured values :meth:`build` reads, as one string: equal
+        strings build equal policies (for the broker's policy cache)."""
+        return repr(
+            (
+                self.user_quotas,
+                self.group_quotas,
+                self.default_user_quota,
+                self.priority_classes,
+                self.fairshare_shares,
+                self.fairshare_half_life,
+                self.fairshare_resolution,
+                self.max_reservations,
+            )
+        )
+
     def build(self, stored: Iterable[tuple[str, str, float, float | None]] = ()) -> Policy:
         """The pure :class:`Policy`, with ``stored`` quotas
         ``(kind, name, guaranteed, limit)`` overriding configured ones."""

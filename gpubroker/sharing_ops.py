@@ -28,7 +28,7 @@ from .enforce.caps import framework_env
 from .errors import BadRequest, NotFound
 from .pools import PoolSpec
 from .scheduler import Instance, Part, PoolMode
-from .store.models import Allocation, Device, Lease
+from .store.models import Device, Lease
 
 
 class SharingOpsMixin:
@@ -59,7 +59,7 @@ class SharingOpsMixin:
 
     def _refresh_pools(self, session: Session) -> None:
         """Recompute each device's pool and re-read the MIG instances."""
-        devices = list(session.scalars(select(Device).where(Device.present)))
+        devices = [d for d in session.scalars(select(Device)) if d.present]
         self._pools = self._pool_of(devices)
         inventory: dict[str, list[Instance]] = {}
         for device in devices:
@@ -206,13 +206,12 @@ class SharingOpsMixin:
     def clean_mig(self, session: Session) -> list[str]:
         """Destroy MIG instances on on-demand devices that no active lease
         holds (left by a failed destroy or made by hand). Returns their UUIDs."""
-        held = set(
-            session.scalars(
-                select(Allocation.instance_uuid).where(
-                    Allocation.active, Allocation.instance_uuid.is_not(None)
-                )
-            )
-        )
+        held = {
+            a.instance_uuid
+            for x in self._world.active()  # type: ignore[attr-defined]
+            for a in x.allocations
+            if a.active and a.instance_uuid is not None
+        }
         destroyed = []
         for device, instances in list(self._mig_inventory.items()):
             spec = self._pools.get(device)
@@ -228,13 +227,13 @@ class SharingOpsMixin:
     def share_caps(self) -> list[tuple[Lease, str, int]]:
         """``(lease, device UUID, cap MiB)`` of every share held now (detached
         lease rows), for the memory watchdog."""
-        with self._session() as session:  # type: ignore[attr-defined]
-            stmt = select(Allocation).where(Allocation.active, Allocation.kind == "share")
-            return [
-                (a.lease, a.device_uuid, a.memory_mib or 0)
-                for a in session.scalars(stmt)
-                if a.lease.state == "granted"
-            ]
+        return [
+            (x, a.device_uuid, a.memory_mib or 0)
+            for x in self._world.active()  # type: ignore[attr-defined]
+            if x.state == "granted"
+            for a in x.allocations
+            if a.active and a.kind == "share"
+        ]
 
     @command("scheduler")
     def housekeep_mig(self) -> None:
@@ -242,7 +241,7 @@ class SharingOpsMixin:
         (run by the broker's scheduling loop)."""
         if self.apply_mig_modes():
             self.schedule_now()  # type: ignore[attr-defined]
-        with self._session() as session:  # type: ignore[attr-defined]
+        with self._read() as session:  # type: ignore[attr-defined]
             if self.clean_mig(session):
                 self.schedule_now()  # type: ignore[attr-defined]
 
@@ -261,7 +260,7 @@ class SharingOpsMixin:
             NotFound: no such device.
             BadRequest: the model does not support MIG.
         """
-        with self._session() as session, session.begin():  # type: ignore[attr-defined]
+        with self._write() as session:  # type: ignore[attr-defined]
             device = session.get(Device, uuid)
             if device is None:
                 raise NotFound(f"device {uuid}: no such device")
@@ -271,7 +270,7 @@ class SharingOpsMixin:
             device.mig_target = None if device.mig_enabled == enabled else enabled
         if self.apply_mig_modes():
             self.schedule_now()  # type: ignore[attr-defined]
-        with self._session() as session:  # type: ignore[attr-defined]
+        with self._read() as session:  # type: ignore[attr-defined]
             device = session.get(Device, uuid)
             assert device is not None
             return {
@@ -284,15 +283,14 @@ class SharingOpsMixin:
         """Change the MIG mode of every device an admin asked for, once no
         active lease holds any of its slots. Returns the UUIDs changed."""
         changed = []
-        with self._session() as session, session.begin():  # type: ignore[attr-defined]
-            targets = session.scalars(select(Device).where(Device.mig_target.is_not(None)))
-            for device in list(targets):
-                busy = session.scalar(
-                    select(Allocation.id).where(
-                        Allocation.active, Allocation.device_uuid == device.uuid
-                    )
-                )
-                if busy is not None:
+        with self._write() as session:  # type: ignore[attr-defined]
+            world = self._world  # type: ignore[attr-defined]
+            targets = [d for d in world.devices.values() if d.mig_target is not None]
+            if not targets:
+                return changed
+            busy = {a.device_uuid for x in world.active() for a in x.allocations if a.active}
+            for device in targets:
+                if device.uuid in busy:
                     continue
                 for instance in self._mig_inventory.get(device.uuid, []):
                     self._destroy(device.uuid, instance.uuid)

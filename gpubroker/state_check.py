@@ -6,6 +6,8 @@
 - every granted lease holds its slots (whole: ``gpus`` devices; MIG: one
   instance; shares: ``count``); pending and released leases hold none;
 - at most one active lease per hub server;
+- the broker's memory holds exactly the active leases of the store, with
+  their stored state, version and slots (what a restart would reload);
 - the transition log of every lease a command touched replays to the
   lease's stored state (:func:`gpubroker.model.lifecycle.replay`), with no
   gap.
@@ -98,3 +100,30 @@ def _logs(session: Session, touched: Iterable[int]) -> list[str]:
         if lease is not None and state != lease.state:
             found.append(f"lease {lease_id}: its log ends {state!r}, the lease is {lease.state!r}")
     return found
+
+
+def memory_matches(session: Session, memory: Iterable[Lease]) -> list[str]:
+    """How the broker's in-memory active leases differ from the store's.
+
+    Args:
+        session: a fresh session (not the broker's own).
+        memory: the leases the broker keeps in memory as active.
+    """
+    found = []
+    kept = {x.id: x for x in memory}
+    stored = {x.id: x for x in session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES)))}
+    for lease_id in sorted(kept.keys() - stored.keys()):
+        found.append(f"lease {lease_id} is active in memory but not in the store")
+    for lease_id in sorted(stored.keys() - kept.keys()):
+        found.append(f"lease {lease_id} is active in the store but not in memory")
+    for lease_id in sorted(kept.keys() & stored.keys()):
+        mine, truth = kept[lease_id], stored[lease_id]
+        if mine.state != truth.state:
+            found.append(f"lease {lease_id}: {mine.state!r} in memory, {truth.state!r} stored")
+        if _slots_of(mine) != _slots_of(truth):
+            found.append(f"lease {lease_id}: memory and store disagree on its slots")
+    return found
+
+
+def _slots_of(lease: Lease) -> set[tuple[str, str | None]]:
+    return {(a.device_uuid, a.instance_uuid) for a in lease.allocations if a.active}

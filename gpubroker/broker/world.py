@@ -1,0 +1,170 @@
+"""The broker's in-memory state, written through to the store.
+
+One long-lived SQLAlchemy session is the broker's memory: its identity map
+holds every device, every active lease with its allocations, the usage
+records, the stored quotas and the open intents, loaded once at start-up.
+Commands change those objects inside :meth:`World.write` and the session
+writes exactly the objects that changed (the unit of work) in one
+transaction, before the command answers; nothing is read back. A pass reads
+the indexes here, never the database.
+
+The database stays the truth: when a transaction fails, the session rolls
+back (SQLAlchemy expires every object) and :meth:`World.reload` rebuilds the
+indexes from what was committed, exactly as a restart would.
+
+Only the broker's event loop thread uses a :class:`World` (the broker is
+single-threaded: commands never interleave).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import event, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from ..store.models import ACTIVE_STATES, Device, HolderKind, Intent, Lease, QuotaRow, UsageRow
+
+
+class World:
+    """Devices, active leases, usage, quotas and open intents in memory.
+
+    Args:
+        factory: the store's session factory (``expire_on_commit=False``,
+            :func:`gpubroker.store.db.make_session_factory`).
+    """
+
+    def __init__(self, factory: sessionmaker[Session]) -> None:
+        self.factory = factory
+        self.session: Session = factory()
+        #: pending and granted leases by id
+        self.leases: dict[int, Lease] = {}
+        #: every device the store knows (present or not) by UUID
+        self.devices: dict[str, Device] = {}
+        #: fair-share usage records by user
+        self.usage: dict[str, UsageRow] = {}
+        #: stored quotas (admin API), by (kind, name)
+        self.quotas: dict[tuple[str, str], QuotaRow] = {}
+        #: open ``stop-server`` intents by lease id
+        self.stops: dict[int, Intent] = {}
+        #: the scheduler's value of each active lease with the key it was
+        #: built for (see :func:`gpubroker.passes.build_state`)
+        self.scheduled: dict[int, tuple[Any, Any]] = {}
+        #: bumped whenever the stored quotas change (policy cache key)
+        self.quota_version = 0
+        event.listen(self.session, "after_flush", self._collect)
+        self.reload()
+
+    # -- transactions --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Session]:
+        """One write-through transaction; a block inside another joins it.
+
+        Commits at the end of the outermost block; on an exception, rolls
+        back and reloads the indexes from the store (the committed truth),
+        then re-raises.
+        """
+        session = self.session
+        if session.in_transaction():
+            yield session
+            return
+        try:
+            with session.begin():
+                yield session
+        except BaseException:
+            self.reload()
+            raise
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Session]:
+        """Read the in-memory objects (and the store for what is not kept in
+        memory, such as released leases and events); joins an open
+        transaction, else ends the one its queries began."""
+        session = self.session
+        if session.in_transaction():
+            yield session
+            return
+        try:
+            yield session
+        except SQLAlchemyError:
+            session.rollback()
+            self.reload()
+            raise
+        finally:
+            if session.in_transaction():
+                session.commit()
+
+    def _collect(self, session: Session, _context: Any) -> None:
+        """``after_flush``: index what the flush wrote (work proportional to
+        what changed). A rollback undoes it through :meth:`reload`."""
+        deleted = [o for o in session.deleted if isinstance(o, QuotaRow)]
+        for obj in [*session.new, *session.dirty, *deleted]:
+            if isinstance(obj, Lease):
+                if obj.state in ACTIVE_STATES:
+                    self.leases[obj.id] = obj
+                else:
+                    self.leases.pop(obj.id, None)
+            elif isinstance(obj, Intent) and obj.kind == "stop-server":
+                if obj.state == "open":
+                    self.stops[obj.lease_id] = obj
+                elif self.stops.get(obj.lease_id) is obj:
+                    del self.stops[obj.lease_id]
+            elif isinstance(obj, Device):
+                self.devices[obj.uuid] = obj
+            elif isinstance(obj, UsageRow):
+                self.usage[obj.user] = obj
+            elif isinstance(obj, QuotaRow):
+                self.quota_version += 1
+                if obj in deleted:
+                    self.quotas.pop((obj.kind, obj.name), None)
+                else:
+                    self.quotas[(obj.kind, obj.name)] = obj
+
+    def reload(self) -> None:
+        """Rebuild every index from the store (start-up, after a rollback)."""
+        session = self.session
+        if session.in_transaction():
+            session.rollback()
+        with session.begin():
+            self.devices = {d.uuid: d for d in session.scalars(select(Device))}
+            active = select(Lease).where(Lease.state.in_(ACTIVE_STATES)).order_by(Lease.id)
+            self.leases = {x.id: x for x in session.scalars(active)}
+            self.usage = {u.user: u for u in session.scalars(select(UsageRow))}
+            self.quotas = {(q.kind, q.name): q for q in session.scalars(select(QuotaRow))}
+            stops = select(Intent).where(Intent.kind == "stop-server", Intent.state == "open")
+            self.stops = {i.lease_id: i for i in session.scalars(stops)}
+        self.quota_version += 1
+
+    # -- queries on memory ---------------------------------------------------------
+
+    def active(self) -> list[Lease]:
+        """Pending and granted leases, oldest first (a lease released in the
+        open transaction, not flushed yet, is left out)."""
+        leases = self.leases
+        return [leases[i] for i in sorted(leases) if leases[i].state in ACTIVE_STATES]
+
+    def server_lease(self, user: str, server_name: str, other_than: int = 0) -> Lease | None:
+        """The active lease of hub server ``user``/``server_name`` (other
+        than lease ``other_than``), if any."""
+        for lease in self.leases.values():
+            if (
+                lease.user == user
+                and lease.server_name == server_name
+                and lease.holder_kind == HolderKind.server.value
+                and lease.id != other_than
+                and lease.state in ACTIVE_STATES
+            ):
+                return lease
+        return None
+
+    def present_devices(self) -> list[Device]:
+        """Devices the backend reports now, in store order."""
+        return [d for d in self.devices.values() if d.present]
+
+    def close(self) -> None:
+        """Release the session's connection."""
+        self.session.close()
