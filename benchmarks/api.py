@@ -1,9 +1,17 @@
-"""Lease request/release pairs through the broker's HTTP API on loopback,
-against a bare Tornado handler doing nothing (the baseline, same client).
+"""Lease request/release pairs through the broker's HTTP API on loopback.
+
+- one client, empty queue, against a bare Tornado handler doing nothing
+  (the baseline, same client);
+- one client while 1,000 requests wait and every device is held, against
+  the empty-queue figure (queue independence);
+- 64 concurrent clients, against the one-client figure;
+- SQL statements per pair, counted on the broker's own engine in this
+  process (same commands, no HTTP), empty queue and with 1,000 waiting.
 
 The broker runs as in production: a hub-managed service of a real JupyterHub
-(demo config, fake GPUs), called directly on its service port with the
-spawner's kind of token (HubAuth caches token checks, as in production).
+(demo config, 8 fake GPUs, invariant checks off as by default), called
+directly on its service port with the spawner's kind of token (HubAuth
+caches token checks, as in production).
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +31,23 @@ import requests
 from tests.hubutil import RunningHub, free_port
 
 PAIRS = 1000
+QUEUE_PAIRS = 500
+WAITING = 1000
+CLIENTS = 64
+CLIENT_PAIRS = 16
+SQL_PAIRS = 50
 
 
 def _percentile(samples: list[float], q: float) -> float:
     return statistics.quantiles(samples, n=100, method="inclusive")[int(q) - 1]
 
 
-def _measure(session: requests.Session, post_url: str, body: dict, delete_url) -> dict[str, Any]:
+def _pairs(
+    session: requests.Session, post_url: str, body: dict, delete_url: Callable, n: int
+) -> list[float]:
+    """Latencies (s) of ``n`` request/release pairs, two per pair."""
     latencies: list[float] = []
-    started = time.perf_counter()
-    for _ in range(PAIRS):
+    for _ in range(n):
         t0 = time.perf_counter()
         r = session.post(post_url, json=body, timeout=30)
         t1 = time.perf_counter()
@@ -38,23 +55,96 @@ def _measure(session: requests.Session, post_url: str, body: dict, delete_url) -
         session.delete(delete_url(r.json()), timeout=30).raise_for_status()
         t2 = time.perf_counter()
         latencies += [t1 - t0, t2 - t1]
+    return latencies
+
+
+def _measure(session: requests.Session, post_url: str, body: dict, delete_url, n: int = PAIRS):
+    started = time.perf_counter()
+    latencies = _pairs(session, post_url, body, delete_url, n)
     elapsed = time.perf_counter() - started
     return {
-        "rps": 2 * PAIRS / elapsed,
+        "rps": 2 * n / elapsed,
         "p50_ms": 1000 * _percentile(latencies, 50),
         "p99_ms": 1000 * _percentile(latencies, 99),
     }
 
 
-def bench_broker(hub: RunningHub) -> dict[str, Any]:
-    session = requests.Session()
-    session.headers["Authorization"] = f"token {hub.token}"
-    base = f"http://127.0.0.1:{hub.broker_port}/services/gpubroker/api/v1"
-    body = {"user": "bench", "gpus": 1, "holder_kind": "external"}
-    session.post(f"{base}/leases", json=body, timeout=30)  # warm the HubAuth cache
-    for lease in session.get(f"{base}/leases", timeout=30).json()["leases"]:
-        session.delete(f"{base}/leases/{lease['id']}", timeout=30)
-    return _measure(session, f"{base}/leases", body, lambda lease: f"{base}/leases/{lease['id']}")
+class _Broker:
+    """The broker API of a running hub, as the spawner calls it."""
+
+    def __init__(self, hub: RunningHub) -> None:
+        self.base = f"http://127.0.0.1:{hub.broker_port}/services/gpubroker/api/v1"
+        self.token = hub.token
+        self.session = self.client()
+
+    def client(self) -> requests.Session:
+        session = requests.Session()
+        session.headers["Authorization"] = f"token {self.token}"
+        return session
+
+    def lease_url(self, lease: dict) -> str:
+        return f"{self.base}/leases/{lease['id']}"
+
+    def request(self, user: str, session: requests.Session | None = None) -> dict:
+        body = {"user": user, "gpus": 1, "holder_kind": "external"}
+        r = (session or self.session).post(f"{self.base}/leases", json=body, timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def release_all(self) -> None:
+        for lease in self.session.get(f"{self.base}/leases", timeout=60).json()["leases"]:
+            self.session.delete(self.lease_url(lease), timeout=30)
+
+    def pairs(self, user: str, n: int, session: requests.Session | None = None):
+        body = {"user": user, "gpus": 1, "holder_kind": "external"}
+        return _measure(session or self.session, f"{self.base}/leases", body, self.lease_url, n)
+
+
+def bench_broker(hub: RunningHub) -> dict[str, dict[str, Any]]:
+    """Empty queue, then 1,000 waiting, then 64 clients (same hub)."""
+    broker = _Broker(hub)
+    broker.request("bench")  # warm the HubAuth cache
+    broker.release_all()
+    out = {"empty": broker.pairs("bench", PAIRS)}
+    for i in range(8):
+        broker.request(f"holder{i}")
+    for i in range(WAITING):
+        broker.request(f"waiting{i % 100}")
+    out["queue"] = broker.pairs("bench", QUEUE_PAIRS)
+    broker.release_all()
+    out["concurrent"] = _concurrent(broker)
+    broker.release_all()
+    return out
+
+
+def _concurrent(broker: _Broker) -> dict[str, Any]:
+    """``CLIENTS`` threads, each ``CLIENT_PAIRS`` pairs as its own user."""
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+    body_url = f"{broker.base}/leases"
+
+    def client(i: int) -> None:
+        session = broker.client()
+        body = {"user": f"client{i}", "gpus": 1, "holder_kind": "external"}
+        try:
+            latencies.extend(_pairs(session, body_url, body, broker.lease_url, CLIENT_PAIRS))
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    if errors:
+        raise RuntimeError(f"{len(errors)} clients failed, first: {errors[0]!r}")
+    return {
+        "rps": 2 * CLIENTS * CLIENT_PAIRS / elapsed,
+        "p50_ms": 1000 * _percentile(latencies, 50),
+        "p99_ms": 1000 * _percentile(latencies, 99),
+    }
 
 
 def bench_bare() -> dict[str, Any]:
@@ -76,22 +166,79 @@ def bench_bare() -> dict[str, Any]:
         proc.wait(10)
 
 
-def run() -> dict[str, dict[str, Any]]:
-    """Run both and return figures: name -> {value, unit, baseline, ratio}."""
+def sql_per_pair(waiting: int) -> float:
+    """SQL statements per request + release of one lease, on a broker in
+    this process (8 fake GPUs, all held when ``waiting`` > 0)."""
+    from sqlalchemy import event
+
+    from gpubroker.core import Broker
+    from gpubroker.devices.fake import FakeDeviceBackend
+    from gpubroker.store.db import make_engine, make_session_factory, upgrade
+
     with tempfile.TemporaryDirectory() as tmp:
-        hub = RunningHub(Path(tmp)).start()
+        url = f"sqlite:///{tmp}/broker.sqlite"
+        upgrade(url)
+        engine = make_engine(url)
+        backend = FakeDeviceBackend(inventory=["8 x H100"], node_name="bench")
+        broker = Broker(session_factory=make_session_factory(engine), backend=backend)
+        broker.check_state = "off"
+        broker.sync_inventory()
+        broker.adopt()
+        if waiting:
+            for i in range(8):
+                broker.request_lease(f"holder{i}", "", gpus=1, holder_kind="external")
+            for i in range(waiting):
+                broker.request_lease(f"waiting{i % 100}", "", gpus=1, holder_kind="external")
+        count = [0]
+
+        def counted(*_: Any) -> None:
+            count[0] += 1
+
+        event.listen(engine, "before_cursor_execute", counted)
+        for _ in range(SQL_PAIRS):
+            lease = broker.request_lease("bench", "", gpus=1, holder_kind="external")
+            broker.release_lease(lease["id"], "done")
+        event.remove(engine, "before_cursor_execute", counted)
+        broker._world.close()
+        engine.dispose()
+    return count[0] / SQL_PAIRS
+
+
+def _figure(value: float, unit: str, baseline: float, name: str) -> dict[str, Any]:
+    return {
+        "value": round(value, 3),
+        "unit": unit,
+        "baseline": round(baseline, 3),
+        "baseline_name": name,
+        "ratio": round(value / baseline, 3) if baseline else 0.0,
+    }
+
+
+def run() -> dict[str, dict[str, Any]]:
+    """Run them all and return figures: name -> {value, unit, baseline, ratio}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        hub = RunningHub(Path(tmp), GPUBROKER_DEMO_CHECK_STATE="off").start()
         try:
             broker = bench_broker(hub)
         finally:
             hub.stop()
     bare = bench_bare()
+    empty, queue, many = broker["empty"], broker["queue"], broker["concurrent"]
     results = {}
     for key, unit in (("rps", "requests/s"), ("p50_ms", "ms"), ("p99_ms", "ms")):
-        results[f"api.lease_pair.{key}"] = {
-            "value": round(broker[key], 3),
-            "unit": unit,
-            "baseline": round(bare[key], 3),
-            "baseline_name": "bare Tornado handler",
-            "ratio": round(broker[key] / bare[key], 3),
-        }
+        results[f"api.lease_pair.{key}"] = _figure(
+            empty[key], unit, bare[key], "bare Tornado handler"
+        )
+    for key, unit in (("rps", "requests/s"), ("p50_ms", "ms"), ("p99_ms", "ms")):
+        results[f"api.lease_pair.queue_{WAITING}.{key}"] = _figure(
+            queue[key], unit, empty[key], "same pairs, empty queue"
+        )
+    for key, unit in (("rps", "requests/s"), ("p50_ms", "ms"), ("p99_ms", "ms")):
+        results[f"api.lease_pair.clients_{CLIENTS}.{key}"] = _figure(
+            many[key], unit, empty[key], "one client"
+        )
+    for waiting in (0, WAITING):
+        results[f"core.lease_pair.sql_statements.queue_{waiting}"] = _figure(
+            sql_per_pair(waiting), "statements", 6, "target of the core v2 issue (today ~25)"
+        )
     return results

@@ -1,13 +1,19 @@
-"""The broker core: every state change is one method and one transaction.
+"""The broker core: every state change is one command and one transaction.
 
-The REST handlers, the reconciliation loop and (later) the culler and job
-runner change state only through :class:`Broker`. Each method opens one
-transaction, changes rows, runs a scheduling pass (:mod:`gpubroker.scheduler`)
-on the result and commits; then everyone waiting on a lease is woken.
+The REST handlers, the reconciliation loop, the culler and the watchdog
+change state only through :class:`Broker`. The broker's state lives in
+memory (:class:`~gpubroker.broker.world.World`: devices, active leases,
+usage, quotas, open intents, loaded once at start-up); each command changes
+it inside one write-through transaction, which the store commits before the
+command answers. A command asks for a scheduling pass
+(:mod:`gpubroker.scheduler`), which runs inside it when the broker is idle
+or, under load, once for many commands (:mod:`gpubroker.broker.passloop`);
+then the long-polls whose lease changed are woken.
 
-The broker runs on one asyncio event loop and these methods are synchronous,
+The broker runs on one asyncio event loop and the commands are synchronous,
 so two changes never interleave: that, plus the partial unique indexes of
-:mod:`gpubroker.store.models`, gives exactly-once ownership of devices.
+:mod:`gpubroker.store.models` and the writer lock of the database, gives
+exactly-once ownership of devices.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from . import scheduler, state_check
 from .admin import AdminMixin
 from .admission import AdmissionMixin
 from .availability import AvailabilityMixin
+from .broker.passloop import PassLoop
 from .broker.waiters import Waiters
 from .broker.world import World
 from .commands import command
@@ -88,6 +95,17 @@ class Broker(
         devices on the largest node. Requests above it are refused with 400.""",
     ).tag(config=True)
 
+    pass_interval = Float(
+        0.05,
+        help="""Longest gap in seconds the service's pass loop keeps between
+        two scheduling passes; the gap is as long as the last pass took (so
+        passes take at most about half of the broker's time), capped by
+        this. A command arriving after the gap is scheduled at once, inside
+        the command; commands arriving within it only mark the state dirty,
+        and one pass covers them all (POST /leases waits for that pass, at
+        most 1 s, before it answers).""",
+    ).tag(config=True)
+
     policy = Instance(SchedulingPolicy, help="The scheduling policy (configure SchedulingPolicy).")
 
     pools = Instance(Pools, help="The pools of devices (configure Pools).")
@@ -137,6 +155,8 @@ class Broker(
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._waiters = Waiters()
+        #: set by the service: coalesce passes (None: every command runs one)
+        self.passes: PassLoop | None = None
         self._topology: dict[str, scheduler.Topology] = {}
         #: called with the view of each server lease to evict (preemption, time
         #: limit), so the service can stop its hub server
@@ -175,11 +195,15 @@ class Broker(
     def _rec(self, session: Session, now: dt.datetime, actor: str | None = None) -> Recorder:
         """A recorder of the current command's changes in ``session``."""
         stimulus = self._stimulus or Stimulus("broker")
-        return Recorder(session, stimulus, now, self.bus, actor, self._touched)
+        return Recorder(
+            session, stimulus, now, self.bus, actor, self._touched, self._world.staged_events
+        )
 
     def validate_state(self, touched: Iterable[int] = ()) -> list[str]:
-        """Check the invariants (:mod:`gpubroker.state_check`), replaying
-        the transition logs of the leases ``touched``.
+        """Check the invariants (:mod:`gpubroker.state_check`) on what the
+        store holds (read through a fresh session: what a restart would
+        load), replaying the transition logs of the leases ``touched``, and
+        that the broker's memory holds exactly the store's active leases.
 
         Returns:
             the broken invariants (logged as errors), empty when all hold.
@@ -187,8 +211,9 @@ class Broker(
         Raises:
             StateInvalid: one is broken and ``check_state`` is ``raise``.
         """
-        with self._read() as session:
+        with self._session() as session:
             found = state_check.problems(session, touched)
+            found += state_check.memory_matches(session, self._world.active())
         for problem in found:
             self.log.error("State check: %s", problem)
         if found and self.check_state == "raise":
@@ -460,6 +485,7 @@ class Broker(
                 lease.restart_of = previous.id
                 lease.restarts = (previous.restarts or 0) + 1
                 lease.prefer_devices = _devices_to_prefer(previous, shape.kind, shape.count)
+            lease.allocations = []  # new: nothing to load
             session.add(lease)
             session.flush()
             detail = {"summary": summary(lease), "priority_class": cls, "group": charged}
@@ -676,6 +702,20 @@ class Broker(
 
     # -- scheduling ----------------------------------------------------------------
 
+    async def after_pass(self, view: dict[str, Any]) -> dict[str, Any]:
+        """The view of a lease a command just created or changed, once the
+        scheduling pass that covers the change has run (with coalesced
+        passes, :attr:`passes`; at most 1 s later): a request that can be
+        granted is answered granted. ``view``: the command's answer.
+
+        Raises:
+            NotFound: the lease is gone meanwhile (never: leases stay).
+        """
+        if self.passes is None or view.get("state") != LeaseState.pending.value:
+            return view
+        await self.passes.settled(timeout=1.0)
+        return self.get_lease(int(view["id"]))
+
     @command("scheduler")
     def schedule_now(self) -> None:
         """Run a scheduling pass in its own transaction (the periodic timer);
@@ -684,7 +724,7 @@ class Broker(
         with self._write() as session:
             self._expire_stops(session, now)
             session.flush()
-            self._schedule(session, now)
+            self._schedule(session, now, force=True)
         self._notify()
 
     def _policy(self) -> scheduler.Policy:
@@ -696,11 +736,17 @@ class Broker(
             self._policy_cache = (key, self.policy.build(stored))
         return self._policy_cache[1]
 
-    def _schedule(self, session: Session, now: dt.datetime, again: bool = True) -> None:
-        """Run the pure scheduler on the session's state and apply its decisions.
+    def _schedule(
+        self, session: Session, now: dt.datetime, again: bool = True, force: bool = False
+    ) -> None:
+        """Run the pure scheduler on the session's state and apply its
+        decisions; with a pass loop (:attr:`passes`) and a pass less than
+        ``pass_interval`` ago, only mark the state dirty (unless ``force``).
 
         When an eviction released devices, one more pass hands them on.
         """
+        if not force and self.passes is not None and not self.passes.at_once():
+            return
         session.flush()  # waits are set in memory only: no change may be pending
         state, leases = build_state(
             self._world,
@@ -720,7 +766,6 @@ class Broker(
             self._realize,
             self._rec(session, now, "scheduler"),
         )
-        session.flush()
         for grant in decisions.grants:
             what = grant.devices or tuple(f"{p.kind}:{p.device}" for p in grant.parts)
             self.log.info("Granted lease %s: %s", grant.lease_id, ",".join(what))
@@ -733,7 +778,9 @@ class Broker(
                 preemption.reason,
             )
         if evicted and again:
-            self._schedule(session, now, again=False)
+            self._schedule(session, now, again=False, force=True)
+        if self.passes is not None and again:
+            self.passes.ran()
 
     def _evict(self, lease: Lease, reason: str, now: dt.datetime) -> bool:
         """End an evicted lease; a hub server is stopped first (so two servers

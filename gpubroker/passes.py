@@ -227,6 +227,9 @@ def apply_decisions(
             try:
                 parts = realize(lease, grant.parts) if realize else grant.parts
             except RuntimeError as err:
+                # nothing is left half-made (realize undoes what it made); the
+                # request waits on, and the next pass tries again
+                rec.note(lease, "grant-failed", str(err), {"parts": len(grant.parts)})
                 failed = scheduler.Wait(
                     lease.id, 1, scheduler.WaitReason.resources, f"waiting: {err}"
                 )
@@ -265,8 +268,12 @@ def _grant(
     lease.queue_eta = None
     lease.earmarked = None
     for uuid in uuids:
-        session.add(Allocation(lease=lease, device_uuid=uuid, active=True))
-    session.flush()
+        device = session.get(Device, uuid)  # in memory: no query
+        session.add(
+            Allocation(
+                lease=lease, device_uuid=uuid, device=device, active=True, kind="device", weight=1.0
+            )
+        )
     slots = [a.instance_uuid or a.device_uuid for a in lease.allocations if a.active]
     rec.transition(lease, LeaseState.granted.value, "granted", {"slots": slots})
 
@@ -279,6 +286,7 @@ def _grant_parts(
             Allocation(
                 lease=lease,
                 device_uuid=part.device,
+                device=session.get(Device, part.device),
                 active=True,
                 kind=part.kind,
                 instance_uuid=part.instance or None,

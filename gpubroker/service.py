@@ -15,9 +15,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from jupyterhub.services.auth import HubAuth
+from tornado.httpclient import HTTPClientError
 from tornado.httpserver import HTTPServer
 
 from .api.app import make_app
+from .broker.passloop import PassLoop
 from .core import Broker, utcnow
 from .culler import Culler
 from .devices import load_backend
@@ -84,9 +86,10 @@ class BrokerService:
             cache_max_age=app.token_cache_max_age,
         )
         self.broker.on_evict = self._evicted
+        self.broker.passes = PassLoop(self.broker.pass_interval)
         self.culler = Culler(self.broker, self.hub, parent=app)
         self.share_guard = ShareGuard(self.broker, parent=app)
-        self._groups: dict[str, tuple[float, list[str]]] = {}
+        self._groups: dict[str, tuple[float, list[str] | None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def _evicted(self, lease: dict[str, Any]) -> None:
@@ -115,16 +118,21 @@ class BrokerService:
 
     async def groups_of(self, user: str) -> list[str] | None:
         """The user's hub groups, cached for ``GPUBrokerApp.groups_ttl`` seconds;
-        when the hub cannot tell (unknown user, hub unreachable), the last
-        known groups, else ``None``."""
+        ``None`` for a name the hub has no user of (also cached); when the
+        hub cannot tell now (unreachable, an error), the last known groups,
+        else ``None``."""
         now = time.monotonic()
         cached = self._groups.get(user)
         if cached and now - cached[0] < self.app.groups_ttl:
             return cached[1]
         try:
-            groups = await self.hub.user_groups(user)
-        except Exception as err:
-            # hub unreachable or user unknown: the last known groups, if any
+            groups: list[str] | None = await self.hub.user_groups(user)
+        except HTTPClientError as err:
+            if err.code != 404:  # the hub cannot tell now: the last known groups, if any
+                self.log.debug("No hub groups for %s: %s", user, err)
+                return cached[1] if cached else None
+            groups = None  # no such hub user (an external holder): known for the ttl too
+        except Exception as err:  # hub unreachable
             self.log.debug("No hub groups for %s: %s", user, err)
             return cached[1] if cached else None
         self._groups[user] = (now, groups)
@@ -172,6 +180,7 @@ class BrokerService:
             ", SIMULATED GPUs" if self.backend.simulated else "",
         )
         tasks = [
+            asyncio.create_task(self.broker.passes.run(self.broker.schedule_now, self.log)),
             asyncio.create_task(self._schedule_loop()),
             asyncio.create_task(self._watch_loop()),
         ]

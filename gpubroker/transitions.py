@@ -78,6 +78,9 @@ class Recorder:
         actor: who acts here, when not the stimulus's actor (the
             ``scheduler`` granting in a pass that a user's release ran).
         touched: where to add the ids of the leases changed.
+        sink: where to put the event rows, for the caller to insert in
+            one statement before the commit (``None``: added to the session
+            one by one).
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class Recorder:
         bus: EventBus,
         actor: str | None = None,
         touched: set[int] | None = None,
+        sink: list[dict[str, Any]] | None = None,
     ) -> None:
         self.session = session
         self.stimulus = stimulus
@@ -96,6 +100,7 @@ class Recorder:
         self.actor = actor or stimulus.actor
         #: ids of the leases changed (the command's set, for the state check)
         self.touched: set[int] = set() if touched is None else touched
+        self.sink = sink
 
     def created(self, lease: Lease, reason: str, detail: Mapping[str, Any] | None = None) -> Event:
         """Log the creation of ``lease`` (a new row, state ``pending``)."""
@@ -152,19 +157,21 @@ class Recorder:
             at=self.now,
             detail=dict(detail or {}),
         )
-        self.session.add(
-            LeaseEvent(
-                lease_id=event.lease_id,
-                kind=kind,
-                from_state=from_state,
-                to_state=to_state,
-                reason=reason[:4000],
-                actor=self.actor[:255],
-                stimulus=self.stimulus.id,
-                at=self.now,
-                detail=dict(event.detail) or None,
-            )
-        )
+        row = {
+            "lease_id": event.lease_id,
+            "kind": kind,
+            "from_state": from_state,
+            "to_state": to_state,
+            "reason": reason[:4000],
+            "actor": self.actor[:255],
+            "stimulus": self.stimulus.id,
+            "at": self.now,
+            "detail": dict(event.detail) or None,
+        }
+        if self.sink is not None:
+            self.sink.append(row)  # written with the transaction's other events
+        else:
+            self.session.add(LeaseEvent(**row))
         self.touched.add(event.lease_id)
         self.bus.stage(event)
         return event

@@ -24,7 +24,8 @@ DRAIN_SECONDS = 5.0
 #: default most open long-polls per caller (``GPUBrokerApp.max_long_polls_per_user``)
 MAX_LONG_POLLS = 8
 
-#: (path relative to ``{base_url}api/v1``, handler); the OpenAPI test reads this
+#: (path relative to ``{base_url}api/v1``, handler); the OpenAPI and scopes tests
+#: read this (every handler method must declare what it needs: :mod:`.auth`)
 ROUTES: list[tuple[str, type[web.RequestHandler]]] = [
     ("/health", handlers.HealthHandler),
     ("/devices", handlers.DevicesHandler),

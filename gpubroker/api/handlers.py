@@ -1,6 +1,11 @@
 """Tornado handlers of REST API v1. The OpenAPI document
 (``gpubroker/api/openapi.yaml``, served at ``api/v1/openapi.json``) is the
 reference for every shape; each handler's docstring names its route.
+
+Each handler method declares who may call it (:func:`auth.needs`,
+:func:`auth.public`); :meth:`APIHandler.prepare` authenticates the caller
+without blocking the event loop and checks the declaration before the method
+runs. A method without a declaration is refused (500).
 """
 
 from __future__ import annotations
@@ -11,12 +16,12 @@ from importlib import resources
 from typing import Any
 
 import yaml
-from jupyterhub.services.auth import HubAuthenticated
+from jupyterhub.services.auth import HubAuthenticated, UserNotAllowed
 from tornado import web
 
 from .. import __version__
 from ..core import Broker
-from ..errors import BrokerError, Forbidden, NotFound
+from ..errors import BrokerError, NotFound
 from ..store.models import HolderKind
 from ..views import device_view
 from . import auth, validation
@@ -27,10 +32,19 @@ from .redact import request_summary
 MAX_WAIT = 300.0
 #: longest ``server_url`` a lease may record, characters
 MAX_URL = 2048
+#: the handler methods of HTTP verbs that carry a declaration
+HTTP_METHODS = ("get", "post", "put", "patch", "delete")
 
 
 class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
-    """Base: JSON in and out, errors as ``{"status": int, "message": str}``."""
+    """Base: JSON in and out, errors as ``{"status": int, "message": str}``;
+    :meth:`prepare` checks what the method declares it needs."""
+
+    #: the user the request acts for, as the method's declaration found it
+    #: (:func:`auth.check`); ``None``: not an owner-or-admin method, or an
+    #: admin acting for everyone
+    owner: str | None = None
+    _lease: dict[str, Any] | None = None
 
     @property
     def hub_auth(self) -> Any:
@@ -93,21 +107,101 @@ class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
     def log(self) -> Any:
         return self.settings["log"]
 
-    def caller(self) -> dict[str, Any]:
-        """The authenticated caller's model.
+    async def prepare(self) -> None:
+        """The one check of who may call what: read the declaration of the
+        method the request is for (:func:`auth.need_of`), authenticate the
+        caller when it needs a token, and refuse what the declaration does
+        not allow (:func:`auth.check`; its finders may answer 400/404 first).
+
+        Raises:
+            HTTPError: 401 without a token, 403 when the token lacks the
+                service's access scope, 500 for a method without declaration.
+            Forbidden: 403 naming the scope the caller lacks.
+        """
+        name = (self.request.method or "").lower()
+        method = getattr(type(self), name, None)
+        if method is None or method is getattr(web.RequestHandler, name, None):
+            return  # not served here: Tornado answers 405
+        need = auth.need_of(method)
+        if need is None:
+            raise web.HTTPError(500, f"{type(self).__name__}.{name} declares no scope")
+        if not need.token:
+            return
+        model = await self._authenticate()
+        self.owner = auth.check(need, model, self, *self.path_args)
+
+    async def _authenticate(self) -> dict[str, Any]:
+        """Identify the caller with the hub without blocking the event loop
+        (``HubAuth.get_user(sync=False)``; its cache of
+        ``GPUBrokerApp.token_cache_max_age`` seconds applies), then check the
+        service's access scope as :class:`HubAuthenticated` does.
 
         Raises:
             HTTPError: 401 without a token, 403 when the token lacks the
                 service's access scope.
         """
-        model = self.current_user
+        model = await self.hub_auth.get_user(self, sync=False)
         if model:
+            try:
+                model = self.check_hub_user(model)
+            except UserNotAllowed:
+                model = None
+        self._hub_auth_user_cache = model
+        if model:
+            self.current_user = model
             return dict(model)
         if self.hub_auth.get_token(self):
             raise web.HTTPError(
                 403, "token lacks scope {}".format(", ".join(sorted(self.hub_auth.access_scopes)))
             )
         raise web.HTTPError(401, "authentication required: send 'Authorization: token …'")
+
+    def get_current_user(self) -> dict[str, Any] | None:
+        """The caller :meth:`prepare` authenticated, or ``None``; never asks
+        the hub itself (HubAuthenticated's would, blocking the event loop)."""
+        model: dict[str, Any] | None = getattr(self, "_hub_auth_user_cache", None)
+        return model
+
+    def caller(self) -> dict[str, Any]:
+        """The authenticated caller's model (a copy).
+
+        Raises:
+            HTTPError: 401: the method's declaration needs no token, so
+                :meth:`prepare` authenticated no one.
+        """
+        model = self.get_current_user()
+        if not model:
+            raise web.HTTPError(401, "authentication required: send 'Authorization: token …'")
+        return dict(model)
+
+    @property
+    def me(self) -> str:
+        """The caller's name (user or service)."""
+        return auth.caller_name(self.caller())
+
+    @property
+    def admin(self) -> bool:
+        """Whether the caller holds ``custom:gpubroker:admin`` (what admins
+        see and how their releases go; who may call what is declared)."""
+        return auth.is_admin(self.caller())
+
+    def lease(self, raw_id: str) -> dict[str, Any]:
+        """The lease of the path's ``{id}``, read once per request.
+
+        Raises:
+            NotFound: no such lease.
+        """
+        if self._lease is None:
+            self._lease = self.broker.get_lease(self.lease_id(raw_id))
+        return self._lease
+
+    def lease_owner(self, raw_id: str) -> str:
+        """The user of the path's lease (an ``unless_owner`` finder)."""
+        return str(self.lease(raw_id)["user"])
+
+    def named_user(self, *args: Any) -> str | None:
+        """The ``?user=`` argument (an ``unless_owner`` finder)."""
+        return self.name_arg("user")
 
     def lease_id(self, raw: str) -> int:
         """The ``{id}`` of the path as an int (:func:`validation.lease_id`).
@@ -129,13 +223,14 @@ class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
 class NotFoundHandler(APIHandler):
     """Any path that is no route: a JSON 404 like every other error."""
 
-    def prepare(self) -> None:
+    async def prepare(self) -> None:
         raise NotFound(f"path {validation.echo(self.request.path)}: no such endpoint")
 
 
 class HealthHandler(APIHandler):
     """``GET /api/v1/health``: liveness, version and device backend (no auth)."""
 
+    @auth.public
     def get(self) -> None:
         backend = self.broker.backend
         self.write_json(
@@ -151,11 +246,11 @@ class HealthHandler(APIHandler):
 class DevicesHandler(APIHandler):
     """``GET /api/v1/devices``: the inventory, what each device is doing, a summary."""
 
+    @auth.needs(auth.ACCESS_SCOPE)
     def get(self) -> None:
-        model = self.caller()
-        admin = auth.is_admin(model)
+        admin = self.admin
         devices = []
-        me = auth.caller_name(model)
+        me = self.me
         for device, holders in self.broker.device_rows():
             devices.append(self._device(device, holders, admin, me))
         present = [d for d in devices if d["present"]]
@@ -221,39 +316,58 @@ class DevicesHandler(APIHandler):
 class LeasesHandler(APIHandler):
     """``GET /api/v1/leases[?user=&state=active|all]`` and ``POST /api/v1/leases``."""
 
-    def get(self) -> None:
-        model = self.caller()
+    _request: tuple[dict[str, Any], bool] | None = None
+
+    def _listed_user(self) -> str | None:
+        """The ``?user=`` of a listing (``?state=`` checked too, first, as
+        before); the caller's own name counts as none named (any caller,
+        a service too, may list the leases of its own name)."""
         user = self.name_arg("user")
         state = self.get_argument("state", "active")
         if state not in ("active", "all"):
             raise validation.BadRequest(
                 f"state: must be 'active' or 'all', got {validation.echo(state)}"
             )
-        if not auth.is_admin(model):
-            if user is not None and user != auth.caller_name(model):
-                auth.check_owner(model, user)
-            user = auth.caller_name(model)
-        leases = self.broker.list_leases(user=user, active=state == "active")
+        return None if user == self.me else user
+
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_listed_user)
+    def get(self) -> None:
+        named = self.name_arg("user")
+        active = self.get_argument("state", "active") == "active"
+        leases = self.broker.list_leases(user=self.owner if named is None else named, active=active)
         self.write_json({"leases": leases})
 
+    def _lease_request(self) -> tuple[dict[str, Any], bool]:
+        """The request's body and ``?dry_run=``, checked once."""
+        if self._request is None:
+            body = validation.lease_request(validation.parse_json_object(self.request.body))
+            dry_run = validation.flag(self.get_argument("dry_run", None), "dry_run")
+            self._request = body, dry_run
+        return self._request
+
+    def _requested_user(self) -> str:
+        return str(self._lease_request()[0]["user"])
+
+    def _not_for_a_server(self) -> str | None:
+        """A lease held by something else than a hub server needs the admin scope."""
+        kind = self._lease_request()[0]["holder_kind"]
+        return f"holder_kind: {kind!r}" if kind != HolderKind.server.value else None
+
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_requested_user, admin_for=_not_for_a_server)
     async def post(self) -> None:
-        model = self.caller()
-        body = validation.lease_request(validation.parse_json_object(self.request.body))
-        dry_run = validation.flag(self.get_argument("dry_run", None), "dry_run")
-        auth.check_owner(model, body["user"])
-        if body["holder_kind"] != HolderKind.server.value and not auth.is_admin(model):
-            raise Forbidden(f"holder_kind: {body['holder_kind']!r} needs {auth.ADMIN_SCOPE}")
+        body, dry_run = self._lease_request()
         groups = await self.settings["groups_of"](body["user"])
         lease = self.broker.request_lease(
             **body,
             groups=groups,
             dry_run=dry_run,
-            admin=auth.is_admin(model),
-            actor=auth.caller_name(model),
+            admin=self.admin,
+            actor=self.me,
         )
         if dry_run:
             self.write_json(lease)
             return
+        lease = await self.broker.after_pass(lease)
         self.set_header("Location", f"{self.request.path}/{lease['id']}")
         self.write_json(lease, status=201)
 
@@ -264,19 +378,19 @@ class LeaseHandler(APIHandler):
 
     _gone: asyncio.Event | None = None
 
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.lease_owner)
     async def get(self, raw_id: str) -> None:
         """The lease; with ``wait``, a long-poll, one of at most
         ``GPUBrokerApp.max_long_polls_per_user`` of this caller (one more
         answers the caller's oldest at once with the lease as it stands)."""
         model = self.caller()
-        lease = self.broker.get_lease(self.lease_id(raw_id))
-        auth.check_owner(model, lease["user"])
+        lease = self.lease(raw_id)
         wait = validation.wait_seconds(self.get_argument("wait", None), MAX_WAIT)
         version = validation.optional_int(self.get_argument("version", None), "version")
         if wait:
             registry: LongPollRegistry = self.settings["long_polls"]
-            caller = f"{model.get('kind', 'user')}:{auth.caller_name(model)}"
-            if auth.is_admin(model) and lease["user"] != auth.caller_name(model):
+            caller = f"{model.get('kind', 'user')}:{self.me}"
+            if self.admin and lease["user"] != self.me:
                 # the spawner (an admin) polls for every user: bound it per user
                 caller += f" for {lease['user']}"
             self._gone = asyncio.Event()
@@ -293,12 +407,10 @@ class LeaseHandler(APIHandler):
         if self._gone is not None:
             self._gone.set()
 
+    @auth.needs(auth.ADMIN_SCOPE, action="changing a lease")
     def patch(self, raw_id: str) -> None:
         """Admins: ``{"priority_class": NAME}`` moves a pending request;
         ``{"server_url": URL}`` records where its server listens (the spawner)."""
-        model = self.caller()
-        if not auth.is_admin(model):
-            raise Forbidden(f"changing a lease needs scope {auth.ADMIN_SCOPE}")
         body = validation.parse_json_object(self.request.body)
         lease_id = self.lease_id(raw_id)
         if set(body) == {"server_url"} and isinstance(body["server_url"], str):
@@ -315,21 +427,18 @@ class LeaseHandler(APIHandler):
                 'body: must be {"priority_class": NAME} or {"server_url": URL}'
             )
         name = validation.check_name(body["priority_class"], "priority_class")
-        self.write_json(
-            self.broker.set_priority_class(lease_id, name, actor=auth.caller_name(model))
-        )
+        self.write_json(self.broker.set_priority_class(lease_id, name, actor=self.me))
 
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.lease_owner)
     async def delete(self, raw_id: str) -> None:
-        model = self.caller()
-        lease = self.broker.get_lease(self.lease_id(raw_id))
-        auth.check_owner(model, lease["user"])
+        lease = self.lease(raw_id)
         body = validation.parse_json_object(self.request.body)
-        reason = body.get("reason") or f"released by {auth.caller_name(model)}"
+        reason = body.get("reason") or f"released by {self.me}"
         if not isinstance(reason, str) or len(reason) > 1000:
             raise validation.BadRequest("reason: must be a string of at most 1000 characters")
-        actor = auth.caller_name(model)
+        actor = self.me
         granted = lease["state"] == "granted" and lease["holder_kind"] == HolderKind.server.value
-        running = granted and not auth.is_admin(model)
+        running = granted and not self.admin
         if running:
             running = await self.settings["server_running"](lease["user"], lease["server_name"])
         if running:
@@ -345,27 +454,18 @@ class LeaseEventsHandler(APIHandler):
     """``GET /api/v1/leases/{id}/events``: the lease's transition log (its
     owner or an admin)."""
 
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.lease_owner)
     def get(self, raw_id: str) -> None:
-        model = self.caller()
-        lease_id = self.lease_id(raw_id)
-        auth.check_owner(model, self.broker.get_lease(lease_id)["user"])
+        lease_id = self.lease(raw_id)["id"]
         self.write_json({"events": self.broker.lease_events(lease_id)})
-
-
-class AdminOnlyMixin:
-    """Shared by admin endpoints: refuse callers without the admin scope."""
-
-    def require_admin(self, model: dict[str, Any]) -> None:
-        if not auth.is_admin(model):
-            raise Forbidden(f"this endpoint needs scope {auth.ADMIN_SCOPE}")
 
 
 class QueueHandler(APIHandler):
     """``GET /api/v1/queue``: pending requests in queue order, with position,
     reason, message and estimated start (like ``squeue``: visible to all)."""
 
+    @auth.needs(auth.ACCESS_SCOPE)
     def get(self) -> None:
-        self.caller()
         self.write_json({"queue": self.broker.queue()})
 
 
@@ -373,87 +473,70 @@ class NoticesHandler(APIHandler):
     """``GET /api/v1/notices[?user=]``: cull warnings and culls, newest first
     (users see their own; admins all, or one user's)."""
 
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.named_user)
     def get(self) -> None:
-        model = self.caller()
-        user = self.name_arg("user")
-        if not auth.is_admin(model):
-            if user is not None:
-                auth.check_owner(model, user)
-            user = auth.caller_name(model)
-        self.write_json({"notices": self.broker.notices(user)})
+        self.write_json({"notices": self.broker.notices(self.owner)})
 
 
-class QuotasHandler(AdminOnlyMixin, APIHandler):
+class QuotasHandler(APIHandler):
     """``GET /api/v1/quotas``: quotas in force (admins)."""
 
+    @auth.needs(auth.ADMIN_SCOPE)
     def get(self) -> None:
-        model = self.caller()
-        self.require_admin(model)
         self.write_json(self.broker.quotas())
 
 
-class QuotaHandler(AdminOnlyMixin, APIHandler):
+class QuotaHandler(APIHandler):
     """``PUT``/``DELETE /api/v1/quotas/{kind}/{name}``: set or remove a stored
     quota of a ``user`` or ``group`` (admins); applies from the next pass."""
 
+    @auth.needs(auth.ADMIN_SCOPE)
     def put(self, kind: str, name: str) -> None:
-        model = self.caller()
-        self.require_admin(model)
         name = validation.check_name(name, "name")
         guaranteed, limit = validation.quota_body(validation.parse_json_object(self.request.body))
-        self.broker.set_quota(kind, name, guaranteed, limit, actor=auth.caller_name(model))
+        self.broker.set_quota(kind, name, guaranteed, limit, actor=self.me)
         self.write_json(self.broker.quotas())
 
+    @auth.needs(auth.ADMIN_SCOPE)
     def delete(self, kind: str, name: str) -> None:
-        model = self.caller()
-        self.require_admin(model)
         name = validation.check_name(name, "name")
-        self.broker.delete_quota(kind, name, actor=auth.caller_name(model))
+        self.broker.delete_quota(kind, name, actor=self.me)
         self.write_json(self.broker.quotas())
 
 
-class DeviceHandler(AdminOnlyMixin, APIHandler):
+class DeviceHandler(APIHandler):
     """``PATCH /api/v1/devices/{uuid}`` with ``{"drained": bool}``: drain a
     device (no new grants; running leases continue) or undrain it; or with
     ``{"mig_mode": bool}``: switch MIG mode once the device is empty (a drain
     operation: no new grants meanwhile). Admins only."""
 
+    @auth.needs(auth.ADMIN_SCOPE)
     def patch(self, uuid: str) -> None:
-        model = self.caller()
-        self.require_admin(model)
         uuid = validation.check_name(uuid, "uuid")
         body = validation.parse_json_object(self.request.body)
         if set(body) == {"mig_mode"} and isinstance(body["mig_mode"], bool):
-            self.write_json(
-                self.broker.request_mig_mode(uuid, body["mig_mode"], actor=auth.caller_name(model))
-            )
+            self.write_json(self.broker.request_mig_mode(uuid, body["mig_mode"], actor=self.me))
             return
         if set(body) != {"drained"} or not isinstance(body["drained"], bool):
             raise validation.BadRequest(
                 'drained/mig_mode: body must be {"drained": true|false} or {"mig_mode": true|false}'
             )
-        self.write_json(
-            self.broker.set_drained(uuid, body["drained"], actor=auth.caller_name(model))
-        )
+        self.write_json(self.broker.set_drained(uuid, body["drained"], actor=self.me))
 
 
 class PoolsHandler(APIHandler):
     """``GET /api/v1/pools[?user=NAME]``: every pool with what is free now, and
     the user's quota room (the caller's own unless an admin names another)."""
 
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.named_user)
     def get(self) -> None:
-        model = self.caller()
-        user = self.name_arg("user")
-        if user is not None:
-            auth.check_owner(model, user)
-        else:
-            user = auth.caller_name(model)
-        self.write_json(self.broker.availability(user))
+        self.write_json(self.broker.availability(self.owner or self.me))
 
 
 class OpenAPIHandler(APIHandler):
     """``GET /api/v1/openapi.json``: the OpenAPI 3.1 document of this API (no auth)."""
 
+    @auth.public
     def get(self) -> None:
         self.write_json(load_openapi())
 

@@ -22,11 +22,20 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import event, select
+from sqlalchemy import event, insert, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..store.models import ACTIVE_STATES, Device, HolderKind, Intent, Lease, QuotaRow, UsageRow
+from ..store.models import (
+    ACTIVE_STATES,
+    Device,
+    HolderKind,
+    Intent,
+    Lease,
+    LeaseEvent,
+    QuotaRow,
+    UsageRow,
+)
 
 
 class World:
@@ -53,6 +62,9 @@ class World:
         #: the scheduler's value of each active lease with the key it was
         #: built for (see :func:`gpubroker.passes.build_state`)
         self.scheduled: dict[int, tuple[Any, Any]] = {}
+        #: lease event rows of the open transaction, inserted in one
+        #: statement before it commits
+        self.staged_events: list[dict[str, Any]] = []
         #: bumped whenever the stored quotas change (policy cache key)
         self.quota_version = 0
         event.listen(self.session, "after_flush", self._collect)
@@ -75,6 +87,7 @@ class World:
         try:
             with session.begin():
                 yield session
+                self._insert_events()
         except BaseException:
             self.reload()
             raise
@@ -96,6 +109,7 @@ class World:
             raise
         finally:
             if session.in_transaction():
+                self._insert_events()
                 session.commit()
 
     def _collect(self, session: Session, _context: Any) -> None:
@@ -124,11 +138,18 @@ class World:
                 else:
                     self.quotas[(obj.kind, obj.name)] = obj
 
+    def _insert_events(self) -> None:
+        """Insert the staged lease events (one statement for them all)."""
+        if self.staged_events:
+            rows, self.staged_events = self.staged_events, []
+            self.session.execute(insert(LeaseEvent.__table__), rows)
+
     def reload(self) -> None:
         """Rebuild every index from the store (start-up, after a rollback)."""
         session = self.session
         if session.in_transaction():
             session.rollback()
+        self.staged_events = []
         with session.begin():
             self.devices = {d.uuid: d for d in session.scalars(select(Device))}
             active = select(Lease).where(Lease.state.in_(ACTIVE_STATES)).order_by(Lease.id)

@@ -204,6 +204,13 @@ class FakeDeviceBackend(DeviceBackend):
         """,
     ).tag(config=True)
 
+    fail_mig_creates = Int(
+        0,
+        help="""Refuse the next N SIMULATED MIG instance creations with a
+        DeviceBackendError ("injected failure"), as a driver that fails now
+        and then would (for tests and fault drills; 0: never).""",
+    ).tag(config=True)
+
     mig_layout = Dict(
         help="""Static SIMULATED MIG instances to create at start-up, by device index.
 
@@ -433,12 +440,16 @@ class FakeDeviceBackend(DeviceBackend):
                 is not one of the model's, MIG mode is off, or the placement
                 breaks a rule; the message names device, profile, placement
                 and rule.
-            DeviceBackendError: the state file cannot be read or written.
+            DeviceBackendError: the state file cannot be read or written, or
+                a failure was injected (:attr:`fail_mig_creates`).
         """
         gpu = self._gpu(parent_uuid)
         state = self._read_state()
         record = self._mig_record(state, gpu)
         prefix = f"cannot create MIG {profile} at {placement} on {gpu.describe()}"
+        if self.fail_mig_creates > 0:
+            self.fail_mig_creates -= 1
+            raise DeviceBackendError(f"{prefix}: injected failure (fail_mig_creates)")
         if gpu.spec is None:
             raise MigPlacementError(f"{prefix}: the model does not support MIG")
         try:
@@ -477,7 +488,8 @@ class FakeDeviceBackend(DeviceBackend):
             KeyError: ``parent_uuid`` is not a GPU of this backend, or
                 ``mig_uuid`` is not one of its MIG devices.
             DeviceInUseError: processes run on it ("in use").
-            DeviceBackendError: the state file cannot be read or written.
+            DeviceBackendError: the state file cannot be read or written, or
+                a failure was injected (:attr:`fail_mig_creates`).
         """
         gpu = self._gpu(parent_uuid)
         state = self._read_state()

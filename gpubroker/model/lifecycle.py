@@ -51,7 +51,15 @@ TRANSITIONS: Mapping[tuple[str | None, str], str] = {
 
 #: event kinds that record something without a change of state
 NOTES = frozenset(
-    {"waiting", "preempting", "preemption-withdrawn", "stopping", "priority-changed", "adopted"}
+    {
+        "waiting",
+        "preempting",
+        "preemption-withdrawn",
+        "stopping",
+        "priority-changed",
+        "adopted",
+        "grant-failed",
+    }
 )
 
 #: who may cause a change, besides a user's or an admin's name

@@ -145,3 +145,45 @@ def test_long_poll_returns_when_the_lease_is_granted(clean_hub: RunningHub) -> N
     assert r.json()["state"] == "granted"
     assert time.monotonic() - started < 25  # answered on the change, not at the time-out
     assert r.json()["devices"][0]["uuid"] == blockers[5]["devices"][0]["uuid"]
+
+
+def test_each_endpoint_names_the_scope_it_needs(clean_hub: RunningHub) -> None:
+    """The declared scopes, checked with the hub's real tokens (see
+    ``tests/unit/test_api_scopes.py`` for every route)."""
+    hub = clean_hub
+    token = hub.create_user("scoped-ann")
+    r = hub.api(
+        "POST",
+        "/users/scoped-ann/tokens",
+        json={"note": "test", "scopes": ["read:users:name!user=scoped-ann"]},
+    )
+    assert r.status_code == 201, r.text
+    no_access = r.json()["token"]
+    r = hub.broker_api("GET", "/queue", token=no_access)
+    assert r.status_code == 403
+    # HubAuth.access_scopes, from the hub: access:services, access:services!service=gpubroker
+    assert r.json()["message"].startswith("token lacks scope access:services")
+    assert "access:services!service=gpubroker" in r.json()["message"]
+    assert hub.broker_api("GET", "/queue", token=token).status_code == 200
+    admin_only = "this endpoint needs scope custom:gpubroker:admin"
+    for method, path, body in [
+        ("GET", "/quotas", None),
+        ("PUT", "/quotas/user/scoped-ann", {"guaranteed": 8}),
+        ("PATCH", "/devices/GPU-x", {"drained": True}),
+    ]:
+        r = hub.broker_api(method, path, token=token, json=body)
+        assert (r.status_code, r.json()["message"]) == (403, admin_only), (method, path)
+    lease = post_lease(hub, {"user": "scoped-ann", "gpus": 1}, token=token).json()
+    r = hub.broker_api(
+        "PATCH", f"/leases/{lease['id']}", token=token, json={"priority_class": "batch"}
+    )
+    assert r.status_code == 403
+    assert r.json()["message"] == "changing a lease needs scope custom:gpubroker:admin"
+    external = {"user": "scoped-ann", "gpus": 1, "holder_kind": "external"}
+    r = post_lease(hub, external, token=token)
+    assert r.status_code == 403
+    assert r.json()["message"] == "holder_kind: 'external' needs custom:gpubroker:admin"
+    events = hub.broker_api("GET", f"/leases/{lease['id']}/events", token=token)
+    assert events.status_code == 200 and events.json()["events"][0]["kind"] == "requested"
+    r = hub.broker_api("DELETE", f"/leases/{lease['id']}", token=token)
+    assert r.status_code == 200 and r.json()["state"] == "released"

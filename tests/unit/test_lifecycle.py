@@ -114,7 +114,11 @@ def test_validate_state_catches_a_lease_without_its_slots(db_url: str) -> None:
     with pytest.raises(StateInvalid, match=f"granted lease {lease['id']} holds 0 slots, not 2"):
         broker.validate_state()
     broker.check_state = "log"
-    assert broker.validate_state() == [f"granted lease {lease['id']} holds 0 slots, not 2"]
+    # the store was changed behind the broker's back: memory disagrees too
+    assert broker.validate_state() == [
+        f"granted lease {lease['id']} holds 0 slots, not 2",
+        f"lease {lease['id']}: memory and store disagree on its slots",
+    ]
 
 
 def test_validate_state_catches_a_log_that_does_not_replay(db_url: str) -> None:
@@ -150,6 +154,41 @@ def test_a_server_stop_asked_before_a_restart_is_asked_again(db_url: str) -> Non
     assert restarted.get_lease(lease["id"])["state"] == "granted"  # not before it stopped
     released = restarted.release_lease(lease["id"], "server stopped")
     assert released["release_reason"] == "culled: idle 61 min (server stopped)"
+
+
+def test_a_preempted_server_stopped_across_a_restart_hands_on_its_device_only_once_gone(
+    db_url: str,
+) -> None:
+    classes = [
+        {"name": "urgent", "rank": 100, "preempting": True, "preemptible": False, "grace": 0},
+        {"name": "spare", "rank": 10, "preemptible": True, "grace": 0},
+    ]
+    broker = make_broker(db_url, ["1 x H100"])
+    broker.policy.priority_classes = classes
+    broker.policy.user_quotas = {"boss": {"guaranteed": 1}}
+    asked: list[dict] = []
+    broker.on_evict = asked.append
+    victim = broker.request_lease("ann", "nb", gpus=1, priority_class="spare")
+    urgent = broker.request_lease("boss", "", gpus=1, priority_class="urgent")
+    broker.schedule_now()  # grace 0: the preemption notice is due now
+    assert [x["id"] for x in asked] == [victim["id"]]  # the hub is asked to stop it
+    # the broker restarts before the hub server stopped
+    restarted = Broker(session_factory=broker.session_factory, backend=broker.backend)
+    restarted.policy.priority_classes = classes
+    restarted.policy.user_quotas = {"boss": {"guaranteed": 1}}
+    resumed: list[dict] = []
+    restarted.on_evict = resumed.append
+    restarted.sync_inventory()
+    restarted.adopt()
+    assert [x["id"] for x in resumed] == [victim["id"]]  # the stop is carried out
+    restarted.schedule_now()
+    # the device stays with the server until it is gone
+    assert restarted.get_lease(victim["id"])["state"] == "granted"
+    assert restarted.get_lease(urgent["id"])["state"] == "pending"
+    restarted.release_lease(victim["id"], "server stopped")  # the spawner, after the stop
+    assert restarted.get_lease(urgent["id"])["state"] == "granted"
+    reason = restarted.get_lease(victim["id"])["release_reason"]
+    assert reason.startswith("preempted") and reason.endswith("(server stopped)")
 
 
 def test_a_server_that_never_stops_is_released_after_evict_timeout(db_url: str) -> None:

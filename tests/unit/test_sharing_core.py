@@ -107,6 +107,29 @@ def test_release_destroys_the_instance(broker: Broker) -> None:
     assert layout_of(broker, device) == [] and layout_of(broker, gpu0) == []
 
 
+def test_a_mig_instance_that_fails_to_be_made_leaves_nothing_and_the_retry_succeeds(
+    broker: Broker,
+) -> None:
+    broker.backend.fail_mig_creates = 1  # the driver refuses once
+    lease = broker.request_lease("ann", "", mig_profile="3g.40gb")
+    # back to waiting, with the driver's word as the reason; nothing half-made
+    assert lease["state"] == "pending" and lease["slots"] == []
+    assert "injected failure" in lease["queue"]["message"]
+    assert all(layout_of(broker, d.uuid) == [] for d in broker.backend.devices()[:2])
+    events = broker.lease_events(lease["id"])
+    assert [e["kind"] for e in events] == ["requested", "grant-failed", "waiting"]
+    assert "injected failure" in events[1]["reason"] and events[1]["actor"] == "scheduler"
+    # the next pass tries again, and the instance is made
+    broker.schedule_now()
+    again = broker.get_lease(lease["id"])
+    assert again["state"] == "granted" and again["slots"][0]["profile"] == "3g.40gb"
+    assert [(p, str(at)) for p, at in layout_of(broker, again["slots"][0]["device"])] == [
+        ("3g.40gb", again["slots"][0]["placement"])
+    ]
+    assert [e["kind"] for e in broker.lease_events(lease["id"])][-1] == "granted"
+    assert broker.validate_state([lease["id"]]) == []
+
+
 def test_two_40gib_shares_with_reserve_land_on_two_devices(broker: Broker) -> None:
     first = broker.request_lease("ann", "", memory_gib=40)
     second = broker.request_lease("bob", "", memory_gib=40)

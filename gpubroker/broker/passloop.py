@@ -1,0 +1,100 @@
+"""Coalesced scheduling passes.
+
+A command that changes what the scheduler sees asks for a pass. The gap
+kept between two passes is as long as the last pass took, at most
+``interval`` seconds, so passes never take more than about half of the
+broker's time. When the last pass ended longer ago than that (the broker is
+idle, or passes are cheap), the pass runs at once, inside the command, and a
+request is answered granted. Otherwise the command only marks the state
+dirty and answers; :meth:`PassLoop.run` runs one pass when the gap is over,
+covering every change since: under load, however many commands arrive,
+passes run at most once per gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class PassLoop:
+    """When to run the next scheduling pass.
+
+    Args:
+        interval: the longest gap between two passes, seconds (>= 0).
+        clock: monotonic seconds (``time.monotonic``; a test passes its own).
+    """
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._last_end = float("-inf")
+        #: seconds the last pass took (the gap kept after it)
+        self.last_took = 0.0
+        self._started: float | None = None
+        self._dirty = asyncio.Event()
+        self._ended: asyncio.Future[None] | None = None
+        #: passes run, and passes asked for (commands coalesced into them)
+        self.passes = 0
+        self.asked = 0
+
+    def at_once(self) -> bool:
+        """Whether a pass asked for now runs at once (the broker is idle);
+        when not, the state is marked dirty for :meth:`run`."""
+        self.asked += 1
+        if self.clock() - self._last_end >= self.gap():
+            self._started = self.clock()
+            return True
+        self._dirty.set()
+        return False
+
+    def gap(self) -> float:
+        """Seconds to keep between two passes: as long as the last one
+        took, at most ``interval``."""
+        return min(self.interval, self.last_took)
+
+    def starting(self) -> None:
+        """Record that the loop starts a pass now."""
+        self._started = self.clock()
+
+    def ran(self) -> None:
+        """Record that a pass (at once or from the loop) just ended."""
+        self.passes += 1
+        self._last_end = self.clock()
+        if self._started is not None:
+            self.last_took = self._last_end - self._started
+        self._started = None
+        self._dirty.clear()
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
+        self._ended = None
+
+    async def settled(self, timeout: float) -> None:
+        """Return once no change waits for a pass (at most ``timeout``
+        seconds): a request answered after it carries the pass's verdict."""
+        if not self._dirty.is_set():
+            return
+        if self._ended is None:
+            self._ended = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._ended), timeout)
+
+    async def run(self, run_pass: Callable[[], Any], log: Any) -> None:
+        """Forever: wait for a dirty mark, then for the interval since the
+        last pass, then ``run_pass()`` (which calls :meth:`ran`)."""
+        while True:
+            await self._dirty.wait()
+            wait = self._last_end + self.gap() - self.clock()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not self._dirty.is_set():
+                continue  # a pass at once covered it meanwhile
+            try:
+                self.starting()
+                run_pass()
+            except Exception:
+                log.exception("Scheduling pass failed")
+                self.ran()

@@ -1,0 +1,671 @@
+"""The local engine: holders' processes as plain processes on this host.
+
+One node, this host, whose devices are those of the device backend passed in
+(the engine never talks to NVML itself). Each launch is a
+:class:`subprocess.Popen` in a new session (so a new process group whose id
+is the pid: signals and :meth:`LocalEngine.stop` reach the process and its
+children alike). The :class:`~gpubroker.engines.base.Handle` id is the pid.
+
+Trust rule: anything the broker starts for a user carries only that user's
+rights. So the process gets exactly ``spec.env`` as its environment, never
+the broker's own (only ``PATH`` is added, set to
+:data:`DEFAULT_PATH`, when ``spec.env`` has none), standard input from
+``/dev/null``, and runs as ``spec.user``: directly when that is the broker's
+own user, else (the broker must be root) with the user's uid, primary gid and
+supplementary groups, and then the working directory is entered and the
+output files opened *as that user*, by a small helper run with the user's
+rights just before the program (so the broker's rights never open a path a
+user named).
+
+After a broker restart the new engine does not know the processes the old
+one started: it polls such a handle by pid (``os.kill(pid, 0)``): alive is
+``running``, gone is ``lost`` (how it ended is not known; the exit status
+went to the old broker). It still signals and stops such a process, but only
+while the pid leads its own process group (as every process this engine
+starts does), which guards against a pid reused by an unrelated process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pwd
+import select
+import signal as signal_module
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from gpubroker.devices.base import DeviceBackend, DeviceBackendError, DeviceInfo, DeviceUsage
+
+from .base import EngineError, Handle, LaunchSpec, Node, Status
+
+log = logging.getLogger(__name__)
+
+#: ``PATH`` given to a process whose ``spec.env`` has none (Debian's default
+#: for users); never the broker's own ``PATH``
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+#: seconds :meth:`LocalEngine.stop` waits for the process after SIGKILL
+KILL_WAIT = 5.0
+
+#: seconds :meth:`LocalEngine.launch` waits for the as-user helper to exec
+EXEC_WAIT = 30.0
+
+#: how often a wait for a process group to empty looks again, seconds
+_POLL_INTERVAL = 0.05
+
+#: run as the target user (``python -I -S -c``) just before the program: enter
+#: the working directory and open the output files with the user's rights,
+#: then exec. Its argv: status fd, cwd, stdout path or "", stderr path or "",
+#: the original LC_CTYPE ("-" when unset, else "=" + value; Python's locale
+#: coercion (PEP 538) may have changed it), then the program's argv. Any
+#: failure is written to the status fd (close-on-exec: EOF means exec worked).
+_AS_USER_HELPER = """\
+import os, sys
+fd = int(sys.argv[1])
+cwd, out, err, lc_ctype = sys.argv[2:6]
+argv = sys.argv[6:]
+os.set_inheritable(fd, False)
+try:
+    os.chdir(cwd)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    if out:
+        o = os.open(out, flags, 0o600)
+        os.dup2(o, 1)
+        os.close(o)
+    if err and err == out:
+        os.dup2(1, 2)
+    elif err:
+        e = os.open(err, flags, 0o600)
+        os.dup2(e, 2)
+        os.close(e)
+    env = dict(os.environ)
+    if lc_ctype == "-":
+        env.pop("LC_CTYPE", None)
+    else:
+        env["LC_CTYPE"] = lc_ctype[1:]
+    os.execvpe(argv[0], argv, env)
+except BaseException as exc:
+    os.write(fd, (type(exc).__name__ + ": " + str(exc)).encode())
+    os._exit(127)
+"""
+
+
+@dataclass
+class _Proc:
+    """A process this engine started and still remembers."""
+
+    popen: subprocess.Popen[bytes]
+    spec: LaunchSpec
+    started: datetime
+    ended: datetime | None = None
+    timed_out: bool = False
+    timers: list[threading.Timer] = field(default_factory=list)
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _exit_status(code: int) -> tuple[int | None, int | None]:
+    """``Popen.returncode`` -> ``(exit_code, signal)``: negative means a signal."""
+    return (None, -code) if code < 0 else (code, None)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (``os.kill(pid, 0)``)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # "pid (comm) S ...": the state follows the last ")"
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux) or it just went: trust os.kill
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether the process group ``pgid`` has any member left that is not a zombie.
+
+    ``os.killpg(pgid, 0)`` first; on Linux the members are then looked up in
+    ``/proc``, so zombies do not count (in a container whose pid 1 does not
+    reap orphans, ended children stay zombies for ever).
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True  # not Linux: trust os.killpg
+    wanted = str(pgid).encode()
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                # "pid (comm) state ppid pgrp ...": fields after the last ")"
+                fields = stat.read().rpartition(b")")[2].split()
+        except OSError:
+            continue  # it just went
+        if len(fields) > 2 and fields[2] == wanted and fields[0] != b"Z":
+            return True
+    return False
+
+
+class LocalEngine:
+    """Runs processes on this host; one node with the backend's devices.
+
+    Args:
+        backend: the device backend of this host (inventory and telemetry).
+        node_name: name of the node; ``None``: the ``node`` of the backend's
+            devices (this host's name when it has none).
+        default_path: ``PATH`` for a process whose ``spec.env`` has none.
+        time_limit_grace: seconds between SIGTERM and SIGKILL when a
+            process's ``time_limit`` passes.
+        helper_python: Python interpreter that runs the as-user helper for
+            launches as another user (any Python 3; it must be executable by
+            every user, e.g. ``/usr/bin/python3``); ``None``: the broker's own
+            (``os.path.realpath(sys.executable)``).
+
+    Thread-safe. Only :meth:`stop` waits (at most ``grace`` +
+    :data:`KILL_WAIT` seconds); :meth:`launch` waits for the fork and exec
+    only. All calls block, so callers on an event loop run them with
+    ``asyncio.to_thread``.
+    """
+
+    name = "local"
+
+    def __init__(
+        self,
+        backend: DeviceBackend,
+        node_name: str | None = None,
+        *,
+        default_path: str = DEFAULT_PATH,
+        time_limit_grace: float = 10.0,
+        helper_python: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self._node_name = node_name
+        self.default_path = default_path
+        self.time_limit_grace = time_limit_grace
+        self.helper_python = helper_python or os.path.realpath(sys.executable)
+        self._lock = threading.RLock()
+        self._procs: dict[int, _Proc] = {}
+
+    # --- inventory and telemetry ---------------------------------------------------
+
+    @property
+    def node_name(self) -> str:
+        """The name of this engine's one node.
+
+        Raises:
+            EngineError: it comes from the inventory, which cannot be read.
+        """
+        if self._node_name is None:
+            devices = self._devices()
+            self._node_name = devices[0].node if devices else socket.gethostname()
+        return self._node_name
+
+    def nodes(self) -> list[Node]:
+        """Return this host as the one node, ``"up"``, with the backend's devices.
+
+        Devices are ordered by index; when ``node_name`` was given, their
+        ``node`` is set to it.
+
+        Raises:
+            EngineError: the backend cannot read the inventory (the
+                :class:`~gpubroker.devices.base.DeviceBackendError` is chained).
+        """
+        devices = self._devices()
+        if self._node_name is None:
+            self._node_name = devices[0].node if devices else socket.gethostname()
+        name = self._node_name
+        devices = [d if d.node == name else dataclasses.replace(d, node=name) for d in devices]
+        return [Node(name=name, state="up", devices=tuple(devices))]
+
+    def telemetry(self, uuids: Iterable[str]) -> dict[str, DeviceUsage]:
+        """Return the backend's ``usage(uuid)`` of each known UUID (GPU or MIG).
+
+        UUIDs the backend does not know (``KeyError``) are left out.
+
+        Raises:
+            EngineError: the backend cannot read a device's usage.
+        """
+        result: dict[str, DeviceUsage] = {}
+        for uuid in uuids:
+            try:
+                result[uuid] = self.backend.usage(uuid)
+            except KeyError:
+                continue
+            except DeviceBackendError as exc:
+                raise EngineError(f"cannot read the usage of {uuid}: {exc}") from exc
+        return result
+
+    def _devices(self) -> list[DeviceInfo]:
+        try:
+            return sorted(self.backend.devices(), key=lambda d: d.index)
+        except DeviceBackendError as exc:
+            raise EngineError(
+                f"cannot read the inventory of the {self.backend.kind} device backend: {exc}"
+            ) from exc
+
+    def _check_devices(self, uuids: tuple[str, ...]) -> None:
+        """Raise EngineError unless every UUID is a GPU, or a MIG device, of this node."""
+        if not uuids:
+            return
+        devices = self._devices()
+        known = {d.uuid for d in devices}
+        if any(u not in known for u in uuids):
+            try:
+                for device in devices:
+                    if device.mig_enabled:
+                        known.update(m.uuid for m in self.backend.mig_devices(device.uuid))
+            except DeviceBackendError as exc:
+                raise EngineError(f"cannot read the MIG devices of this node: {exc}") from exc
+        missing = [u for u in uuids if u not in known]
+        if missing:
+            raise EngineError(f"devices not on node {self.node_name}: {', '.join(missing)}")
+
+    # --- launch ---------------------------------------------------------------------
+
+    def launch(self, spec: LaunchSpec) -> Handle:
+        """Start ``spec`` as a new process (new session) and return its handle.
+
+        The environment is exactly ``spec.env`` (plus ``PATH`` =
+        :attr:`default_path` if it has none); standard input is
+        ``/dev/null``; standard output and error are appended to
+        ``spec.stdout``/``spec.stderr`` (created mode 0600) or discarded. A
+        ``spec.time_limit`` is enforced by a timer: SIGTERM to the group when
+        it passes, SIGKILL :attr:`time_limit_grace` seconds later.
+        ``spec.devices`` must be devices of this node; the engine does not
+        hide the others, ``spec.env`` says which to use
+        (``CUDA_VISIBLE_DEVICES``).
+
+        Raises:
+            EngineError: a device is not on this node; ``spec.user`` does not
+                exist, or is another user and the broker is not root; the
+                program, working directory or an output file cannot be
+                found, opened or executed (the message names the cause).
+        """
+        self._check_devices(spec.devices)
+        try:
+            account = pwd.getpwnam(spec.user)
+        except KeyError:
+            raise EngineError(
+                f"cannot launch lease {spec.lease_id}: no user {spec.user!r}"
+            ) from None
+        env = dict(spec.env)
+        env.setdefault("PATH", self.default_path)
+        if account.pw_uid == os.geteuid():
+            popen = self._popen_as_self(spec, env)
+        elif os.geteuid() == 0:
+            popen = self._popen_as_user(spec, env, account)
+        else:
+            me = pwd.getpwuid(os.geteuid()).pw_name
+            raise EngineError(
+                f"cannot launch lease {spec.lease_id} as {spec.user!r}: the broker runs as"
+                f" {me!r}, which may only start processes as itself (run it as root)"
+            )
+        proc = _Proc(popen=popen, spec=spec, started=_utcnow())
+        with self._lock:
+            self._procs[popen.pid] = proc
+            if spec.time_limit is not None:
+                self._start_timer(proc, spec.time_limit, self._on_time_limit, popen.pid)
+        log.info(
+            "launched lease %d as %s on %s: pid %d (%s)",
+            spec.lease_id,
+            spec.user,
+            self.node_name,
+            popen.pid,
+            spec.argv[0],
+        )
+        return Handle(engine=self.name, id=str(popen.pid), node=self.node_name)
+
+    def _popen_as_self(self, spec: LaunchSpec, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        files: list[int] = []
+        try:
+            stdout = self._open_output(spec, spec.stdout, files)
+            if spec.stderr is not None and spec.stderr == spec.stdout:
+                stderr = stdout
+            else:
+                stderr = self._open_output(spec, spec.stderr, files)
+            return subprocess.Popen(
+                list(spec.argv),
+                env=env,
+                cwd=spec.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            raise EngineError(self._launch_failed(spec, exc)) from exc
+        finally:
+            for fd in files:
+                os.close(fd)
+
+    @staticmethod
+    def _open_output(spec: LaunchSpec, path: str | None, files: list[int]) -> int:
+        if path is None:
+            return subprocess.DEVNULL
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise EngineError(
+                f"cannot launch lease {spec.lease_id}: cannot open output file {path}: {exc}"
+            ) from exc
+        files.append(fd)
+        return fd
+
+    def _popen_as_user(
+        self, spec: LaunchSpec, env: dict[str, str], account: pwd.struct_passwd
+    ) -> subprocess.Popen[bytes]:
+        lc_ctype = env.get("LC_CTYPE")
+        read_end, write_end = os.pipe()
+        try:
+            argv = [
+                self.helper_python,
+                "-I",
+                "-S",
+                "-c",
+                _AS_USER_HELPER,
+                str(write_end),
+                spec.cwd,
+                spec.stdout or "",
+                spec.stderr or "",
+                "-" if lc_ctype is None else "=" + lc_ctype,
+                *spec.argv,
+            ]
+            try:
+                popen = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd="/",
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                    close_fds=True,
+                    pass_fds=(write_end,),
+                    user=account.pw_uid,
+                    group=account.pw_gid,
+                    extra_groups=os.getgrouplist(account.pw_name, account.pw_gid),
+                )
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:
+                cause = f"{exc} (starting the as-user helper {self.helper_python})"
+                raise EngineError(self._launch_failed(spec, cause)) from exc
+            os.close(write_end)
+            write_end = -1
+            failure = self._read_exec_status(read_end)
+        finally:
+            os.close(read_end)
+            if write_end >= 0:
+                os.close(write_end)
+        if failure is not None:
+            try:
+                popen.wait(timeout=KILL_WAIT)
+            except subprocess.TimeoutExpired:
+                os.killpg(popen.pid, signal_module.SIGKILL)
+                popen.wait()
+            raise EngineError(self._launch_failed(spec, failure))
+        return popen
+
+    @staticmethod
+    def _read_exec_status(fd: int) -> str | None:
+        """Read the helper's status pipe to EOF: ``None`` if it exec'ed, else the error."""
+        data = b""
+        deadline = time.monotonic() + EXEC_WAIT
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return f"the program did not start within {EXEC_WAIT:g} seconds"
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if not ready:
+                continue
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return data.decode(errors="replace") or None
+            data += chunk
+
+    @staticmethod
+    def _launch_failed(spec: LaunchSpec, cause: object) -> str:
+        return (
+            f"cannot launch lease {spec.lease_id} ({spec.argv[0]!r} in {spec.cwd!r}"
+            f" as {spec.user!r}): {cause}"
+        )
+
+    # --- time limits ----------------------------------------------------------------
+
+    def _start_timer(
+        self, proc: _Proc, delay: float, action: Callable[[int], None], pid: int
+    ) -> None:
+        timer = threading.Timer(delay, action, args=(pid,))
+        timer.daemon = True
+        proc.timers.append(timer)
+        timer.start()
+
+    def _on_time_limit(self, pid: int) -> None:
+        with self._lock:
+            proc = self._procs.get(pid)
+            if proc is None or proc.popen.poll() is not None:
+                return
+            proc.timed_out = True
+            log.info("lease %d (pid %d): time limit passed, SIGTERM", proc.spec.lease_id, pid)
+            self._killpg(pid, signal_module.SIGTERM)
+            self._start_timer(proc, self.time_limit_grace, self._on_time_limit_kill, pid)
+
+    def _on_time_limit_kill(self, pid: int) -> None:
+        with self._lock:
+            proc = self._procs.get(pid)
+            if proc is None or (proc.popen.poll() is not None and not _group_alive(pid)):
+                return
+            log.info(
+                "lease %d (pid %d): still running after SIGTERM, SIGKILL", proc.spec.lease_id, pid
+            )
+            self._killpg(pid, signal_module.SIGKILL)
+
+    # --- poll, signal, stop -------------------------------------------------------------
+
+    def poll(self, handle: Handle) -> Status:
+        """Return the status of ``handle``'s process, without waiting.
+
+        A process this engine started: ``running``, or ``exited`` with its
+        exit code (it exited by itself) or the signal that ended it (and no
+        exit code). ``ended`` is when a poll first saw the end. A pid this
+        engine does not know (e.g. after a broker restart): ``running`` while
+        the pid exists (``os.kill(pid, 0)``; a zombie counts as gone), else
+        ``lost``; ``started``/``ended`` are then unknown (``None``).
+
+        Raises:
+            EngineError: the handle is of another engine or node, or its id is
+                not a pid.
+        """
+        pid = self._pid(handle)
+        with self._lock:
+            proc = self._procs.get(pid)
+            if proc is None:
+                return Status(state="running" if _pid_alive(pid) else "lost")
+            code = proc.popen.poll()
+            if code is None:
+                return Status(state="running", started=proc.started, timed_out=proc.timed_out)
+            if proc.ended is None:
+                proc.ended = _utcnow()
+                for timer in proc.timers:
+                    timer.cancel()
+            exit_code, signum = _exit_status(code)
+            return Status(
+                state="exited",
+                exit_code=exit_code,
+                signal=signum,
+                started=proc.started,
+                ended=proc.ended,
+                timed_out=proc.timed_out,
+            )
+
+    def signal(self, handle: Handle, signum: int) -> None:
+        """Send ``signum`` to the process group of ``handle`` (``os.killpg``).
+
+        Does nothing when the process has ended. A pid this engine does not
+        know is signalled only while it leads its own process group.
+
+        Raises:
+            EngineError: the handle is of another engine or node, its id is not
+                a pid, an unknown pid is not a process-group leader (so not one
+                this engine started), or the signal is not permitted.
+        """
+        pid = self._pid(handle)
+        with self._lock:
+            proc = self._procs.get(pid)
+            if proc is not None:
+                if proc.popen.poll() is None:
+                    self._killpg(pid, signum)
+                return
+        if self._adoptable(pid, handle):
+            self._killpg(pid, signum)
+
+    def stop(self, handle: Handle, grace: float) -> Status:
+        """End ``handle``'s process group: SIGTERM, then SIGKILL after ``grace`` seconds.
+
+        Waits up to ``grace`` seconds for the process and the rest of its
+        group to exit after SIGTERM; then SIGKILL to the group and waits up
+        to :data:`KILL_WAIT` more seconds for the process. This is the one
+        call that waits: run it off the event loop
+        (``await asyncio.to_thread(engine.stop, handle, grace)``). A process
+        that has already ended just gets its status (stragglers left in its
+        group are still ended). An unknown pid (after a broker restart) is
+        stopped only while it leads its own process group; its final status
+        is ``lost`` (the exit status is not known).
+
+        Returns:
+            The final status, as :meth:`poll` gives it.
+
+        Raises:
+            EngineError: as :meth:`signal`.
+        """
+        pid = self._pid(handle)
+        with self._lock:
+            proc = self._procs.get(pid)
+        deadline = time.monotonic() + max(grace, 0.0)
+        if proc is None:
+            if not self._adoptable(pid, handle):
+                return self.poll(handle)
+            self._killpg(pid, signal_module.SIGTERM)
+            self._wait_until(deadline, lambda: not _pid_alive(pid) and not _group_alive(pid))
+            if _pid_alive(pid) or _group_alive(pid):
+                self._killpg(pid, signal_module.SIGKILL)
+                self._wait_until(time.monotonic() + KILL_WAIT, lambda: not _pid_alive(pid))
+            return self.poll(handle)
+        popen = proc.popen
+        if popen.poll() is None or _group_alive(pid):
+            self._killpg(pid, signal_module.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            self._wait_until(deadline, lambda: not _group_alive(pid))
+            if popen.poll() is None or _group_alive(pid):
+                self._killpg(pid, signal_module.SIGKILL)
+                try:
+                    popen.wait(timeout=KILL_WAIT)
+                except subprocess.TimeoutExpired:
+                    log.warning("pid %d survived SIGKILL for %g s", pid, KILL_WAIT)
+        status = self.poll(handle)
+        log.info(
+            "stopped lease %d (pid %d): %s exit_code=%s signal=%s",
+            proc.spec.lease_id,
+            pid,
+            status.state,
+            status.exit_code,
+            status.signal,
+        )
+        return status
+
+    def forget(self, handle: Handle) -> None:
+        """Drop an ended process from memory (later polls see it as ``lost``).
+
+        Raises:
+            EngineError: the handle is not this engine's, or it still runs.
+        """
+        pid = self._pid(handle)
+        with self._lock:
+            proc = self._procs.get(pid)
+            if proc is None:
+                return
+            if proc.popen.poll() is None:
+                raise EngineError(f"cannot forget pid {pid}: it still runs")
+            for timer in proc.timers:
+                timer.cancel()
+            del self._procs[pid]
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _pid(self, handle: Handle) -> int:
+        if handle.engine != self.name:
+            raise EngineError(f"not a handle of the local engine: {handle}")
+        if handle.node != self.node_name:
+            raise EngineError(
+                f"handle of node {handle.node!r}, not of {self.node_name!r}: {handle}"
+            )
+        try:
+            pid = int(handle.id)
+        except ValueError:
+            raise EngineError(f"handle id is not a pid: {handle}") from None
+        if pid <= 0:
+            raise EngineError(f"handle id is not a pid: {handle}")
+        return pid
+
+    @staticmethod
+    def _adoptable(pid: int, handle: Handle) -> bool:
+        """For a pid this engine did not start: ``False`` when it is gone; ``True``
+        when it leads its own process group (as every launched process does).
+
+        Raises:
+            EngineError: it exists but is not a process-group leader.
+        """
+        if not _pid_alive(pid):
+            return False
+        try:
+            pgid = os.getpgid(pid)
+        except ProcessLookupError:
+            return False
+        if pgid != pid:
+            raise EngineError(
+                f"unknown handle {handle}: pid {pid} is not a process-group leader,"
+                " so not a process this engine started"
+            )
+        return True
+
+    @staticmethod
+    def _killpg(pgid: int, signum: int) -> None:
+        try:
+            os.killpg(pgid, signum)
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            raise EngineError(f"not permitted to signal process group {pgid}: {exc}") from exc
+
+    @staticmethod
+    def _wait_until(deadline: float, done: Callable[[], bool]) -> None:
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            time.sleep(min(_POLL_INTERVAL, remaining))
+
+    def __repr__(self) -> str:
+        return f"LocalEngine(node={self._node_name!r}, backend={type(self.backend).__name__})"

@@ -1,0 +1,167 @@
+"""The broker's in-memory state, coalesced passes and per-lease waiters
+(gpubroker.broker): memory always equals what a restart would load, a pass
+writes nothing for requests that only wait, and waiters wake only for their
+own lease."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+from sqlalchemy import event
+
+from gpubroker.broker.passloop import PassLoop
+from gpubroker.broker.waiters import Waiters
+from gpubroker.core import Broker
+from gpubroker.errors import Conflict
+
+from ..conftest import make_broker
+
+
+def _statements(broker: Broker) -> list[str]:
+    """Every SQL statement the broker's engine runs from now on."""
+    seen: list[str] = []
+    engine = broker._world.session.get_bind()
+    event.listen(engine, "before_cursor_execute", lambda *a: seen.append(a[2]))
+    return seen
+
+
+def test_memory_equals_the_store_after_a_failed_command(db_url: str) -> None:
+    broker = make_broker(db_url, ["2 x H100"])
+    first = broker.request_lease("ann", "nb", gpus=1)
+    # the second request is refused half-way (after it checked and released
+    # nothing): the transaction rolls back and memory is reloaded from the store
+    with pytest.raises(Conflict):
+        broker.request_lease("ann", "nb", gpus=1)
+    assert broker.validate_state() == []
+    assert [x["id"] for x in broker.list_leases()] == [first["id"]]
+    assert broker.get_lease(first["id"])["state"] == "granted"
+
+
+def test_a_restart_loads_exactly_what_memory_held(db_url: str) -> None:
+    broker = make_broker(db_url, ["2 x H100"])
+    leases = [broker.request_lease(f"u{i}", "", gpus=1) for i in range(4)]
+    broker.release_lease(leases[0]["id"], "done")
+    before = {x["id"]: (x["state"], x["slots"]) for x in broker.list_leases()}
+    again = make_broker(db_url, ["2 x H100"])
+    after = {x["id"]: (x["state"], x["slots"]) for x in again.list_leases()}
+    assert after == before
+    assert sorted(s for s, _ in after.values()) == ["granted", "granted", "pending"]
+
+
+def test_a_pass_writes_nothing_for_requests_that_only_wait(db_url: str) -> None:
+    broker = make_broker(db_url, ["2 x H100"])
+    held = [broker.request_lease(f"holder{i}", "", gpus=1) for i in range(2)]
+    waiting = [broker.request_lease(f"w{i}", "", gpus=1) for i in range(50)]
+    seen = _statements(broker)
+    # the third in the queue leaves: 47 requests move up one place ...
+    broker.release_lease(waiting[2]["id"], "changed my mind")
+    writes = [s for s in seen if re.match(r"\s*(UPDATE|INSERT)", s)]
+    # ... yet only the released lease and its event are written
+    assert len(writes) == 2, writes
+    assert broker.get_lease(waiting[3]["id"])["queue"]["position"] == 3
+    assert broker.get_lease(waiting[49]["id"])["queue"]["position"] == 49
+    # and a grant writes the grant, not the queue
+    seen.clear()
+    broker.release_lease(held[0]["id"], "done")
+    assert broker.get_lease(waiting[0]["id"])["state"] == "granted"
+    assert broker.get_lease(waiting[1]["id"])["queue"]["position"] == 1
+    tables = {
+        re.search(r"(?:UPDATE|INSERT INTO) (\w+)", s).group(1) for s in seen if "SELECT" not in s
+    }  # type: ignore[union-attr]
+    assert tables <= {"leases", "allocations", "lease_events", "usage"}, tables
+
+
+def test_positions_are_served_from_memory_and_recomputed_after_a_restart(db_url: str) -> None:
+    broker = make_broker(db_url, ["1 x H100"])
+    broker.request_lease("holder", "", gpus=1)
+    first = broker.request_lease("a", "", gpus=1)
+    second = broker.request_lease("b", "", gpus=1)
+    broker.release_lease(first["id"], "gone")
+    assert broker.get_lease(second["id"])["queue"]["position"] == 1
+    again = make_broker(db_url, ["1 x H100"])
+    view = again.get_lease(second["id"])
+    assert view["queue"]["position"] == 1
+    assert view["queue"]["reason"] == broker.get_lease(second["id"])["queue"]["reason"]
+
+
+# -- coalesced passes --------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pass_loop_keeps_a_gap_as_long_as_the_last_pass_took() -> None:
+    clock = _Clock()
+    loop = PassLoop(0.005, clock)
+    assert loop.at_once()  # idle: at once
+    clock.now += 0.004  # the pass took 4 ms
+    loop.ran()
+    assert loop.last_took == pytest.approx(0.004)
+    clock.now += 0.001
+    assert not loop.at_once() and not loop.at_once()  # two commands, one pass later
+    clock.now += 0.004  # the gap is over
+    assert loop.at_once()
+    clock.now += 0.1  # a slow pass: the gap is capped by the interval
+    loop.ran()
+    clock.now += 0.006
+    assert loop.at_once()
+    assert (loop.asked, loop.passes) == (5, 2)
+
+
+async def test_coalesced_requests_are_granted_by_one_pass(db_url: str) -> None:
+    broker = make_broker(db_url, ["8 x H100"])
+    clock = _Clock()  # frozen: every command after the first comes "too soon"
+    broker.passes = PassLoop(10.0, clock)
+    runner = asyncio.ensure_future(broker.passes.run(broker.schedule_now, broker.log))
+    try:
+        views = [broker.request_lease("u0", "", gpus=1)]
+        broker.passes.last_took = 0.5  # as if that pass took 0.5 s: keep a gap
+        views += [broker.request_lease(f"u{i}", "", gpus=1) for i in range(1, 6)]
+        # the first ran its pass at once; the five after it only marked the state
+        assert views[0]["state"] == "granted"
+        assert {v["state"] for v in views[1:]} == {"pending"}
+        clock.now += 1.0  # the loop's pass is due
+        answered = await asyncio.gather(*(broker.after_pass(v) for v in views))
+        assert {v["state"] for v in answered} == {"granted"}
+        assert broker.passes.passes == 2  # one at once, one for the other five
+        assert broker.validate_state() == []
+    finally:
+        runner.cancel()
+
+
+# -- waiters ------------------------------------------------------------------------------
+
+
+async def test_waiters_wake_only_for_a_lease_that_changed() -> None:
+    waiters = Waiters()
+    versions = {1: 5, 2: 7}
+    one = asyncio.ensure_future(waiters.wait(1, 5, 5.0))
+    two = asyncio.ensure_future(waiters.wait(2, 7, 0.2))
+    await asyncio.sleep(0)
+    assert waiters.wake(versions.get) == 0
+    versions[1] = 6
+    assert waiters.wake(versions.get) == 1
+    assert await one is True
+    assert await two is False  # timed out, never woken
+    assert len(waiters) == 0
+
+
+async def test_a_long_poll_sees_its_grant_and_nothing_else_wakes_it(db_url: str) -> None:
+    broker = make_broker(db_url, ["1 x H100"])
+    holder = broker.request_lease("holder", "", gpus=1)
+    mine = broker.request_lease("me", "", gpus=1)
+    other = broker.request_lease("other", "", gpus=1)
+    poll = asyncio.ensure_future(broker.wait_for_change(other["id"], 5.0))
+    await asyncio.sleep(0)
+    # changes of other leases: the holder's grant goes to "me", "other" moves up
+    broker.release_lease(holder["id"], "done")
+    view = await poll
+    assert view["queue"]["position"] == 1 and view["version"] > other["version"]
+    assert broker.get_lease(mine["id"])["state"] == "granted"

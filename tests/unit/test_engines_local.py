@@ -1,0 +1,490 @@
+"""The local engine with real subprocesses and the fake device backend.
+
+Every process a test starts is ended by the ``launch`` fixture's teardown
+(by its pid's process group), whatever the test did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from datetime import timezone
+from pathlib import Path
+
+import pytest
+
+from gpubroker.devices.fake import FakeDeviceBackend
+from gpubroker.engines import (
+    DEFAULT_PATH,
+    Engine,
+    EngineError,
+    Handle,
+    LaunchSpec,
+    LocalEngine,
+    Node,
+    Status,
+)
+
+#: upper bound of every wait in these tests, seconds (never a speed assertion)
+WAIT = 30.0
+
+Launch = Callable[..., Handle]
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def wait_exited(engine: LocalEngine, handle: Handle) -> Status:
+    wait_for(lambda: not engine.poll(handle).running, f"{handle} to end")
+    return engine.poll(handle)
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` no longer runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def me() -> str:
+    return pwd.getpwuid(os.geteuid()).pw_name
+
+
+def spec(code: str, cwd: Path, **kwargs: object) -> LaunchSpec:
+    """A LaunchSpec running ``python -c code`` as the current user."""
+    fields: dict[str, object] = {
+        "argv": (sys.executable, "-c", code),
+        "env": {},
+        "cwd": str(cwd),
+        "user": me(),
+        "lease_id": 7,
+    }
+    fields.update(kwargs)
+    return LaunchSpec(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def backend() -> FakeDeviceBackend:
+    return FakeDeviceBackend(inventory=["2 x H100"], node_name="node-a")
+
+
+@pytest.fixture
+def engine(backend: FakeDeviceBackend) -> LocalEngine:
+    return LocalEngine(backend)
+
+
+@pytest.fixture
+def launch() -> Iterator[Launch]:
+    """``launch(engine, spec)``: launch and remember, to end it (by pid) afterwards."""
+    started: list[tuple[LocalEngine, Handle]] = []
+
+    def _launch(engine: LocalEngine, launch_spec: LaunchSpec) -> Handle:
+        handle = engine.launch(launch_spec)
+        started.append((engine, handle))
+        return handle
+
+    yield _launch
+    for eng, handle in started:
+        if eng.poll(handle).running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(handle.id), signal.SIGKILL)
+        eng.stop(handle, grace=0)  # reaps it, and ends what is left of its group
+
+
+def test_satisfies_the_engine_protocol(engine: LocalEngine) -> None:
+    assert isinstance(engine, Engine)
+    assert engine.name == "local"
+
+
+def test_nodes_lists_the_backends_devices(engine: LocalEngine, backend: FakeDeviceBackend) -> None:
+    nodes = engine.nodes()
+    assert len(nodes) == 1
+    node = nodes[0]
+    assert isinstance(node, Node)
+    assert node.name == "node-a"
+    assert node.state == "up"
+    assert node.devices == tuple(backend.devices())
+    assert [d.index for d in node.devices] == [0, 1]
+    assert {d.node for d in node.devices} == {"node-a"}
+    assert all(d.name.startswith("NVIDIA H100") for d in node.devices)
+    assert engine.node_name == "node-a"
+
+
+def test_node_name_given_overrides_the_devices(backend: FakeDeviceBackend) -> None:
+    (node,) = LocalEngine(backend, node_name="gpu-host-1").nodes()
+    assert node.name == "gpu-host-1"
+    assert {d.node for d in node.devices} == {"gpu-host-1"}
+
+
+def test_telemetry_asks_the_backend_and_skips_unknown_uuids(
+    engine: LocalEngine, backend: FakeDeviceBackend
+) -> None:
+    first, second = (d.uuid for d in backend.devices())
+    backend.set_usage(first, utilization_gpu=80, memory_used_mib=2048)
+    usage = engine.telemetry([first, "GPU-00000000-0000-0000-0000-000000000000", second])
+    assert list(usage) == [first, second]
+    assert usage[first].utilization_gpu == 80
+    assert usage[first].memory_used_mib == 2048
+    assert usage[second].memory_used_mib == 0
+    assert engine.telemetry([]) == {}
+
+
+def test_launch_poll_running_then_exit_code(
+    engine: LocalEngine, launch: Launch, tmp_path: Path
+) -> None:
+    go = tmp_path / "go"
+    code = (
+        "import os, sys, time\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        "sys.exit(3)\n"
+    )
+    handle = launch(engine, spec(code, tmp_path))
+    assert handle.engine == "local"
+    assert handle.node == "node-a"
+    assert int(handle.id) > 0
+    running = engine.poll(handle)
+    assert running.state == "running"
+    assert running.exit_code is None and running.signal is None and running.ended is None
+    assert running.started is not None and running.started.tzinfo is timezone.utc
+
+    go.touch()
+    status = wait_exited(engine, handle)
+    assert status.state == "exited"
+    assert status.exit_code == 3
+    assert status.signal is None
+    assert status.started == running.started
+    assert status.ended is not None and status.ended >= status.started
+    assert not status.timed_out
+    assert engine.poll(handle) == status  # the end is remembered
+
+
+def test_killed_by_a_signal_reports_the_signal_and_no_exit_code(
+    engine: LocalEngine, launch: Launch, tmp_path: Path
+) -> None:
+    handle = launch(engine, spec("import time; time.sleep(120)", tmp_path))
+    engine.signal(handle, signal.SIGTERM)
+    status = wait_exited(engine, handle)
+    assert status.state == "exited"
+    assert status.signal == signal.SIGTERM
+    assert status.exit_code is None
+    engine.signal(handle, signal.SIGTERM)  # ended: does nothing
+
+
+def test_stop_ends_with_sigkill_when_sigterm_is_ignored(
+    engine: LocalEngine, launch: Launch, tmp_path: Path
+) -> None:
+    ready = tmp_path / "ready"
+    code = (
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        "time.sleep(120)\n"
+    )
+    handle = launch(engine, spec(code, tmp_path))
+    wait_for(ready.exists, "the child to ignore SIGTERM")
+    status = engine.stop(handle, grace=0.5)
+    assert status.state == "exited"
+    assert status.signal == signal.SIGKILL
+    assert status.exit_code is None
+    assert gone(int(handle.id))
+
+
+def test_stop_lets_a_sigterm_handler_exit_cleanly(
+    engine: LocalEngine, launch: Launch, tmp_path: Path
+) -> None:
+    ready = tmp_path / "ready"
+    code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        "time.sleep(120)\n"
+    )
+    handle = launch(engine, spec(code, tmp_path))
+    wait_for(ready.exists, "the child to trap SIGTERM")
+    status = engine.stop(handle, grace=WAIT)
+    assert status.state == "exited"
+    assert status.exit_code == 0
+    assert status.signal is None
+    assert engine.stop(handle, grace=WAIT) == status  # stopping again: same status
+
+
+def test_stop_ends_the_whole_process_group(
+    engine: LocalEngine, launch: Launch, tmp_path: Path
+) -> None:
+    pid_file = tmp_path / "grandchild"
+    code = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(120)\n"
+    )
+    handle = launch(engine, spec(code, tmp_path))
+    wait_for(lambda: pid_file.exists() and pid_file.read_text() != "", "the grandchild")
+    grandchild = int(pid_file.read_text())
+    try:
+        status = engine.stop(handle, grace=WAIT)
+        assert status.state == "exited"
+        assert status.signal == signal.SIGTERM
+        wait_for(lambda: gone(grandchild), "the grandchild to end")
+    finally:
+        if not gone(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
+
+
+def test_environment_is_exactly_the_specs(
+    engine: LocalEngine, launch: Launch, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUBROKER_TEST_LEAK_MARKER", "must-not-leak")
+    out = tmp_path / "env.txt"
+    env = {"LEASE_VAR": "x=y z", "CUDA_VISIBLE_DEVICES": "GPU-1"}
+    # "env" is found through the PATH the engine adds (DEFAULT_PATH)
+    handle = launch(engine, spec("", tmp_path, argv=("env",), env=env, stdout=str(out)))
+    status = wait_exited(engine, handle)
+    assert status.exit_code == 0
+    seen = dict(line.split("=", 1) for line in out.read_text().splitlines())
+    assert seen == {**env, "PATH": DEFAULT_PATH}
+    assert "GPUBROKER_TEST_LEAK_MARKER" not in seen
+    assert not set(seen) - set(env) - {"PATH"}
+
+
+def test_a_path_in_the_spec_is_kept(engine: LocalEngine, launch: Launch, tmp_path: Path) -> None:
+    out = tmp_path / "path.txt"
+    code = "import os; print(os.environ['PATH'])"
+    handle = launch(engine, spec(code, tmp_path, env={"PATH": "/opt/x/bin"}, stdout=str(out)))
+    assert wait_exited(engine, handle).exit_code == 0
+    assert out.read_text() == "/opt/x/bin\n"
+
+
+def test_output_files_are_appended_and_cwd_is_used(
+    engine: LocalEngine, launch: Launch, tmp_path: Path
+) -> None:
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    out.write_text("before\n")
+    code = "import os, sys; print(os.getcwd()); print('oops', file=sys.stderr)"
+    for _ in range(2):
+        handle = launch(engine, spec(code, tmp_path, stdout=str(out), stderr=str(err)))
+        assert wait_exited(engine, handle).exit_code == 0
+    assert out.read_text() == f"before\n{tmp_path}\n{tmp_path}\n"
+    assert err.read_text() == "oops\noops\n"
+
+    both = tmp_path / "both.log"
+    handle = launch(engine, spec(code, tmp_path, stdout=str(both), stderr=str(both)))
+    assert wait_exited(engine, handle).exit_code == 0
+    assert sorted(both.read_text().splitlines()) == sorted([str(tmp_path), "oops"])
+
+
+def test_time_limit_ends_the_process(
+    backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
+) -> None:
+    engine = LocalEngine(backend, time_limit_grace=WAIT)
+    handle = launch(engine, spec("import time; time.sleep(120)", tmp_path, time_limit=0.2))
+    status = wait_exited(engine, handle)
+    assert status.timed_out
+    assert status.signal == signal.SIGTERM
+    assert status.exit_code is None
+
+
+def test_unknown_handle_after_a_restart_is_polled_by_pid(
+    backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
+) -> None:
+    old = LocalEngine(backend)
+    handle = launch(old, spec("import time; time.sleep(120)", tmp_path))
+    new = LocalEngine(backend)  # the broker restarted
+    status = new.poll(handle)
+    assert status == Status(state="running")  # no start time known
+    old.stop(handle, grace=WAIT)  # the old one reaps it
+    assert new.poll(handle) == Status(state="lost")
+    assert new.stop(handle, grace=0) == Status(state="lost")
+    new.signal(handle, signal.SIGTERM)  # gone: does nothing
+
+
+def test_a_restarted_engine_can_stop_an_old_process(
+    backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
+) -> None:
+    old = LocalEngine(backend)
+    handle = launch(old, spec("import time; time.sleep(120)", tmp_path))
+    new = LocalEngine(backend)
+    status = new.stop(handle, grace=WAIT)
+    assert status.state == "lost"  # ended, but how is not known to the new engine
+    final = wait_exited(old, handle)
+    assert final.signal == signal.SIGTERM
+
+
+def test_unknown_pid_that_is_no_group_leader_is_refused(
+    backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
+) -> None:
+    old = LocalEngine(backend)
+    pid_file = tmp_path / "grandchild"
+    code = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(120)\n"
+    )
+    handle = launch(old, spec(code, tmp_path))
+    wait_for(lambda: pid_file.exists() and pid_file.read_text() != "", "the grandchild")
+    grandchild = int(pid_file.read_text())
+    try:
+        new = LocalEngine(backend)
+        stranger = Handle(engine="local", id=str(grandchild), node="node-a")
+        assert new.poll(stranger).state == "running"
+        with pytest.raises(EngineError, match="not a process-group leader"):
+            new.signal(stranger, signal.SIGTERM)
+        with pytest.raises(EngineError, match="not a process-group leader"):
+            new.stop(stranger, grace=0)
+        assert not gone(grandchild)
+        old.stop(handle, grace=WAIT)
+        wait_for(lambda: gone(grandchild), "the grandchild to end")
+    finally:
+        if not gone(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    "handle, message",
+    [
+        (Handle(engine="docker", id="1", node="node-a"), "not a handle of the local engine"),
+        (Handle(engine="local", id="1", node="node-b"), "node 'node-b'"),
+        (Handle(engine="local", id="abc", node="node-a"), "not a pid"),
+        (Handle(engine="local", id="0", node="node-a"), "not a pid"),
+    ],
+)
+def test_foreign_handles_are_refused(engine: LocalEngine, handle: Handle, message: str) -> None:
+    for call in (
+        lambda: engine.poll(handle),
+        lambda: engine.signal(handle, signal.SIGTERM),
+        lambda: engine.stop(handle, grace=0),
+    ):
+        with pytest.raises(EngineError, match=message):
+            call()
+
+
+def test_launch_failures_name_the_cause(
+    engine: LocalEngine, backend: FakeDeviceBackend, tmp_path: Path
+) -> None:
+    with pytest.raises(EngineError, match="No such file") as missing_program:
+        engine.launch(spec("", tmp_path, argv=(str(tmp_path / "no-such-program"),)))
+    assert isinstance(missing_program.value.__cause__, OSError)
+    with pytest.raises(EngineError, match="no-such-dir"):
+        engine.launch(spec("pass", tmp_path / "no-such-dir"))
+    with pytest.raises(EngineError, match="no user 'no-such-user-xyz'"):
+        engine.launch(spec("pass", tmp_path, user="no-such-user-xyz"))
+    with pytest.raises(EngineError, match="cannot open output file"):
+        engine.launch(spec("pass", tmp_path, stdout=str(tmp_path / "no-dir" / "out")))
+    with pytest.raises(EngineError, match="devices not on node node-a: GPU-nope"):
+        engine.launch(spec("pass", tmp_path, devices=("GPU-nope",)))
+
+
+def test_launch_accepts_the_nodes_devices(
+    engine: LocalEngine, backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
+) -> None:
+    uuids = tuple(d.uuid for d in backend.devices())
+    handle = launch(engine, spec("pass", tmp_path, devices=uuids))
+    assert wait_exited(engine, handle).exit_code == 0
+
+
+def test_another_user_needs_root(
+    engine: LocalEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user 'nobody'")
+    monkeypatch.setattr(os, "geteuid", lambda: nobody.pw_uid)  # the broker runs as nobody
+    with pytest.raises(EngineError, match=r"runs as 'nobody'.*run it as root"):
+        engine.launch(spec("pass", tmp_path, user="root"))
+
+
+def test_launch_as_another_user(
+    backend: FakeDeviceBackend, launch: Launch, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch users")
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user 'nobody'")
+    helper = shutil.which("python3", path="/usr/bin:/bin")
+    if helper is None:
+        pytest.skip("no /usr/bin/python3 for the as-user helper")
+    monkeypatch.setenv("GPUBROKER_TEST_LEAK_MARKER", "must-not-leak")
+    engine = LocalEngine(backend, helper_python=helper)
+    home = Path(tempfile.mkdtemp(prefix="gpubroker-engine-"))
+    try:
+        os.chmod(home, 0o700)
+        os.chown(home, nobody.pw_uid, nobody.pw_gid)
+        out = home / "env.txt"
+        argv = ("sh", "-c", "id -u; pwd; exec env >&2")
+        env = {"LEASE_VAR": "1"}
+        handle = launch(
+            engine,
+            LaunchSpec(
+                argv=argv,
+                env=env,
+                cwd=str(home),
+                user="nobody",
+                lease_id=1,
+                stdout=str(out),
+                stderr=str(home / "err.txt"),
+            ),
+        )
+        assert wait_exited(engine, handle).exit_code == 0
+        assert out.read_text().splitlines() == [str(nobody.pw_uid), str(home)]
+        assert out.stat().st_uid == nobody.pw_uid  # opened as the user
+        seen = dict(line.split("=", 1) for line in (home / "err.txt").read_text().splitlines())
+        seen.pop("PWD", None)  # sh's own
+        assert seen == {**env, "PATH": DEFAULT_PATH}
+
+        # the user's rights decide: nobody may not enter root's tmp_path
+        os.chmod(tmp_path, 0o700)
+        with pytest.raises(EngineError, match="Permission denied"):
+            engine.launch(
+                LaunchSpec(argv=("true",), env={}, cwd=str(tmp_path), user="nobody", lease_id=1)
+            )
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_launch_spec_validation_and_read_only_env() -> None:
+    with pytest.raises(ValueError, match="argv"):
+        LaunchSpec(argv=(), env={}, cwd="/", user="u", lease_id=1)
+    with pytest.raises(ValueError, match="time_limit"):
+        LaunchSpec(argv=("x",), env={}, cwd="/", user="u", lease_id=1, time_limit=0)
+    with pytest.raises(ValueError, match="str to str"):
+        LaunchSpec(argv=("x",), env={"A": 1}, cwd="/", user="u", lease_id=1)  # type: ignore[dict-item]
+    source = {"A": "1"}
+    launch_spec = LaunchSpec(argv=["x"], env=source, cwd="/", user="u", lease_id=1)  # type: ignore[arg-type]
+    source["B"] = "2"
+    assert dict(launch_spec.env) == {"A": "1"}
+    assert launch_spec.argv == ("x",)
+    with pytest.raises(TypeError):
+        launch_spec.env["C"] = "3"  # type: ignore[index]
+    with pytest.raises(ValueError, match="state"):
+        Status(state="finished")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="state"):
+        Node(name="n", state="broken")  # type: ignore[arg-type]
+
+
+def test_stop_reaps_without_warnings(engine: LocalEngine, launch: Launch, tmp_path: Path) -> None:
+    """A stopped process leaves no zombie (subprocess would warn of one)."""
+    handle = launch(engine, spec("import time; time.sleep(120)", tmp_path))
+    engine.stop(handle, grace=WAIT)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(int(handle.id), os.WNOHANG)
