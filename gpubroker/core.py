@@ -40,9 +40,10 @@ from .broker.world import World
 from .commands import command
 from .devices.base import DeviceBackend
 from .enforce.mps import MPSControl
+from .engines import Engine, LocalEngine
 from .errors import BadRequest, Conflict, NotFound
 from .notices import NoticesMixin
-from .passes import apply_decisions, build_state
+from .passes import PREPARING, apply_decisions, build_state
 from .policy_config import SchedulingPolicy
 from .pools import Pools, PoolSpec
 from .sharing_ops import SharingOpsMixin
@@ -106,6 +107,15 @@ class Broker(
         most 1 s, before it answers).""",
     ).tag(config=True)
 
+    grant_retry_backoff = Float(
+        1.0,
+        help="""Seconds before a grant whose MIG instance could not be made
+        is tried again (then twice as long after each further failure, at
+        most 60 s). Applies where the service's actuator makes instances off
+        the event loop; without one a failed grant is tried at the next
+        pass.""",
+    ).tag(config=True)
+
     policy = Instance(SchedulingPolicy, help="The scheduling policy (configure SchedulingPolicy).")
 
     pools = Instance(Pools, help="The pools of devices (configure Pools).")
@@ -166,6 +176,9 @@ class Broker(
         self._stimulus: Stimulus | None = None
         self._touched: set[int] = set()
         self._world = World(self.session_factory)
+        #: where holders run and where the inventory comes from (the local
+        #: host first; Docker and Slurm engines plug in beside it)
+        self.engine: Engine = LocalEngine(self.backend)
         self._policy_cache: tuple[tuple[int, str], scheduler.Policy] | None = None
         self._init_sharing()
 
@@ -267,13 +280,15 @@ class Broker(
 
     @command("broker")
     def sync_inventory(self) -> list[dict[str, Any]]:
-        """Write the backend's devices into the store; mark vanished ones absent.
+        """Write the engine's devices into the store (its nodes' inventory:
+        for the local engine, the device backend's); mark vanished ones
+        absent.
 
         Returns:
             the devices as the backend reports them (list of dicts).
         """
         backend: DeviceBackend = self.backend
-        reported = {d.uuid: d for d in backend.devices()}
+        reported = {d.uuid: d for node in self.engine.nodes() for d in node.devices}
         nodes = {d.node for d in reported.values()}
         if len(nodes) == 1:
             self._topology = {
@@ -480,14 +495,16 @@ class Broker(
                 memory_mib=shape.memory_mib,
                 pool=shape.pool,
                 weight=None if shape.kind == "gpus" else shape.weight,
+                version=1,  # the columns' defaults, set now: it is written at the commit
+                reclaimable=False,
+                restarts=0,
             )
             if previous is not None:
                 lease.restart_of = previous.id
                 lease.restarts = (previous.restarts or 0) + 1
                 lease.prefer_devices = _devices_to_prefer(previous, shape.kind, shape.count)
             lease.allocations = []  # new: nothing to load
-            session.add(lease)
-            session.flush()
+            self._world.add_lease(lease)
             detail = {"summary": summary(lease), "priority_class": cls, "group": charged}
             if previous is not None:
                 detail["restart_of"] = previous.id
@@ -562,6 +579,7 @@ class Broker(
         if lease.state == LeaseState.granted.value:
             record_usage(session, lease, now, self.policy.fairshare_half_life)
             self._unrealize(lease)
+        self._retry_after.pop(lease.id, None)
         self._rec(session, now).transition(lease, LeaseState.released.value, reason)
         stop = self._world.stops.get(lease.id)
         if stop is not None and stop.state == "open":
@@ -702,19 +720,31 @@ class Broker(
 
     # -- scheduling ----------------------------------------------------------------
 
-    async def after_pass(self, view: dict[str, Any]) -> dict[str, Any]:
+    async def after_pass(self, view: dict[str, Any], timeout: float = 1.0) -> dict[str, Any]:
         """The view of a lease a command just created or changed, once the
         scheduling pass that covers the change has run (with coalesced
-        passes, :attr:`passes`; at most 1 s later): a request that can be
-        granted is answered granted. ``view``: the command's answer.
+        passes, :attr:`passes`) and, for a grant whose MIG instance is being
+        made (reason ``Preparing``), once it is made: a request that can be
+        granted is answered granted. At most ``timeout`` seconds; then the
+        lease as it stands. ``view``: the command's answer.
 
         Raises:
             NotFound: the lease is gone meanwhile (never: leases stay).
         """
-        if self.passes is None or view.get("state") != LeaseState.pending.value:
+        if view.get("state") != LeaseState.pending.value:
             return view
-        await self.passes.settled(timeout=1.0)
-        return self.get_lease(int(view["id"]))
+        deadline = time.monotonic() + timeout
+        if self.passes is not None:
+            await self.passes.settled(timeout=timeout)
+            view = self.get_lease(int(view["id"]))
+        while (
+            view["state"] == LeaseState.pending.value
+            and (view.get("queue") or {}).get("reason") == PREPARING
+            and (remaining := deadline - time.monotonic()) > 0
+        ):
+            await self._waiters.wait(int(view["id"]), int(view["version"]), remaining)
+            view = self.get_lease(int(view["id"]))
+        return view
 
     @command("scheduler")
     def schedule_now(self) -> None:
@@ -747,14 +777,19 @@ class Broker(
         """
         if not force and self.passes is not None and not self.passes.at_once():
             return
-        session.flush()  # waits are set in memory only: no change may be pending
+        instances: dict[str, list[scheduler.Instance]] = {
+            uuid: list(found) for uuid, found in self._mig_inventory.items()
+        }
+        for uuid, planned in self.preparing_instances().items():
+            instances.setdefault(uuid, []).extend(planned)
         state, leases = build_state(
             self._world,
             self._policy(),
             self._topology,
             self._pools,
-            self._mig_inventory,
+            instances,
             self.mig_placement,
+            skip=self._preparing,
         )
         decisions = scheduler.schedule(state, now)
         evicted = apply_decisions(
@@ -763,7 +798,7 @@ class Broker(
             leases,
             now,
             lambda lease, why: self._evict(lease, why, now),
-            self._realize,
+            self._prepare,
             self._rec(session, now, "scheduler"),
         )
         for grant in decisions.grants:

@@ -4,9 +4,10 @@ rows, and write its decisions back, all inside the caller's transaction."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from sqlalchemy import inspect
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -131,6 +132,7 @@ def build_state(
     pools: Mapping[str, PoolSpec] | None = None,
     mig_instances: MigInventory | None = None,
     sharing_strategy: str = "least-fragmentation",
+    skip: Collection[int] = (),
 ) -> tuple[SchedulerState, dict[int, Lease]]:
     """The scheduler's view of the broker's memory (no database read), and
     the active leases by id.
@@ -138,7 +140,10 @@ def build_state(
     Args:
         world: the broker's in-memory state.
         pools: the pool of each device by UUID (default: all exclusive).
-        mig_instances: MIG instances present per device (from the backend).
+        mig_instances: MIG instances present per device (from the backend),
+            and those being made (they occupy their slices).
+        skip: pending leases the scheduler is not to see (their grant is
+            being made off the event loop).
     """
     devices = world.present_devices()
     active = world.active()
@@ -155,6 +160,8 @@ def build_state(
     cache, world.scheduled = world.scheduled, {}
     running, pending = [], []
     for x in active:
+        if x.id in skip:
+            continue
         if x.state == LeaseState.granted.value:
             running.append(_cached(cache, x, ("granted", x.version), _running))
         else:
@@ -179,9 +186,15 @@ def _bump(lease: Lease) -> None:
     lease.version += 1
 
 
+#: the wait reason of a grant whose MIG instances are being made
+PREPARING = "Preparing"
+
 #: makes a grant's fractional parts real (creates MIG instances); returns
-#: the parts with their instance UUIDs, or raises with a message for the user
-Realize = Callable[[Lease, tuple[Part, ...]], tuple[Part, ...]]
+#: the parts with their instance UUIDs; ``None`` when they are being made
+#: off the event loop (it set the wait: reason :data:`PREPARING`) or a
+#: failed try's backoff is not over (the failure stays the wait); or raises
+#: with a message for the user
+Realize = Callable[[Lease, tuple[Part, ...]], tuple[Part, ...] | None]
 
 
 def apply_decisions(
@@ -225,7 +238,7 @@ def apply_decisions(
         lease = leases[grant.lease_id]
         if grant.parts:
             try:
-                parts = realize(lease, grant.parts) if realize else grant.parts
+                made = realize(lease, grant.parts) if realize else grant.parts
             except RuntimeError as err:
                 # nothing is left half-made (realize undoes what it made); the
                 # request waits on, and the next pass tries again
@@ -235,7 +248,13 @@ def apply_decisions(
                 )
                 _wait(lease, failed, rec)
                 continue
-            _grant_parts(session, lease, parts, now, rec)
+            if made is None:  # made off the event loop (granted when done), or backing off
+                if lease.queue_reason == PREPARING:
+                    rec.note(
+                        lease, "preparing", lease.queue_message or "", {"parts": len(grant.parts)}
+                    )
+                continue
+            grant_parts(session, lease, made, now, rec)
             continue
         _grant(session, lease, grant.devices, now, rec)
     for preemption in decisions.preemptions:
@@ -278,9 +297,12 @@ def _grant(
     rec.transition(lease, LeaseState.granted.value, "granted", {"slots": slots})
 
 
-def _grant_parts(
+def grant_parts(
     session: Session, lease: Lease, parts: tuple[Part, ...], now: dt.datetime, rec: Any
 ) -> None:
+    """Grant ``lease`` its fractional ``parts`` (MIG instances made, shares):
+    one allocation each, the lease's weight their sum, then the ``granted``
+    transition (``rec``) at ``now``."""
     for part in parts:
         session.add(
             Allocation(
@@ -313,16 +335,47 @@ def _wait(lease: Lease, wait: scheduler.Wait, rec: Any) -> None:
     if current != verdict:
         if lease.queue_reason != wait.reason.value:  # the story: why it waits now
             rec.note(lease, "waiting", wait.message, {"reason": wait.reason.value})
-        # kept in memory only (served from there, recomputed by the first pass
-        # after a restart): a pass writes nothing for the requests that wait
-        for name, value in (
-            ("queue_position", wait.position),
-            ("queue_reason", wait.reason.value),
-            ("queue_message", wait.message),
-            ("queue_eta", wait.eta),
-            ("earmarked", list(wait.earmarked) or None),
-            ("version", lease.version + 1),
-        ):
+        set_wait(
+            lease,
+            wait.reason.value,
+            wait.message,
+            wait.position,
+            wait.eta,
+            list(wait.earmarked) or None,
+        )
+
+
+def set_wait(
+    lease: Lease,
+    reason: str,
+    message: str,
+    position: int | None = 1,
+    eta: dt.datetime | None = None,
+    earmarked: list[str] | None = None,
+) -> None:
+    """Set why ``lease`` waits and bump its version, in memory only: served
+    from there, never written (a pass writes nothing for the requests that
+    only wait); the first pass after a restart computes it again.
+
+    Args:
+        reason: the reason code (``WaitReason`` values, or ``Preparing``).
+        message: the sentence for the user.
+        position: place in the queue, from 1.
+        eta: estimated start, aware UTC.
+        earmarked: devices held back for it (a reservation).
+    """
+    changes = inspect(lease).attrs
+    for name, value in (
+        ("queue_position", position),
+        ("queue_reason", reason),
+        ("queue_message", message),
+        ("queue_eta", eta),
+        ("earmarked", earmarked),
+        ("version", lease.version + 1),
+    ):
+        if changes[name].history.has_changes():  # a change of this command: keep it one
+            setattr(lease, name, value)
+        else:
             set_committed_value(lease, name, value)
 
 

@@ -19,6 +19,7 @@ from tornado.httpclient import HTTPClientError
 from tornado.httpserver import HTTPServer
 
 from .api.app import make_app
+from .broker.actuator import Actuator
 from .broker.passloop import PassLoop
 from .core import Broker, utcnow
 from .culler import Culler
@@ -87,6 +88,7 @@ class BrokerService:
         )
         self.broker.on_evict = self._evicted
         self.broker.passes = PassLoop(self.broker.pass_interval)
+        self.broker.actuator = Actuator(self.log)
         self.culler = Culler(self.broker, self.hub, parent=app)
         self.share_guard = ShareGuard(self.broker, parent=app)
         self._groups: dict[str, tuple[float, list[str] | None]] = {}
@@ -195,6 +197,8 @@ class BrokerService:
         server.stop()
         for task in tasks:
             task.cancel()
+        if self.broker.actuator is not None:
+            self.broker.actuator.cancel()
         if self.broker.mps.enabled:
             self.broker.mps.stop_all()
         self.backend.close()

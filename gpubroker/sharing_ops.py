@@ -12,13 +12,16 @@ occupies its slices; :meth:`SharingOpsMixin.clean_mig` retries.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
+import time
 from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from .broker.actuator import Actuator
 from .commands import command
 from .devices.base import DeviceBackendError
 from .devices.mig import Placement
@@ -26,6 +29,7 @@ from .devices.models import MODELS
 from .enforce import EnforcementError
 from .enforce.caps import framework_env
 from .errors import BadRequest, NotFound
+from .passes import PREPARING, grant_parts, set_wait
 from .pools import PoolSpec
 from .scheduler import Instance, Part, PoolMode
 from .store.models import Device, Lease
@@ -38,6 +42,7 @@ class SharingOpsMixin:
     pools: Any
     mps: Any
     framework_caps: bool
+    grant_retry_backoff: float
     log: Any
 
     def _init_sharing(self) -> None:
@@ -45,6 +50,14 @@ class SharingOpsMixin:
         self._mig_inventory: dict[str, list[Instance]] = {}
         #: pool of each known device, by UUID
         self._pools: dict[str, PoolSpec] = {}
+        #: set by the service: makes and destroys MIG instances off the event
+        #: loop (None: inside the command, as the unit tests and CLI do)
+        self.actuator: Actuator | None = None
+        #: grants whose MIG instances are being made: lease id -> parts
+        self._preparing: dict[int, tuple[Part, ...]] = {}
+        #: leases whose instance could not be made: lease id -> (failures,
+        #: monotonic time before which no new try is made)
+        self._retry_after: dict[int, tuple[int, float]] = {}
 
     def pool_spec(self, uuid: str) -> PoolSpec:
         """The pool of device ``uuid`` (the default pool when unknown)."""
@@ -103,13 +116,105 @@ class SharingOpsMixin:
             raise DeviceBackendError(str(err)) from err
         return tuple(made)
 
-    def _is_static(self, device: str) -> bool:
-        spec = self._pools.get(device)
-        return spec is not None and spec.mig_layout == "static"
+    def _prepare(self, lease: Lease, parts: tuple[Part, ...]) -> tuple[Part, ...] | None:
+        """Realise a fractional grant: at once (:meth:`_realize`) when
+        nothing is to be made or there is no actuator; else start making its
+        MIG instances off the event loop and return ``None`` (the lease waits,
+        reason ``Preparing``, until :meth:`_prepared` commits the outcome).
 
-    def _make(self, part: Part) -> Part:
-        if part.kind != "mig" or part.instance:
-            return part
+        Raises:
+            DeviceBackendError: as :meth:`_realize`.
+        """
+        to_make = [p for p in parts if p.kind == "mig" and not p.instance]
+        if self.actuator is None or not to_make:
+            return self._realize(lease, parts)
+        not_before = self._retry_after.get(lease.id, (0, 0.0))[1]
+        if time.monotonic() < not_before:
+            return None  # keeps the failure as its wait; tried after the backoff
+        self._preparing[lease.id] = parts
+        lease_id = self._lease_id(lease)
+        self.actuator.submit(
+            f"making MIG instances of lease {lease_id}",
+            lambda: self._make_all(parts),
+            lambda made, err: self._prepared(lease_id, made, err),  # type: ignore[attr-defined]
+        )
+        what = ", ".join(f"MIG {p.profile} on {p.device}" for p in to_make)
+        set_wait(lease, PREPARING, f"making {what}")
+        return None
+
+    @staticmethod
+    def _lease_id(lease: Lease) -> int:
+        return lease.id
+
+    @command("scheduler")
+    def _prepared(
+        self, lease_id: int, made: tuple[Part, ...] | None, err: BaseException | None
+    ) -> None:
+        """Commit the outcome of making a grant's MIG instances (on the event
+        loop): the grant; or the failure as a ``grant-failed`` event, the
+        request waiting on and tried again after a backoff
+        (``grant_retry_backoff`` seconds, doubling, at most 60 s); or, for
+        a request cancelled meanwhile, the instances destroyed again
+        (nothing is left half-made)."""
+        self._preparing.pop(lease_id, None)
+        now = dt.datetime.now(dt.timezone.utc)
+        world = self._world  # type: ignore[attr-defined]
+        with self._write() as session:  # type: ignore[attr-defined]
+            lease = world.leases.get(lease_id)
+            waiting = lease is not None and lease.state == "pending"
+            rec = self._rec(session, now, "scheduler")  # type: ignore[attr-defined]
+            if err is not None or made is None:
+                if waiting:
+                    self._failed(lease, err, rec)
+            else:
+                known = {i.uuid for found in self._mig_inventory.values() for i in found}
+                for part in made:
+                    if part.kind == "mig" and part.instance not in known:
+                        self._remember(part)
+                if not waiting:
+                    for part in made:
+                        if part.kind == "mig" and not self._is_static(part.device):
+                            self._destroy_later(part.device, part.instance)
+                else:
+                    self._retry_after.pop(lease_id, None)
+                    lease.grant_env = self._grant_env(lease, made)
+                    grant_parts(session, lease, made, now, rec)
+            self._schedule(session, now)  # type: ignore[attr-defined]
+        self._notify()  # type: ignore[attr-defined]
+
+    def _failed(self, lease: Lease, err: BaseException | None, rec: Any) -> None:
+        """Record a failed making of ``lease``'s instances, and its backoff."""
+        failures = self._retry_after.get(lease.id, (0, 0.0))[0] + 1
+        delay = min(60.0, self.grant_retry_backoff * 2.0 ** (failures - 1))
+        self._retry_after[lease.id] = (failures, time.monotonic() + delay)
+        rec.note(lease, "grant-failed", str(err), {"failures": failures})
+        set_wait(lease, "Resources", f"waiting: {err}; tried again in {delay:g} s")
+
+    def _make_all(self, parts: tuple[Part, ...]) -> tuple[Part, ...]:
+        """Make every MIG instance of ``parts`` (in a worker thread: only
+        backend calls here). On a failure the ones made are destroyed again.
+
+        Raises:
+            DeviceBackendError: the backend refused one.
+        """
+        made: list[Part] = []
+        try:
+            for part in parts:
+                made.append(
+                    self._create(part) if part.kind == "mig" and not part.instance else part
+                )
+        except (DeviceBackendError, ValueError) as err:
+            for part in made:
+                if part.kind == "mig" and part.instance and not self._is_static(part.device):
+                    try:
+                        self.backend.destroy_mig_device(part.device, part.instance)
+                    except (DeviceBackendError, KeyError) as undo:
+                        self.log.error("Cannot undo MIG instance %s: %s", part.instance, undo)
+            raise DeviceBackendError(str(err)) from err
+        return tuple(made)
+
+    def _create(self, part: Part) -> Part:
+        """Create ``part``'s MIG instance on the backend; the part with its UUID."""
         created = self.backend.create_mig_device(
             part.device, part.profile, Placement(part.start, part.size)
         )
@@ -119,15 +224,6 @@ class SharingOpsMixin:
             created.uuid,
             created.placement,
             part.device,
-        )
-        self._mig_inventory.setdefault(part.device, []).append(
-            Instance(
-                created.profile,
-                created.placement.start,
-                created.placement.size,
-                created.uuid,
-                created.memory_mib,
-            )
         )
         return Part(
             part.device,
@@ -139,6 +235,36 @@ class SharingOpsMixin:
             created.memory_mib,
             created.uuid,
         )
+
+    def _remember(self, part: Part) -> None:
+        """Add a made MIG instance to the in-memory inventory."""
+        self._mig_inventory.setdefault(part.device, []).append(
+            Instance(part.profile, part.start, part.size, part.instance, part.memory_mib)
+        )
+
+    def preparing_instances(self) -> dict[str, list[Instance]]:
+        """The MIG instances being made, by device (they occupy their
+        slices for the scheduler until made or given up)."""
+        planned: dict[str, list[Instance]] = {}
+        for lease_id, parts in self._preparing.items():
+            for p in parts:
+                if p.kind == "mig" and not p.instance:
+                    uuid = f"in-flight:{lease_id}:{p.start}"
+                    planned.setdefault(p.device, []).append(
+                        Instance(p.profile, p.start, p.size, uuid, p.memory_mib)
+                    )
+        return planned
+
+    def _is_static(self, device: str) -> bool:
+        spec = self._pools.get(device)
+        return spec is not None and spec.mig_layout == "static"
+
+    def _make(self, part: Part) -> Part:
+        if part.kind != "mig" or part.instance:
+            return part
+        made = self._create(part)
+        self._remember(made)
+        return made
 
     def _grant_env(self, lease: Lease, parts: tuple[Part, ...]) -> dict[str, str]:
         """Environment of a fractional grant: the MIG UUIDs, or the shared
@@ -189,7 +315,32 @@ class SharingOpsMixin:
                 and allocation.instance_uuid
                 and not self._is_static(allocation.device_uuid)
             ):
-                self._destroy(allocation.device_uuid, allocation.instance_uuid)
+                self._destroy_later(allocation.device_uuid, allocation.instance_uuid)
+
+    def _destroy_later(self, device: str, instance: str) -> None:
+        """Destroy a MIG instance no lease holds any more: off the event loop
+        with an actuator (retried with backoff; until it is gone it occupies
+        its slices, and a failure leaves it to :meth:`clean_mig`), else now."""
+        if self.actuator is None:
+            self._destroy(device, instance)
+            return
+        self.actuator.submit(
+            f"destroying MIG instance {instance}",
+            lambda: self.backend.destroy_mig_device(device, instance),
+            lambda _result, err: self._destroyed(device, instance, err),
+            retry=True,
+        )
+
+    def _destroyed(self, device: str, instance: str, err: BaseException | None) -> None:
+        """The outcome of :meth:`_destroy_later`, on the event loop."""
+        if err is not None:
+            self.log.error("Cannot destroy MIG instance %s on %s: %s", instance, device, err)
+            return
+        self.log.info("Destroyed MIG instance %s on %s", instance, device)
+        self._mig_inventory[device] = [
+            i for i in self._mig_inventory.get(device, []) if i.uuid != instance
+        ]
+        self.schedule_now()  # type: ignore[attr-defined]  # its slices are free
 
     def _destroy(self, device: str, instance: str) -> bool:
         try:
@@ -213,7 +364,11 @@ class SharingOpsMixin:
             if a.active and a.instance_uuid is not None
         }
         destroyed = []
+        # an instance being made for a grant is nobody's yet: leave its device be
+        making = {p.device for parts in self._preparing.values() for p in parts}
         for device, instances in list(self._mig_inventory.items()):
+            if device in making:
+                continue
             spec = self._pools.get(device)
             if spec is None or spec.mode != PoolMode.mig.value or spec.mig_layout == "static":
                 continue

@@ -22,7 +22,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import event, insert, select
+from sqlalchemy import event, func, insert, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -67,6 +67,7 @@ class World:
         self.staged_events: list[dict[str, Any]] = []
         #: bumped whenever the stored quotas change (policy cache key)
         self.quota_version = 0
+        self._next_lease_id = 1
         event.listen(self.session, "after_flush", self._collect)
         self.reload()
 
@@ -158,7 +159,18 @@ class World:
             self.quotas = {(q.kind, q.name): q for q in session.scalars(select(QuotaRow))}
             stops = select(Intent).where(Intent.kind == "stop-server", Intent.state == "open")
             self.stops = {i.lease_id: i for i in session.scalars(stops)}
+            self._next_lease_id = (session.scalar(select(func.max(Lease.id))) or 0) + 1
         self.quota_version += 1
+
+    def add_lease(self, lease: Lease) -> None:
+        """Give a new lease its id and keep it in memory (in the open
+        transaction; it is written at the commit). The broker is the one
+        writer of its database (:mod:`gpubroker.store.lock`), so it numbers
+        leases itself and nothing has to be written to learn the id."""
+        lease.id = self._next_lease_id
+        self._next_lease_id += 1
+        self.session.add(lease)
+        self.leases[lease.id] = lease
 
     # -- queries on memory ---------------------------------------------------------
 

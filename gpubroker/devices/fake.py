@@ -8,15 +8,17 @@ encoded in :mod:`gpubroker.devices.mig`, and kept in the same state.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import socket
 import tempfile
+import threading
 import uuid as uuid_module
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from traitlets import Dict, Enum, Int, List, Unicode, default
 
@@ -121,6 +123,22 @@ class _MigRecord(NamedTuple):
     enabled: bool
     instances: list[MigDevice]
     created: int = 0
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(method: F) -> F:
+    """Run a state-changing method under the backend's lock: the broker's
+    actuator calls MIG methods from worker threads while the event loop
+    reads the state."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class FakeDeviceBackend(DeviceBackend):
@@ -237,6 +255,7 @@ class FakeDeviceBackend(DeviceBackend):
                 :attr:`mig_enabled`, an invalid :attr:`mig_layout`, or an
                 unreadable / unwritable state file.
         """
+        self._lock = threading.RLock()
         super().__init__(**kwargs)
         self._memory_state: dict[str, Any] = {}
         gpus = self._gpus()
@@ -411,6 +430,7 @@ class FakeDeviceBackend(DeviceBackend):
         record = self._mig_record(self._read_state(), gpu)
         return sorted(record.instances, key=lambda d: d.gi_id) if record.enabled else []
 
+    @_locked
     def create_mig_device(self, parent_uuid: str, profile: str, placement: Placement) -> MigDevice:
         """Create a simulated MIG device (GPU instance + one compute instance).
 
@@ -478,6 +498,7 @@ class FakeDeviceBackend(DeviceBackend):
         )
         return device
 
+    @_locked
     def destroy_mig_device(self, parent_uuid: str, mig_uuid: str) -> None:
         """Destroy a simulated MIG device (its compute, then its GPU instance).
 
@@ -508,6 +529,7 @@ class FakeDeviceBackend(DeviceBackend):
         self._save_mig(state, gpu, _MigRecord(True, remaining, record.created))
         self.log.info("SIMULATED MIG device %s destroyed on device %d", mig_uuid, gpu.index)
 
+    @_locked
     def set_mig_mode(self, uuid: str, enabled: bool) -> None:
         """Turn simulated MIG mode on or off; takes effect at once (no GPU reset).
 

@@ -58,6 +58,7 @@ NOTES = frozenset(
         "stopping",
         "priority-changed",
         "adopted",
+        "preparing",
         "grant-failed",
     }
 )

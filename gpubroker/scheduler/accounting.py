@@ -7,12 +7,19 @@ the guarantee of the group the lease is charged to. A lease not covered is
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .types import Policy, Request, Running
 
-_EPS = 1e-9
+#: slack in comparisons of GPU amounts (fractions add up with rounding errors)
+EPS = 1e-9
+_EPS = EPS
+
+
+#: sort key of leases: oldest first, then by id
+_by_start = operator.attrgetter("started", "lease_id")
 
 
 @dataclass
@@ -31,27 +38,104 @@ class Accounting:
     user_covered: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     group_covered: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     borrowed: set[int] = field(default_factory=set)
+    #: guaranteed GPUs per user, and per group (``None``: the group has no quota)
+    _user_guarantee: dict[str, float] = field(default_factory=dict, repr=False)
+    _group_guarantee: dict[str, float | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, policy: Policy, running: tuple[Running, ...]) -> Accounting:
-        """Account for ``running`` leases, oldest first."""
+        """Account for ``running`` leases, oldest first (as :meth:`add` each,
+        with the quotas looked up once per user and group)."""
         acct = cls(policy)
-        for lease in sorted(running, key=lambda r: (r.started, r.lease_id)):
-            acct.add(lease.lease_id, lease.user, lease.group, lease.gpus)
+        user_held, group_held = acct.user_held, acct.group_held
+        user_covered, group_covered = acct.user_covered, acct.group_covered
+        borrowed = acct.borrowed
+        user_guarantee, group_guarantee = acct._user_guarantee, acct._group_guarantee
+        for lease in sorted(running, key=_by_start):
+            user, group = lease.user, lease.group
+            parts = lease.parts
+            gpus = float(len(lease.devices))
+            if parts:
+                gpus += sum([p.weight for p in parts])
+            # within_guarantee, then add: the arithmetic of _room, inlined
+            guaranteed = user_guarantee.get(user)
+            if guaranteed is None:
+                guaranteed = user_guarantee[user] = policy.user_quota(user).guaranteed
+            user_room = guaranteed - user_covered[user]
+            if user_room < 0.0:
+                user_room = 0.0
+            group_room = 0.0
+            if group is not None:
+                if group in group_guarantee:
+                    group_guaranteed = group_guarantee[group]
+                else:
+                    quota = policy.group_quota(group)
+                    group_guaranteed = None if quota is None else quota.guaranteed
+                    group_guarantee[group] = group_guaranteed
+                if group_guaranteed is not None:
+                    group_room = group_guaranteed - group_covered[group]
+                    if group_room < 0.0:
+                        group_room = 0.0
+            if gpus <= user_room + group_room + EPS:
+                from_user = user_room if user_room < gpus else gpus
+                user_covered[user] += from_user
+                if group is not None:
+                    group_covered[group] += gpus - from_user
+            else:
+                borrowed.add(lease.lease_id)
+            user_held[user] += gpus
+            if group is not None:
+                group_held[group] += gpus
         return acct
 
+    def holdings(self) -> Accounting:
+        """A copy of the GPUs held per user and group (what
+        :meth:`over_guarantee` reads), unaffected by later :meth:`add` calls."""
+        return Accounting(
+            self.policy,
+            user_held=defaultdict(float, self.user_held),
+            group_held=defaultdict(float, self.group_held),
+        )
+
     def _room(self, user: str, group: str | None) -> tuple[float, float]:
-        user_room = self.policy.user_quota(user).guaranteed - self.user_covered[user]
-        quota = self.policy.group_quota(group)
+        """GPUs ``user`` and ``group`` may still get within their guarantees (>= 0)."""
+        guaranteed = self._user_guarantee.get(user)
+        if guaranteed is None:
+            guaranteed = self._user_guarantee[user] = self.policy.user_quota(user).guaranteed
+        user_room = guaranteed - self.user_covered[user]
+        if user_room < 0.0:  # max(user_room, 0.0)
+            user_room = 0.0
         group_room = 0.0
-        if quota is not None and group is not None:
-            group_room = quota.guaranteed - self.group_covered[group]
-        return max(user_room, 0.0), max(group_room, 0.0)
+        if group is not None:
+            if group in self._group_guarantee:
+                group_guaranteed = self._group_guarantee[group]
+            else:
+                quota = self.policy.group_quota(group)
+                group_guaranteed = None if quota is None else quota.guaranteed
+                self._group_guarantee[group] = group_guaranteed
+            if group_guaranteed is not None:
+                group_room = group_guaranteed - self.group_covered[group]
+                if group_room < 0.0:
+                    group_room = 0.0
+        return user_room, group_room
 
     def within_guarantee(self, user: str, group: str | None, gpus: float) -> bool:
         """Whether ``gpus`` more for ``user`` (charged to ``group``) stay covered."""
-        user_room, group_room = self._room(user, group)
-        return gpus <= user_room + group_room + _EPS
+        guaranteed = self._user_guarantee.get(user)
+        if guaranteed is None or (group is not None and group not in self._group_guarantee):
+            user_room, group_room = self._room(user, group)  # looks the quotas up
+            return gpus <= user_room + group_room + EPS
+        user_room = guaranteed - self.user_covered[user]  # _room, inlined (hot)
+        if user_room < 0.0:
+            user_room = 0.0
+        group_room = 0.0
+        if group is not None:
+            group_guaranteed = self._group_guarantee[group]
+            if group_guaranteed is not None:
+                group_room = group_guaranteed - self.group_covered[group]
+                if group_room < 0.0:
+                    group_room = 0.0
+        return gpus <= user_room + group_room + EPS
 
     def add(self, lease_id: int, user: str, group: str | None, gpus: float) -> bool:
         """Record a lease; return whether it is within guarantee."""

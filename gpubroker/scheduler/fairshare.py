@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 
 from .types import Running, UsageRecord
+
+_LN2 = math.log(2)
 
 
 def decay(value: float, elapsed: float, half_life: float) -> float:
@@ -46,15 +48,40 @@ def decayed_usage(
     now: dt.datetime,
     half_life: float,
 ) -> dict[str, float]:
-    """Decayed GPU-seconds per user at ``now``: past records plus running leases."""
+    """Decayed GPU-seconds per user at ``now``: past records plus running leases.
+
+    Each lease adds :func:`running_usage` (the same float, computed once per
+    distinct start time: many leases of a pass share one)."""
     usage = {
         user: decay(r.gpu_seconds, (now - r.as_of).total_seconds(), half_life)
         for user, r in records.items()
     }
+    # running_usage(g, s, now, h) == g * h / ln 2 * term(s) for h > 0
+    terms: dict[dt.datetime, float | None] = {}
     for lease in running:
-        usage[lease.user] = usage.get(lease.user, 0.0) + running_usage(
-            lease.gpus, lease.started, now, half_life
+        started = lease.started
+        if started in terms:
+            term = terms[started]
+        else:
+            elapsed = (now - started).total_seconds()
+            term = (
+                None
+                if elapsed <= 0 or half_life <= 0
+                else 1.0 - math.pow(2.0, -elapsed / half_life)
+            )
+            terms[started] = term
+        user = lease.user
+        parts = lease.parts
+        gpus = (
+            float(len(lease.devices)) + sum([p.weight for p in parts])
+            if parts
+            else float(len(lease.devices))
         )
+        if term is None:
+            used = running_usage(gpus, started, now, half_life)
+        else:
+            used = gpus * half_life / _LN2 * term
+        usage[user] = usage.get(user, 0.0) + used
     return usage
 
 
@@ -64,13 +91,18 @@ def factors(
     shares: Mapping[str, float],
     total_gpus: int,
     half_life: float,
+    only: Container[str] | None = None,
 ) -> dict[str, float]:
-    """Fair-share factor in ``(0, 1]`` of each of ``users`` (see module doc)."""
+    """Fair-share factor in ``(0, 1]`` of each of ``users`` (see module doc);
+    with ``only``, just of those of them in ``only`` (the shares still count
+    every one of ``users``)."""
     active = sorted(set(users))
     total_shares = sum(max(shares.get(u, 1.0), 0.0) for u in active) or 1.0
     capacity = max(total_gpus, 1) * (half_life / math.log(2) if half_life > 0 else 1.0)
     result = {}
     for user in active:
+        if only is not None and user not in only:
+            continue
         share = max(shares.get(user, 1.0), 1e-9) / total_shares
         result[user] = math.pow(2.0, -(usage.get(user, 0.0) / capacity) / share)
     return result

@@ -6,9 +6,11 @@ the node's topology allows: NVLink, then one PCIe switch, ...).
 from __future__ import annotations
 
 import datetime as dt
+import heapq
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from .types import Slot, Topology
 
@@ -51,6 +53,49 @@ def closest_set(slots: list[Slot], k: int, topology: Topology | None) -> tuple[S
     return best[1]
 
 
+K = TypeVar("K")
+T = TypeVar("T", bound=Hashable)
+
+
+class Best(Generic[T, K]):
+    """The item of least key among ``items``, kept current as items change.
+
+    ``score(item)`` gives its key (unique per item) with a payload, or
+    ``None`` when the item does not qualify. :meth:`touch` marks an item
+    changed; it is scored again on the next :meth:`best` (lazy heap).
+    """
+
+    def __init__(self, items: Iterable[T], score: Callable[[T], tuple[K, object] | None]) -> None:
+        self.score = score
+        self.members = set(items)
+        self.current: dict[T, tuple[K, object] | None] = {}
+        self.heap: list[tuple[K, T]] = []
+        self.stale: set[T] = set(self.members)
+
+    def touch(self, item: T) -> None:
+        """``item`` changed: score it again before the next answer."""
+        if item in self.members:
+            self.stale.add(item)
+
+    def best(self) -> tuple[K, T, object] | None:
+        """``(key, item, payload)`` of the least key, or ``None``."""
+        if self.stale:
+            for item in self.stale:
+                found = self.score(item)
+                self.current[item] = found
+                if found is not None:
+                    heapq.heappush(self.heap, (found[0], item))
+            self.stale.clear()
+        heap = self.heap
+        while heap:
+            key, item = heap[0]
+            found = self.current.get(item)
+            if found is not None and found[0] == key:
+                return key, item, found[1]
+            heapq.heappop(heap)
+        return None
+
+
 @dataclass
 class Pool:
     """The devices of one pass: which are free, reserved, and when others free up.
@@ -75,6 +120,18 @@ class Pool:
     _largest: int | None = None
     _largest_free: int | None = None
     _times: dict[str, list[dt.datetime]] = field(default_factory=dict)
+    #: per node, per pool: sorted next-free times of its devices of that pool
+    _pool_times_cache: dict[str, dict[str, list[dt.datetime]]] = field(default_factory=dict)
+    #: per (gpus, pool asked for): the node whose ``gpus``-th device frees up first
+    _reserve_best: dict[tuple[int, str | None], Best[str, tuple[dt.datetime, str]]] = field(
+        default_factory=dict
+    )
+    #: counts changes of ``free`` (grants, earmarks): answers cached by the
+    #: pass stay valid while it is unchanged
+    version: int = 0
+    _fits: dict[tuple[int, str | None], tuple[int, bool]] = field(default_factory=dict)
+    #: (the pool of every device in service, or None), once known
+    _only_pool: tuple[str | None] | None = None
 
     @classmethod
     def build(
@@ -126,7 +183,7 @@ class Pool:
         self.available_from[uuid] = when
         slot = self.slots.get(uuid)
         if slot is not None:
-            self._times.pop(slot.node, None)
+            self._node_changed(slot.node)
 
     def earmark(self, uuids: Iterable[str]) -> None:
         """Keep ``uuids`` for the request they are being reclaimed for."""
@@ -136,13 +193,21 @@ class Pool:
 
     def _unfree(self, uuid: str) -> None:
         self._largest_free = None
+        self.version += 1
         node = self.slots[uuid].node
-        self._times.pop(node, None)
+        self._node_changed(node)
         free = self.free.get(node)
         if free is not None:
             free.pop(uuid, None)
             if not free:
                 del self.free[node]
+
+    def _node_changed(self, node: str) -> None:
+        """Forget what is cached about ``node``'s next-free times."""
+        self._times.pop(node, None)
+        self._pool_times_cache.pop(node, None)
+        for best in self._reserve_best.values():
+            best.touch(node)
 
     def usable(self, node: str, ends: dt.datetime, pool: str | None = None) -> list[Slot]:
         """Free devices of ``node`` (of pool ``pool`` when given) a request
@@ -189,14 +254,26 @@ class Pool:
                 best = (key, chosen)
         return None if best is None else tuple(s.uuid for s in best[1])
 
+    def only_pool(self) -> str | None:
+        """The pool of every device in service when they are all of one (else ``None``)."""
+        if self._only_pool is None:
+            pools = {s.pool for s in self.slots.values()}
+            self._only_pool = (pools.pop() if len(pools) == 1 else None,)
+        return self._only_pool[0]
+
     def fits_ignoring_reservations(self, gpus: int, pool: str | None = None) -> bool:
         """Whether ``gpus`` free devices (of ``pool`` when given) exist on one
         node, reservations aside."""
-        if pool is None:
+        if pool is None or pool == self.only_pool():
             return self.largest_free() >= gpus
-        return any(
+        cached = self._fits.get((gpus, pool))
+        if cached is not None and (cached[0] == self.version or not cached[1]):
+            return cached[1]  # free devices only go during a pass: a "no" stays "no"
+        fits = any(
             sum(1 for s in free.values() if s.pool == pool) >= gpus for free in self.free.values()
         )
+        self._fits[(gpus, pool)] = (self.version, fits)
+        return fits
 
     def reserve(
         self, gpus: int, duration: float | None, pool: str | None = None
@@ -208,14 +285,10 @@ class Pool:
             known end; such a reservation still holds the node's free devices
             back from requests behind it. ``None`` when no node is big enough.
         """
-        best: tuple[dt.datetime, str] | None = None
-        for node in self.by_node:
-            times = self._node_times(node) if pool is None else self._pool_times(node, pool)
-            if len(times) >= gpus and (best is None or (times[gpus - 1], node) < best):
-                best = (times[gpus - 1], node)
-        if best is None:
+        found = self._first_free(gpus, pool)
+        if found is None:
             return None
-        start, node = best
+        start, node = found
         candidates = [
             s
             for s in self.by_node[node]
@@ -231,13 +304,40 @@ class Pool:
             self.set_available(slot.uuid, max(self.available_from[slot.uuid], end))
         return start, tuple(s.uuid for s in chosen)
 
+    def _first_free(self, gpus: int, pool: str | None) -> tuple[dt.datetime, str] | None:
+        """``(start, node)``: the node where ``gpus`` devices (of ``pool`` when
+        named, not earmarked) are free first, at ``start``; the least such
+        pair (ties: node name). ``None`` when no node has that many devices.
+
+        Kept in a lazy heap per ``(gpus, pool)``: only nodes whose times
+        changed are scored again (the answer is that of a scan of all nodes).
+        """
+        if pool is not None and pool == self.only_pool():
+            pool = None  # every device is of that pool: the same answer as for any pool
+        best = self._reserve_best.get((gpus, pool))
+        if best is None:
+
+            def score(node: str) -> tuple[tuple[dt.datetime, str], None] | None:
+                times = self._node_times(node) if pool is None else self._pool_times(node, pool)
+                return ((times[gpus - 1], node), None) if len(times) >= gpus else None
+
+            best = Best(self.by_node, score)
+            self._reserve_best[(gpus, pool)] = best
+        found = best.best()
+        return None if found is None else found[0]
+
     def _pool_times(self, node: str, pool: str) -> list[dt.datetime]:
-        """Sorted next-free times of ``node``'s devices of ``pool`` not earmarked."""
-        return sorted(
-            self.available_from[s.uuid]
-            for s in self.by_node[node]
-            if s.uuid not in self.earmarked and s.pool == pool
-        )
+        """Sorted next-free times of ``node``'s devices of ``pool`` not earmarked (cached)."""
+        per_pool = self._pool_times_cache.setdefault(node, {})
+        times = per_pool.get(pool)
+        if times is None:
+            times = sorted(
+                self.available_from[s.uuid]
+                for s in self.by_node[node]
+                if s.uuid not in self.earmarked and s.pool == pool
+            )
+            per_pool[pool] = times
+        return times
 
     def _node_times(self, node: str) -> list[dt.datetime]:
         """Sorted next-free times of ``node``'s devices not earmarked (cached)."""

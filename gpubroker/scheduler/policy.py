@@ -24,23 +24,25 @@ whose request went away is withdrawn.
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from . import fairshare
-from .accounting import Accounting
-from .messages import clock, wait_message
+from .accounting import EPS, Accounting
+from .messages import clock, ordinal, wait_parts
 from .messages import gpus as gpus_text
 from .placement import NEVER, Pool
 from .preemption import VictimIndex, find_victims
-from .sharing import SharingPool
+from .sharing import Miss, SharingPool
 from .types import (
     Decisions,
     Eviction,
     Grant,
     Part,
-    PoolMode,
     Preemption,
+    Quota,
     Request,
     Running,
     SchedulerState,
@@ -52,21 +54,40 @@ from .types import (
 def queue_order(state: SchedulerState, now: dt.datetime) -> list[Request]:
     """Pending requests in policy order (class rank, fair share, age, id)."""
     policy = state.policy
-    usage = fairshare.decayed_usage(state.usage, state.running, now, policy.half_life)
-    users = {r.user for r in state.pending} | {r.user for r in state.running}
+    pending = state.pending
+    waiting_users = {r.user for r in pending}
+    # only the factors of waiting users are used: leave out the decay of the others
+    usage = fairshare.decayed_usage(
+        {u: rec for u, rec in state.usage.items() if u in waiting_users},
+        [lease for lease in state.running if lease.user in waiting_users],
+        now,
+        policy.half_life,
+    )
+    users = waiting_users | {r.user for r in state.running}
     total = sum(1 for s in state.slots if not s.drained)
-    factor = fairshare.factors(users, usage, policy.shares, total, policy.half_life)
+    factor = fairshare.factors(
+        users, usage, policy.shares, total, policy.half_life, only=waiting_users
+    )
     step = policy.fairshare_resolution or 1e-9
-
-    def key(r: Request) -> tuple[int, int, dt.datetime, int]:
-        return (
-            -policy.class_of(r.priority_class).rank,
-            -round(factor[r.user] / step),
-            r.created,
-            r.lease_id,
-        )
-
-    return sorted(state.pending, key=key)
+    rank = {name: -policy.class_of(name).rank for name in {r.priority_class for r in pending}}
+    share = {user: -round(f / step) for user, f in factor.items()}
+    # sorted by (rank, share, created, lease id, index): buckets of equal
+    # (rank, share), each sorted by age (the index breaks ties as a stable
+    # sort would, and requests are never compared)
+    buckets: dict[tuple[int, int], list[tuple[dt.datetime, int, int]]] = {}
+    for i, r in enumerate(pending):
+        key = (rank[r.priority_class], share[r.user])
+        bucket = buckets.get(key)
+        if bucket is None:
+            buckets[key] = [(r.created, r.lease_id, i)]
+        else:
+            bucket.append((r.created, r.lease_id, i))
+    ordered: list[Request] = []
+    for key in sorted(buckets):
+        bucket = buckets[key]
+        bucket.sort()
+        ordered += [pending[k[2]] for k in bucket]
+    return ordered
 
 
 @dataclass
@@ -87,17 +108,45 @@ class _Pass:
     #: waits so far by (slot kind, pool asked for; None: any pool)
     waiting: dict[tuple[str, str | None], int] = field(default_factory=lambda: defaultdict(int))
     waiting_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: message parts by (reason, eta, detail, whole)
+    _messages: dict[tuple[WaitReason, dt.datetime | None, str, bool], tuple[str, str]] = field(
+        default_factory=dict
+    )
+    #: (gpus, ends, pool) that found no devices: free devices only go
+    #: during a pass, so they stay without
+    no_fit: set[tuple[int, dt.datetime, str | None]] = field(default_factory=set)
+    #: victim searches that found none, valid for (pool version, preemptions)
+    no_victims: dict[tuple[object, ...], tuple[int, int]] = field(default_factory=dict)
+
+    #: the victim index, built on the first victim search (:meth:`victims`)
+    _victims: VictimIndex | None = None
+    #: what the victim index is built from: holdings and told leases at the start
+    _victim_basis: tuple[Accounting, frozenset[int]] | None = None
+
+    def victims(self) -> VictimIndex:
+        """The pass's :class:`VictimIndex`, built on first use from the
+        holdings and told leases of the pass's start (so it is the index an
+        eager build would give)."""
+        if self._victims is None:
+            assert self._victim_basis is not None
+            acct, told = self._victim_basis
+            self._victims = VictimIndex(
+                self.running, self.pool, acct, self.state.policy, self.now, told
+            )
+        return self._victims
 
     def position(self, request: Request) -> int:
         """1-based place among the waits so far that compete with ``request``:
         the same kind of slot (whole devices, MIG instances, shares) and a
         pool that overlaps (either asks for any pool, or both the same)."""
-        if request.pool is None:
-            ahead = self.waiting_kind[request.kind]
+        kind, pool = request.kind, request.pool
+        waiting = self.waiting
+        if pool is None:
+            ahead = self.waiting_kind[kind]
         else:
-            ahead = self.waiting[(request.kind, request.pool)] + self.waiting[(request.kind, None)]
-        self.waiting[(request.kind, request.pool)] += 1
-        self.waiting_kind[request.kind] += 1
+            ahead = waiting[(kind, pool)] + waiting[(kind, None)]
+        waiting[(kind, pool)] += 1
+        self.waiting_kind[kind] += 1
         return ahead + 1
 
     def wait(
@@ -108,9 +157,61 @@ class _Pass:
         detail: str = "",
         earmarked: tuple[str, ...] = (),
     ) -> None:
-        position = self.position(request)
-        message = wait_message(reason, position, eta, self.now, detail, request.whole)
-        self.waits.append(Wait(request.lease_id, position, reason, message, eta, earmarked))
+        """Record that ``request`` waits; its message is built from parts
+        shared by the requests that wait for the same reason."""
+        kind, pool = request.kind, request.pool  # position(request), inlined (hot)
+        waiting = self.waiting
+        if pool is None:
+            position = self.waiting_kind[kind] + 1
+        else:
+            position = waiting[(kind, pool)] + waiting[(kind, None)] + 1
+        waiting[(kind, pool)] += 1
+        self.waiting_kind[kind] += 1
+        whole = kind == "gpus"
+        key = (reason, eta, detail, whole)
+        parts = self._messages.get(key)
+        if parts is None:
+            parts = wait_parts(reason, eta, self.now, detail, whole)
+            self._messages[key] = parts
+        wait = _NEW(Wait)
+        _SET(
+            wait,
+            "__dict__",
+            {
+                "lease_id": request.lease_id,
+                "position": position,
+                "reason": reason,
+                "message": parts[0] + ordinal(position) + parts[1],
+                "eta": eta,
+                "earmarked": earmarked,
+            },
+        )
+        self.waits.append(wait)
+
+    def wait_plain(self, request: Request, reason: WaitReason) -> None:
+        """:meth:`wait` without ETA, detail or earmarked devices (the common
+        case: thousands per pass), with less work per call; the same Wait."""
+        kind, pool = request.kind, request.pool
+        waiting = self.waiting
+        if pool is None:
+            position = self.waiting_kind[kind] + 1
+        else:
+            position = waiting[(kind, pool)] + waiting[(kind, None)] + 1
+        waiting[(kind, pool)] += 1
+        self.waiting_kind[kind] += 1
+        key = (reason, None, "", kind == "gpus")
+        parts = self._messages.get(key)
+        if parts is None:
+            parts = self._messages[key] = wait_parts(reason, None, self.now, "", key[3])
+        wait = _NEW(Wait)
+        values = wait.__dict__
+        values["lease_id"] = request.lease_id
+        values["position"] = position
+        values["reason"] = reason
+        values["message"] = parts[0] + ordinal(position) + parts[1]
+        values["eta"] = None
+        values["earmarked"] = ()
+        self.waits.append(wait)
 
     def grant(self, request: Request, devices: tuple[str, ...]) -> None:
         ends = NEVER
@@ -127,10 +228,17 @@ class _Pass:
         self.grants.append(Grant(request.lease_id, (), parts))
 
 
+#: ``Wait(...)`` without the frozen dataclass's per-field ``__setattr__``
+#: (thousands per pass): a bare instance whose ``__dict__`` is set at once
+#: (the same object as the constructor's)
+_NEW = object.__new__
+_SET = object.__setattr__
+
+
 def _evictions(state: SchedulerState, now: dt.datetime) -> tuple[list[Eviction], list[int]]:
     """Leases past their time limit or their preemption grace, and
     preemptions whose request went away."""
-    wanted = {d for r in state.pending for d in r.earmarked}
+    wanted = {d for r in state.pending if r.earmarked for d in r.earmarked}
     evict, withdraw = [], []
     for lease in state.running:
         if lease.ends is not None and lease.ends <= now:
@@ -144,31 +252,49 @@ def _evictions(state: SchedulerState, now: dt.datetime) -> tuple[list[Eviction],
     return evict, withdraw
 
 
+def _busy_until(running: Iterable[Running], now: dt.datetime) -> dict[str, dt.datetime]:
+    """When each held device is expected free: the lease's end or eviction
+    (at least a second from ``now``), ``NEVER`` when unknown; a device with
+    parts is never free as a whole."""
+    soon = now + dt.timedelta(seconds=1)
+    busy_until: dict[str, dt.datetime] = {}
+    for lease in running:
+        if lease.devices:
+            deadline, ends = lease.preempt_deadline, lease.ends
+            if deadline is None and ends is None:
+                end = NEVER
+            else:
+                end = min(deadline or NEVER, ends or NEVER)
+                end = max(end, soon) if end < NEVER else NEVER
+            for uuid in lease.devices:
+                busy_until[uuid] = end
+        for part in lease.parts:
+            busy_until[part.device] = NEVER
+    return busy_until
+
+
 def _start(state: SchedulerState, now: dt.datetime) -> _Pass:
     """The pass's pool and accounting. Leases being evicted still hold their
     devices until the broker has ended them (their server may still run)."""
     running = list(state.running)
-    busy_until = {}
-    for lease in running:
-        end = min(lease.preempt_deadline or NEVER, lease.ends or NEVER)
-        end = max(end, now + dt.timedelta(seconds=1)) if end < NEVER else NEVER
-        for uuid in lease.devices:
-            busy_until[uuid] = end
-        for part in lease.parts:  # a device with parts is never free as a whole
-            busy_until[part.device] = NEVER
-    earmarked = [d for r in state.pending for d in r.earmarked]
-    exclusive = [s for s in state.slots if s.mode == PoolMode.exclusive.value]
+    busy_until = _busy_until(running, now)
+    earmarked = [d for r in state.pending if r.earmarked for d in r.earmarked]
+    exclusive = [s for s in state.slots if s.mode == "exclusive"]  # PoolMode.exclusive
     pool = Pool.build(exclusive, busy_until, earmarked, state.topology, now)
     sharing = SharingPool.build(state.slots, running, state.sharing_strategy)
-    acct = Accounting.of(state.policy, tuple(running))
+    acct = Accounting.of(state.policy, state.running)
     return _Pass(state, now, acct, pool, running, sharing)
 
 
-def _fractional(p: _Pass, request: Request) -> None:
+def _fractional(p: _Pass, request: Request) -> Miss | None:
     """A MIG instance or shares: granted when they fit now, else a wait with
     ``Resources``, ``Fragmented`` (naming the instances in the way) or
     ``PoolDrained``. Fractional requests are not given reservations and do
-    not preempt (their pools hold no whole-device leases)."""
+    not preempt (their pools hold no whole-device leases).
+
+    Returns the :class:`Miss` it waits with when no slots were found (the
+    same for every request of that shape until the sharing pool changes),
+    else ``None``."""
     parts: tuple[Part, ...] | None
     if request.kind == "mig":
         part, miss = p.sharing.place_mig(request)
@@ -183,11 +309,12 @@ def _fractional(p: _Pass, request: Request) -> None:
                 assert parts is not None
                 actual = replace(request, weight=sum(part.weight for part in parts))
             if _held(p, actual):
-                return  # the slots found weigh more than estimated: a limit holds it
+                return None  # the slots found weigh more than estimated: a limit holds it
         p.grant_parts(request, parts)
-        return
+        return None
     assert miss is not None
     p.wait(request, miss.reason, None, miss.detail)
+    return miss
 
 
 def _held(p: _Pass, request: Request) -> bool:
@@ -233,7 +360,7 @@ def _counts_as_held(p: _Pass, request: Request) -> None:
     p.acct.borrowed.discard(-request.lease_id)  # not a lease yet: never reported
 
 
-def _preempt(p: _Pass, request: Request, index: VictimIndex, window: bool) -> bool:
+def _preempt(p: _Pass, request: Request, window: bool) -> bool:
     """Step 4: choose victims and earmark their devices; True if it did.
 
     Reclaim for a request within guarantee is always tried; class preemption
@@ -246,8 +373,20 @@ def _preempt(p: _Pass, request: Request, index: VictimIndex, window: bool) -> bo
     preempting = window and policy.class_of(request.priority_class).preempting
     if not in_guarantee and not preempting:
         return False
+    cls = policy.class_of(request.priority_class)
+    key = (
+        request.gpus,
+        in_guarantee,
+        request.user if in_guarantee else None,
+        cls.preempting,
+        cls.rank if cls.preempting else None,
+    )
+    if p.no_victims.get(key) == (p.pool.version, len(p.preemptions)):
+        return False  # the same search found none, and nothing changed since
+    index = p.victims()
     plan = find_victims(request, in_guarantee, index, p.pool, p.acct, policy, p.spare)
     if plan is None:
+        p.no_victims[key] = (p.pool.version, len(p.preemptions))
         return False
     index.remove(plan.victims, plan.node)
     deadline = max((p.pool.available_from[d] for d in plan.spare), default=p.now)
@@ -308,33 +447,9 @@ def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:
     evictions, withdrawn = _evictions(state, now)
     p = _start(state, now)
     p.told.update(e.lease_id for e in evictions)
-    for lease in p.running:  # devices of victims told before that nobody waits for
-        if lease.preempt_deadline is not None and lease.lease_id not in withdrawn:
-            node = p.pool.node_of(lease.devices[0]) if lease.devices else None
-            spare = [d for d in lease.devices if d not in p.pool.earmarked and d in p.pool.slots]
-            if node is not None and spare:
-                p.spare[node].extend(spare)
-    index = VictimIndex(p.running, p.pool, p.acct, state.policy, now, frozenset(p.told))
-    for request in queue_order(state, now):
-        if _held(p, request):
-            continue
-        if not request.whole:
-            _fractional(p, request)
-            continue
-        if request.earmarked and all(d in p.pool.slots for d in request.earmarked):
-            _earmarked(p, request)
-            continue
-        ends = (
-            NEVER if request.time_limit is None else now + dt.timedelta(seconds=request.time_limit)
-        )
-        devices = p.pool.place(request.gpus, ends, request.pool, request.prefer)
-        if devices is not None:
-            p.grant(request, devices)
-            continue
-        window = p.reservations < state.policy.max_reservations
-        if request.pool is None and _preempt(p, request, index, window):
-            continue
-        _reserve(p, request)
+    _spare_of_told(p, withdrawn)
+    p._victim_basis = (p.acct.holdings(), frozenset(p.told))
+    _walk(p, queue_order(state, now))
     return Decisions(
         grants=tuple(p.grants),
         preemptions=tuple(p.preemptions),
@@ -343,3 +458,129 @@ def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:
         reclaimable=frozenset(p.acct.borrowed) if state.policy.has_guarantees else frozenset(),
         withdrawn=tuple(withdrawn),
     )
+
+
+def _spare_of_told(p: _Pass, withdrawn: list[int]) -> None:
+    """Devices of victims told before that nobody waits for go to ``p.spare``
+    (per node), for the next victim search to use first."""
+    pool = p.pool
+    for lease in p.running:
+        if lease.preempt_deadline is not None and lease.lease_id not in withdrawn:
+            node = pool.node_of(lease.devices[0]) if lease.devices else None
+            spare = [d for d in lease.devices if d not in pool.earmarked and d in pool.slots]
+            if node is not None and spare:
+                p.spare[node].extend(spare)
+
+
+def _walk(p: _Pass, order: list[Request]) -> None:
+    """Steps 1-5 for each request of ``order`` (queue order), recording
+    grants, preemptions and waits in ``p``.
+
+    The checks every request goes through are inlined, with per-pass tables
+    (each user's and group's limit, each class); the rarer outcomes are
+    the step functions above, which decide them exactly as alone.
+    """
+    state, now, pool, acct, sharing = p.state, p.now, p.pool, p.acct, p.sharing
+    policy = state.policy
+    max_reservations = policy.max_reservations
+    has_guarantees = policy.has_guarantees
+    largest = pool.largest_node()
+    slots = pool.slots
+    no_fit = p.no_fit
+    user_held, group_held = acct.user_held, acct.group_held
+    #: limit + epsilon per user and per group (inf: no limit), as limit_hit compares
+    user_limit: dict[str, float] = {}
+    group_limit: dict[str | None, float] = {}
+    preemptible: dict[str, bool] = {}
+    ends_of: dict[float | None, dt.datetime] = {None: NEVER}
+    #: shape of a fractional request -> (sharing pool version, miss)
+    missed: dict[tuple[object, ...], tuple[int, Miss]] = {}
+    wait, wait_plain = p.wait, p.wait_plain
+    for request in order:
+        user, group = request.user, request.group
+        weight = request.weight
+        amount = float(request.gpus) if weight is None else weight
+        # step 1: limits, size and class rules (_held decides and records a hit)
+        limit = user_limit.get(user)
+        if limit is None:
+            limit = user_limit[user] = _plus_eps(policy.user_quota(user).limit)
+        if user_held[user] + amount > limit:
+            _held(p, request)
+            continue
+        limit = group_limit.get(group)
+        if limit is None:
+            limit = group_limit[group] = _plus_eps(_limit_of(policy.group_quota(group)))
+        if limit < math.inf and group_held[group] + amount > limit:  # type: ignore[index]
+            _held(p, request)
+            continue
+        whole = request.kind == "gpus"
+        if whole and request.gpus > largest:
+            _held(p, request)
+            continue
+        cls_ok = preemptible.get(request.priority_class)
+        if cls_ok is None:
+            cls_ok = preemptible[request.priority_class] = policy.class_of(
+                request.priority_class
+            ).preemptible
+        if not cls_ok and not acct.within_guarantee(user, group, amount):
+            _held(p, request)
+            continue
+        if not whole:
+            shape = (request.kind, request.mig_profile, request.memory_mib, request.gpus)
+            seen = missed.get((shape, request.pool))
+            if seen is not None and seen[0] == sharing.version:
+                wait(request, seen[1].reason, None, seen[1].detail)
+                continue
+            miss = _fractional(p, request)
+            if miss is not None:
+                missed[(shape, request.pool)] = (sharing.version, miss)
+            continue
+        # step 2
+        if request.earmarked and all(d in slots for d in request.earmarked):
+            _earmarked(p, request)
+            continue
+        # step 3
+        time_limit = request.time_limit
+        ends = ends_of.get(time_limit)
+        if ends is None:
+            assert time_limit is not None
+            ends = ends_of[time_limit] = now + dt.timedelta(seconds=time_limit)
+        fit = (request.gpus, ends, request.pool)
+        if fit not in no_fit:
+            devices = pool.place(request.gpus, ends, request.pool, request.prefer)
+            if devices is not None:
+                p.grant(request, devices)
+                continue
+            no_fit.add(fit)
+        # step 4 (outside the window, only a request within guarantee may preempt)
+        window = p.reservations < max_reservations
+        if (
+            request.pool is None
+            and (window or (has_guarantees and acct.within_guarantee(user, group, amount)))
+            and _preempt(p, request, window)
+        ):
+            continue
+        # step 5
+        if window:
+            _reserve(p, request)
+            continue
+        # _reserve once the window is full: no reservation, no ETA
+        if pool.fits_ignoring_reservations(request.gpus, request.pool):
+            wait_plain(request, _RESERVED)
+        else:
+            wait_plain(request, _PRIORITY if p.blocked else _RESOURCES)
+        p.blocked = True
+
+
+_RESERVED, _PRIORITY, _RESOURCES = WaitReason.reserved, WaitReason.priority, WaitReason.resources
+
+
+def _limit_of(quota: Quota | None) -> float | None:
+    """The limit of ``quota`` (``None``: no quota or no limit)."""
+    return None if quota is None else quota.limit
+
+
+def _plus_eps(limit: float | None) -> float:
+    """``limit + EPS``, as :meth:`Accounting.limit_hit` compares held GPUs
+    with it; ``inf`` for no limit (then no amount exceeds it)."""
+    return math.inf if limit is None else limit + EPS

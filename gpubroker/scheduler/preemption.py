@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .accounting import Accounting
 from .placement import Pool
-from .types import Policy, Request, Running
+from .types import Policy, PriorityClass, Request, Running
 
 
 @dataclass(frozen=True)
@@ -53,18 +53,34 @@ class VictimIndex:
         told: frozenset[int],
     ) -> None:
         self.by_node: dict[str, list[Running]] = {}
+        #: class rank per lease id
+        self.rank: dict[int, int] = {}
+        classes: dict[str, PriorityClass] = {}
         for victim in running:
-            vcls = policy.class_of(victim.priority_class)
+            name = victim.priority_class
+            vcls = classes.get(name)
+            if vcls is None:
+                vcls = classes[name] = policy.class_of(name)
+            self.rank[victim.lease_id] = vcls.rank
             if not vcls.preemptible or victim.preempt_deadline is not None or not victim.devices:
                 continue
             if victim.lease_id in told or (now - victim.started).total_seconds() < vcls.min_runtime:
                 continue
-            node = pool.node_of(victim.devices[0]) if victim.devices else None
+            node = pool.node_of(victim.devices[0])
             if node is not None:
                 self.by_node.setdefault(node, []).append(victim)
+        over: dict[tuple[str, str | None], float] = {}
+
+        def order(victim: Running) -> tuple[float, float, float]:
+            """:func:`victim_order`, with each holder's excess computed once."""
+            holder = (victim.user, victim.group)
+            excess = over.get(holder)
+            if excess is None:
+                excess = over[holder] = acct.over_guarantee(*holder)
+            return (classes[victim.priority_class].rank, -excess, -victim.started.timestamp())
+
         for leases in self.by_node.values():
-            leases.sort(key=lambda v: victim_order(v, acct, policy))
-        self.rank = {v.lease_id: policy.class_of(v.priority_class).rank for v in running}
+            leases.sort(key=order)
 
     def remove(self, victims: Sequence[Running], node: str) -> None:
         """Forget ``victims`` (told now) on ``node``."""

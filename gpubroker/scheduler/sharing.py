@@ -24,11 +24,14 @@ device's memory.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..devices import mig
+from .placement import Best
 from .types import Instance, Part, PoolMode, Request, Running, Slot, SlotKind, WaitReason
 
 #: MIG placement strategies: the broker's, and the first-fit baseline
@@ -70,6 +73,66 @@ class Miss:
     blockers: tuple[tuple[str, str, str, int | None], ...] = ()
 
 
+#: the arguments of a MIG :class:`Part`: device, kind, weight, profile,
+#: start, size, memory (MiB), instance UUID
+_PartArgs = tuple[str, str, float, str, int, int, int, str]
+
+#: a MIG layout in a hashable, order-free form: sorted (profile, start, size)
+LayoutKey = tuple[tuple[str, int, int], ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement(start: int, size: int) -> mig.Placement:
+    """``mig.Placement(start, size)``, one shared (immutable) object per value."""
+    return mig.Placement(start, size)
+
+
+@functools.lru_cache(maxsize=1024)
+def _profile_terms(spec_name: str, profile: str) -> tuple[float, int]:
+    """(weight in device units, memory in MiB) of one ``profile`` instance
+    on a ``spec_name`` device (compute slices / the device's)."""
+    spec = mig.SPECS[spec_name]
+    prof = spec.profile(profile)
+    return prof.compute_slices / spec.compute_slices, prof.memory_mib or prof.memory_gib * 1024
+
+
+@functools.lru_cache(maxsize=65536)
+def _layout_of(key: LayoutKey) -> tuple[tuple[str, mig.Placement], ...]:
+    return tuple((name, mig.Placement(start, size)) for name, start, size in key)
+
+
+@functools.lru_cache(maxsize=65536)
+def _free_compute(spec_name: str, key: LayoutKey) -> int:
+    """Free compute slices of a ``spec_name`` device holding ``key``."""
+    return mig.free_compute_slices(mig.SPECS[spec_name], _layout_of(key))
+
+
+@functools.lru_cache(maxsize=65536)
+def _mig_fit(
+    spec_name: str, key: LayoutKey, profile: str, first_fit: bool
+) -> tuple[int, int, int] | None:
+    """Where a ``profile`` instance goes on a device holding ``key``:
+    ``(start, size, compute slices stranded)`` or ``None``. Pure in its
+    arguments (the MIG rules), so memoized across devices and passes."""
+    spec = mig.SPECS[spec_name]
+    layout = _layout_of(key)
+    prof = spec.profile(profile)
+    if _free_compute(spec_name, key) < prof.compute_slices or (
+        mig.free_memory_slices(spec, layout) < prof.memory_slices
+    ):
+        return None  # cheap refusal before any placement is scored
+    if first_fit:
+        valid = mig.valid_placements(spec, layout, prof)
+        return (valid[0].start, valid[0].size, 0) if valid else None
+    found = mig.least_stranding_placement(spec, layout, prof)
+    return None if found is None else (found[0].start, found[0].size, found[1])
+
+
+@functools.lru_cache(maxsize=65536)
+def _fragmented(spec_name: str, key: LayoutKey, profile: str) -> bool:
+    return mig.is_fragmented(mig.SPECS[spec_name], _layout_of(key), profile)
+
+
 @dataclass
 class _Device:
     slot: Slot
@@ -78,15 +141,49 @@ class _Device:
     layout: dict[tuple[str, mig.Placement], int | None] = field(default_factory=dict)
     free_static: list[Instance] = field(default_factory=list)
     reserved_mib: int = 0
+    _key: LayoutKey | None = None
+    #: MIG profile -> its score here (see SharingPool._mig_score), until changed()
+    scores: dict[str, tuple[tuple[Any, ...], _PartArgs] | None] = field(default_factory=dict)
+    _free: int | None = None
 
     @property
     def share_room(self) -> int:
         """MiB still grantable as shares."""
         return self.slot.memory_mib - self.slot.reserve_mib - self.reserved_mib
 
+    @property
+    def key(self) -> LayoutKey:
+        """The layout, sorted (cached until :meth:`changed`)."""
+        if self._key is None:
+            self._key = tuple(sorted((n, p.start, p.size) for n, p in self.layout))
+        return self._key
+
+    def changed(self) -> None:
+        """Its layout changed: forget the cached key and scores."""
+        self._key = None
+        self._free = None
+        self.scores.clear()
+
     def free_compute(self) -> int:
-        assert self.spec is not None
-        return mig.free_compute_slices(self.spec, list(self.layout))
+        """Free compute slices (cached until :meth:`changed`)."""
+        if self._free is None:
+            assert self.spec is not None
+            self._free = _free_compute(self.spec.name, self.key)
+        return self._free
+
+
+def _record(dev: _Device, lease_id: int, part: Part) -> None:
+    """``dev`` now holds ``part`` of ``lease_id``: a share's memory, or a MIG
+    instance's placement (a static instance is no longer free)."""
+    if part.kind == "share":  # SlotKind.share.value
+        dev.reserved_mib += part.memory_mib
+        return
+    dev.layout[(part.profile, _placement(part.start, part.size))] = lease_id
+    dev.changed()
+    if dev.free_static:
+        dev.free_static = [
+            s for s in dev.free_static if (s.start, s.size) != (part.start, part.size)
+        ]
 
 
 class SharingPool:
@@ -95,6 +192,11 @@ class SharingPool:
     Build it with :meth:`build`; :meth:`place_mig` and :meth:`place_shares`
     choose slots (``None`` plus a :class:`Miss` when there are none) and
     :meth:`take` records a grant, so later requests of the pass see it.
+
+    Answers are indexed per request *shape* (profile or share size and
+    count, pool): the best device or node is kept in a lazy heap that only
+    rescores what a :meth:`take` changed, and a miss is remembered until
+    the next take of the same kind. The answers are those of a full scan.
     """
 
     def __init__(self, devices: dict[str, _Device], strategy: str) -> None:
@@ -102,6 +204,16 @@ class SharingPool:
             raise ValueError(f"strategy: must be one of {STRATEGIES}, got {strategy!r}")
         self.devices = devices
         self.strategy = strategy
+        self._groups: dict[tuple[str, str | None, bool], tuple[_Device, ...]] = {}
+        self._mig_best: dict[tuple[str, str | None], Best[str, Any]] = {}
+        self._share_best: dict[tuple[int, int, str | None, bool], Best[str, Any]] = {}
+        self._room_best: dict[str | None, Best[str, Any]] = {}
+        self._mig_misses: dict[tuple[str, str | None], Miss] = {}
+        self._share_misses: dict[tuple[int, int, str | None], Miss] = {}
+        self._static_misses: dict[tuple[Any, ...], Miss | None] = {}
+        self._share_able: dict[tuple[int, str | None], dict[str, list[_Device]]] = {}
+        #: counts :meth:`take` calls that changed a device: answers stay valid while unchanged
+        self.version = 0
 
     @classmethod
     def build(
@@ -115,19 +227,29 @@ class SharingPool:
         Devices held whole by a lease (e.g. moved into a sharing pool while
         a lease held them) are left out until released.
         """
-        whole = {d for lease in running for d in lease.devices}
+        running = list(running)
+        whole = {d for lease in running if lease.devices for d in lease.devices}
         devices: dict[str, _Device] = {}
+        specs: dict[str, mig.GpuMigSpec | None] = {}
         for slot in slots:
-            if slot.mode == PoolMode.exclusive.value or slot.uuid in whole:
+            if slot.mode == "exclusive" or slot.uuid in whole:  # PoolMode.exclusive
                 continue
-            dev = _Device(slot, mig.spec_for(slot.model) if slot.mode == "mig" else None)
+            spec = None
+            if slot.mode == "mig":
+                if slot.model not in specs:
+                    specs[slot.model] = mig.spec_for(slot.model)
+                spec = specs[slot.model]
+            dev = _Device(slot, spec)
             for inst in slot.foreign:
-                dev.layout[(inst.profile, mig.Placement(inst.start, inst.size))] = None
+                dev.layout[(inst.profile, _placement(inst.start, inst.size))] = None
             dev.free_static = list(slot.static)
             devices[slot.uuid] = dev
         pool = cls(devices, strategy)
-        for lease in running:
-            pool.take(lease.lease_id, lease.parts)
+        for lease in running:  # nothing is indexed yet: record without invalidating
+            for part in lease.parts:
+                held = devices.get(part.device)
+                if held is not None:
+                    _record(held, lease.lease_id, part)
         return pool
 
     # -- bookkeeping ---------------------------------------------------------------
@@ -138,28 +260,43 @@ class SharingPool:
             dev = self.devices.get(part.device)
             if dev is None:
                 continue
-            if part.kind == SlotKind.share.value:
-                dev.reserved_mib += part.memory_mib
+            self.version += 1
+            _record(dev, lease_id, part)
+            if part.kind == "share":  # SlotKind.share.value
+                self._share_misses.clear()
+                for best in self._share_best.values():
+                    best.touch(dev.slot.node)
+                for room in self._room_best.values():
+                    room.touch(dev.slot.uuid)
                 continue
-            placement = mig.Placement(part.start, part.size)
-            dev.layout[(part.profile, placement)] = lease_id
-            dev.free_static = [
-                s for s in dev.free_static if (s.start, s.size) != (part.start, part.size)
-            ]
+            self._mig_misses.clear()
+            for mbest in self._mig_best.values():
+                mbest.touch(dev.slot.uuid)
 
     def _candidates(self, request: Request, mode: str, drained: bool = False) -> list[_Device]:
         """Devices of ``mode`` pools (of ``request.pool`` when named); drained
         ones only with ``drained``."""
-        return sorted(
-            (
-                d
-                for d in self.devices.values()
-                if d.slot.mode == mode
-                and (drained or not d.slot.drained)
-                and (request.pool is None or d.slot.pool == request.pool)
-            ),
-            key=lambda d: (d.slot.node, d.slot.index),
-        )
+        return list(self._group(mode, request.pool, drained))
+
+    def _group(self, mode: str, pool: str | None, drained: bool = False) -> tuple[_Device, ...]:
+        """:meth:`_candidates` by node and index (the device set is fixed for a pass)."""
+        key = (mode, pool, drained)
+        found = self._groups.get(key)
+        if found is None:
+            found = tuple(
+                sorted(
+                    (
+                        d
+                        for d in self.devices.values()
+                        if d.slot.mode == mode
+                        and (drained or not d.slot.drained)
+                        and (pool is None or d.slot.pool == pool)
+                    ),
+                    key=lambda d: (d.slot.node, d.slot.index),
+                )
+            )
+            self._groups[key] = found
+        return found
 
     # -- MIG ------------------------------------------------------------------------
 
@@ -170,80 +307,102 @@ class SharingPool:
             ``(part, None)`` with the device, placement and weight (and the
             instance UUID for a static layout), or ``(None, miss)``.
         """
-        profile = request.mig_profile
+        profile, pool = request.mig_profile, request.pool
+        where = f"pool {pool}" if pool else "the MIG pools"
+        drained = self._mig_drained(profile, pool, where)
+        if drained is not None:
+            return None, drained
+        best = self._mig_best.get((profile, pool))
+        if best is None:
+            able = self._mig_able(profile, pool)
+            best = Best([d.slot.uuid for d in able], lambda uuid: self._mig_score(uuid, profile))
+            self._mig_best[(profile, pool)] = best
+        found = best.best()
+        if found is not None:
+            args = found[2]
+            assert isinstance(args, tuple)
+            return Part(*args), None
+        miss = self._mig_misses.get((profile, pool))
+        if miss is None:
+            miss = self._mig_miss(list(self._mig_able(profile, pool)), profile, where)
+            self._mig_misses[(profile, pool)] = miss
+        return None, miss
+
+    def _mig_able(self, profile: str, pool: str | None) -> tuple[_Device, ...]:
+        """Devices in service of ``mig`` pools (``pool`` when named) offering ``profile``."""
+        return tuple(
+            d
+            for d in self._group(PoolMode.mig.value, pool, drained=False)
+            if d.spec is not None and profile in d.spec.profiles
+        )
+
+    def _mig_drained(self, profile: str, pool: str | None, where: str) -> Miss | None:
+        """``PoolDrained`` when no device in service offers ``profile`` (fixed for a pass)."""
+        key = ("mig", profile, pool)
+        if key in self._static_misses:
+            return self._static_misses[key]
         offering = [
             d
-            for d in self._candidates(request, PoolMode.mig.value, drained=True)
-            if (spec := mig.spec_for(d.slot.model)) is not None and profile in spec.profiles
+            for d in self._group(PoolMode.mig.value, pool, drained=True)
+            if d.spec is not None and profile in d.spec.profiles
         ]
-        able = [d for d in offering if not d.slot.drained]
-        where = f"pool {request.pool}" if request.pool else "the MIG pools"
-        if not able:
+        miss = None
+        if not any(not d.slot.drained for d in offering):
             detail = f"no device in {where} offers MIG {profile}"
             if offering:
                 detail = (
                     f"every device in {where} that offers MIG {profile} is drained"
                     " or has MIG mode off"
                 )
-            return None, Miss(WaitReason.pool_drained, detail)
-        best: tuple[tuple[int, int, int, str, int], Part] | None = None
-        for dev in able:
-            found = self._mig_on(dev, profile)
-            if found is None:
-                continue
-            part, stranded = found
-            if self.strategy == "first-fit":
-                return part, None
-            key = (stranded, dev.free_compute(), part.start, dev.slot.node, dev.slot.index)
-            if best is None or key < best[0]:
-                best = (key, part)
-        if best is not None:
-            return best[1], None
-        return None, self._mig_miss(able, profile, where)
+            miss = Miss(WaitReason.pool_drained, detail)
+        self._static_misses[key] = miss
+        return miss
 
-    def _mig_on(self, dev: _Device, profile: str) -> tuple[Part, int] | None:
-        """The part ``dev`` would give, with the compute slices it strands."""
+    def _mig_score(self, uuid: str, profile: str) -> tuple[tuple[Any, ...], _PartArgs] | None:
+        """The key a device has among those where ``profile`` fits (lower
+        wins), with the arguments of its :class:`Part`. Cached on the device
+        until its layout changes (the heaps of a profile in different pools
+        share it)."""
+        dev = self.devices[uuid]
+        scores = dev.scores
+        if profile in scores:
+            cached: tuple[tuple[Any, ...], _PartArgs] | None = scores[profile]
+            return cached
+        found = self._mig_on(dev, profile)
+        score: tuple[tuple[Any, ...], _PartArgs] | None = None
+        if found is not None:
+            args, stranded = found
+            if self.strategy == "first-fit":
+                score = (dev.slot.node, dev.slot.index), args
+            else:
+                key = (stranded, dev.free_compute(), args[4], dev.slot.node, dev.slot.index)
+                score = key, args
+        scores[profile] = score
+        return score
+
+    def _mig_on(self, dev: _Device, profile: str) -> tuple[_PartArgs, int] | None:
+        """The :class:`Part` ``dev`` would give (its arguments), with the
+        compute slices it strands."""
         assert dev.spec is not None
-        prof = dev.spec.profile(profile)
-        weight = prof.compute_slices / dev.spec.compute_slices
-        memory = prof.memory_mib or prof.memory_gib * 1024
+        weight, memory = _profile_terms(dev.spec.name, profile)
         if dev.slot.static or dev.slot.mig_static:
             for inst in dev.free_static:
                 if inst.profile == profile:
                     memory = inst.memory_mib or memory
-                    part = Part(
-                        dev.slot.uuid,
-                        "mig",
-                        weight,
-                        profile,
-                        inst.start,
-                        inst.size,
-                        memory,
-                        inst.uuid,
-                    )
-                    return part, 0
+                    args = (dev.slot.uuid, "mig", weight, profile, inst.start, inst.size)
+                    return (*args, memory, inst.uuid), 0
             return None
-        layout = list(dev.layout)
-        if dev.free_compute() < prof.compute_slices or (
-            mig.free_memory_slices(dev.spec, layout) < prof.memory_slices
-        ):
-            return None  # cheap refusal before any placement is scored
-        if self.strategy == "first-fit":
-            valid = mig.valid_placements(dev.spec, layout, prof)
-            found = (valid[0], 0) if valid else None
-        else:
-            found = mig.least_stranding_placement(dev.spec, layout, prof)
+        found = _mig_fit(dev.spec.name, dev.key, profile, self.strategy == "first-fit")
         if found is None:
             return None
-        placement, stranded = found
-        part = Part(dev.slot.uuid, "mig", weight, profile, placement.start, placement.size, memory)
-        return part, stranded
+        start, size, stranded = found
+        return (dev.slot.uuid, "mig", weight, profile, start, size, memory, ""), stranded
 
     def _mig_miss(self, able: list[_Device], profile: str, where: str) -> Miss:
         for dev in sorted(able, key=lambda d: -d.free_compute()):
             assert dev.spec is not None
             static = dev.slot.static or dev.slot.mig_static
-            if static or not mig.is_fragmented(dev.spec, list(dev.layout), profile):
+            if static or not _fragmented(dev.spec.name, dev.key, profile):
                 continue
             blockers = tuple(
                 (dev.slot.uuid, name, str(placement), dev.layout[(name, placement)])
@@ -272,40 +431,32 @@ class SharingPool:
         devices of one node, or why not. Best fit (the least memory left);
         with ``lightest``, the devices where the share weighs least (the
         largest), for a request a limit would hold on smaller devices."""
-        need, count = request.memory_mib, request.gpus
-        able = [d for d in self._candidates(request, "timeslice")]
-        where = f"pool {request.pool}" if request.pool else "the time-sliced pools"
-        by_node: dict[str, list[_Device]] = defaultdict(list)
-        for dev in able:
-            if dev.slot.memory_mib - dev.slot.reserve_mib >= need:
-                by_node[dev.slot.node].append(dev)
-        if not any(len(devs) >= count for devs in by_node.values()):
-            biggest = max((d.slot.memory_mib - d.slot.reserve_mib for d in able), default=0)
-            detail = (
-                f"no node in {where} has {count} device(s) able to hold "
-                f"{need / 1024:g} GiB (largest share: {biggest / 1024:g} GiB)"
-            )
-            return None, Miss(WaitReason.pool_drained, detail)
-        best: tuple[tuple[float, int, str], list[_Device]] | None = None
-        for node, devs in by_node.items():
-            fits = sorted(
-                (d for d in devs if d.share_room >= need),
-                key=lambda d: (-d.slot.memory_mib, d.share_room) if lightest else d.share_room,
-            )
-            if len(fits) < count:
-                continue
-            chosen = fits[:count]
-            weight = sum(share_weight(need, d.slot.memory_mib) for d in chosen)
-            key = (round(weight, 9) if lightest else 0, sum(d.share_room for d in chosen), node)
-            if best is None or key < best[0]:
-                best = (key, chosen)
+        need, count, pool = request.memory_mib, request.gpus, request.pool
+        where = f"pool {pool}" if pool else "the time-sliced pools"
+        by_node, drained = self._share_nodes(need, count, pool, where)
+        if drained is not None:
+            return None, drained
+        shape = (need, count, pool, lightest)
+        best = self._share_best.get(shape)
         if best is None:
-            room = max((d.share_room for d in able), default=0)
-            detail = (
-                f"no {count} device(s) in {where} have {need / 1024:g} GiB free"
-                f" (most free on one device: {room / 1024:g} GiB)"
+            best = Best(
+                by_node, lambda node: self._share_score(by_node[node], need, count, lightest)
             )
-            return None, Miss(WaitReason.resources, detail)
+            self._share_best[shape] = best
+        found = best.best()
+        if found is None:
+            miss = self._share_misses.get((need, count, pool))
+            if miss is None:
+                room = self._most_room(pool)
+                detail = (
+                    f"no {count} device(s) in {where} have {need / 1024:g} GiB free"
+                    f" (most free on one device: {room / 1024:g} GiB)"
+                )
+                miss = Miss(WaitReason.resources, detail)
+                self._share_misses[(need, count, pool)] = miss
+            return None, miss
+        chosen = found[2]
+        assert isinstance(chosen, list)
         parts = tuple(
             Part(
                 d.slot.uuid,
@@ -313,6 +464,64 @@ class SharingPool:
                 share_weight(need, d.slot.memory_mib),
                 memory_mib=need,
             )
-            for d in sorted(best[1], key=lambda d: d.slot.index)
+            for d in sorted(chosen, key=lambda d: d.slot.index)
         )
         return parts, None
+
+    def _share_nodes(
+        self, need: int, count: int, pool: str | None, where: str
+    ) -> tuple[dict[str, list[_Device]], Miss | None]:
+        """Per node, the devices in service able to hold a share of ``need``
+        MiB at all, by node and index; ``PoolDrained`` when no node has
+        ``count`` of them (both fixed for a pass)."""
+        key = ("share", need, count, pool)
+        able = self._group("timeslice", pool)
+        by_node = self._share_able.get((need, pool))
+        if by_node is None:
+            by_node = defaultdict(list)
+            for dev in able:
+                if dev.slot.memory_mib - dev.slot.reserve_mib >= need:
+                    by_node[dev.slot.node].append(dev)
+            self._share_able[(need, pool)] = by_node
+        if key not in self._static_misses:
+            miss = None
+            if not any(len(devs) >= count for devs in by_node.values()):
+                biggest = max((d.slot.memory_mib - d.slot.reserve_mib for d in able), default=0)
+                detail = (
+                    f"no node in {where} has {count} device(s) able to hold "
+                    f"{need / 1024:g} GiB (largest share: {biggest / 1024:g} GiB)"
+                )
+                miss = Miss(WaitReason.pool_drained, detail)
+            self._static_misses[key] = miss
+        return by_node, self._static_misses[key]
+
+    @staticmethod
+    def _share_score(
+        devs: list[_Device], need: int, count: int, lightest: bool
+    ) -> tuple[tuple[float, int, str], list[_Device]] | None:
+        """The best ``count`` devices of one node for shares of ``need`` MiB
+        and their key (lower wins), or ``None`` when fewer have room."""
+        fits = sorted(
+            (d for d in devs if d.share_room >= need),
+            key=lambda d: (-d.slot.memory_mib, d.share_room) if lightest else d.share_room,
+        )
+        if len(fits) < count:
+            return None
+        chosen = fits[:count]
+        weight = sum(share_weight(need, d.slot.memory_mib) for d in chosen)
+        node = chosen[0].slot.node
+        return (
+            round(weight, 9) if lightest else 0,
+            sum(d.share_room for d in chosen),
+            node,
+        ), chosen
+
+    def _most_room(self, pool: str | None) -> int:
+        """Most MiB free for shares on one device in service (of ``pool`` when named)."""
+        best = self._room_best.get(pool)
+        if best is None:
+            devices = {d.slot.uuid: d for d in self._group("timeslice", pool)}
+            best = Best(devices, lambda uuid: ((-devices[uuid].share_room, uuid), None))
+            self._room_best[pool] = best
+        found = best.best()
+        return 0 if found is None else -found[0][0]

@@ -327,7 +327,7 @@ class Request:
     @property
     def whole(self) -> bool:
         """Whether it asks for whole devices."""
-        return self.kind == SlotKind.gpus.value
+        return self.kind == "gpus"  # SlotKind.gpus.value (a literal: hot path)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,103 @@
+"""MIG instances made and destroyed off the event loop (gpubroker.broker.actuator):
+a grant waits as ``Preparing`` while its instance is made in a worker thread,
+its slices are kept from other requests meanwhile, a failure is an event and
+a retry succeeds, and a request cancelled meanwhile leaves nothing behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpubroker.broker.actuator import Actuator
+from gpubroker.core import Broker
+
+from .test_sharing_core import layout_of, sharing_broker
+
+
+@pytest.fixture
+def broker(db_url: str, tmp_path: Path) -> Broker:
+    broker = sharing_broker(db_url, tmp_path)
+    broker.actuator = Actuator(broker.log, backoff=0.01)
+    return broker
+
+
+def _kinds(broker: Broker, lease_id: int) -> list[str]:
+    return [e["kind"] for e in broker.lease_events(lease_id)]
+
+
+async def test_a_grant_waits_preparing_until_its_instance_is_made(broker: Broker) -> None:
+    lease = broker.request_lease("ann", "", mig_profile="3g.40gb", pool="mig")
+    assert lease["state"] == "pending" and lease["slots"] == []
+    assert lease["queue"]["reason"] == "Preparing"
+    assert "making MIG 3g.40gb on GPU-" in lease["queue"]["message"]
+    assert broker.actuator is not None
+    await broker.actuator.idle()
+    done = broker.get_lease(lease["id"])
+    assert done["state"] == "granted" and done["slots"][0]["profile"] == "3g.40gb"
+    device = done["slots"][0]["device"]
+    assert [m.uuid for m in broker.backend.mig_devices(device)] == [done["slots"][0]["uuid"]]
+    assert done["env"]["CUDA_VISIBLE_DEVICES"] == done["slots"][0]["uuid"]
+    assert _kinds(broker, lease["id"]) == ["requested", "preparing", "granted"]
+    assert broker.validate_state([lease["id"]]) == []
+
+
+async def test_slices_being_made_are_not_given_to_another_request(broker: Broker) -> None:
+    # two MIG devices: two full-device instances in flight, the third request waits
+    leases = [
+        broker.request_lease(f"u{i}", "", mig_profile="7g.80gb", pool="mig") for i in range(3)
+    ]
+    reasons = [broker.get_lease(x["id"])["queue"]["reason"] for x in leases]
+    assert reasons[:2] == ["Preparing", "Preparing"] and reasons[2] == "Resources"
+    assert broker.actuator is not None
+    await broker.actuator.idle()
+    views = [broker.get_lease(x["id"]) for x in leases]
+    assert [v["state"] for v in views] == ["granted", "granted", "pending"]
+    assert len({v["slots"][0]["device"] for v in views[:2]}) == 2
+
+
+async def test_a_failed_make_is_an_event_and_the_retry_succeeds(broker: Broker) -> None:
+    broker.backend.fail_mig_creates = 1
+    lease = broker.request_lease("ann", "", mig_profile="1g.10gb", pool="mig")
+    assert broker.actuator is not None
+    await broker.actuator.idle()
+    failed = broker.get_lease(lease["id"])
+    assert failed["state"] == "pending" and failed["slots"] == []
+    assert "injected failure" in failed["queue"]["message"]
+    assert "tried again in" in failed["queue"]["message"]
+    assert _kinds(broker, lease["id"]) == ["requested", "preparing", "grant-failed"]
+    assert all(layout_of(broker, d.uuid) == [] for d in broker.backend.devices()[:2])
+    broker.grant_retry_backoff = 0.0
+    broker._retry_after.clear()  # the backoff is over
+    broker.schedule_now()
+    await broker.actuator.idle()
+    assert broker.get_lease(lease["id"])["state"] == "granted"
+    assert _kinds(broker, lease["id"])[-2:] == ["preparing", "granted"]
+
+
+async def test_a_request_cancelled_while_preparing_leaves_no_instance(broker: Broker) -> None:
+    lease = broker.request_lease("ann", "", mig_profile="3g.40gb", pool="mig")
+    broker.release_lease(lease["id"], "changed my mind")
+    assert broker.actuator is not None
+    await broker.actuator.idle()  # made, handed back, destroyed again
+    await broker.actuator.idle()
+    assert broker.get_lease(lease["id"])["state"] == "released"
+    assert all(layout_of(broker, d.uuid) == [] for d in broker.backend.devices()[:2])
+    assert broker.validate_state([lease["id"]]) == []
+
+
+async def test_a_release_destroys_the_instance_off_the_loop(broker: Broker) -> None:
+    lease = broker.request_lease("ann", "", mig_profile="3g.40gb", pool="mig")
+    assert broker.actuator is not None
+    await broker.actuator.idle()
+    device = broker.get_lease(lease["id"])["slots"][0]["device"]
+    broker.release_lease(lease["id"], "done")
+    await broker.actuator.idle()
+    assert layout_of(broker, device) == []
+
+
+async def test_the_api_answer_waits_for_the_instance(broker: Broker) -> None:
+    lease = broker.request_lease("ann", "", mig_profile="1g.10gb", pool="mig")
+    assert lease["queue"]["reason"] == "Preparing"
+    answered = await broker.after_pass(lease)  # what POST /leases answers
+    assert answered["state"] == "granted" and answered["slots"][0]["uuid"].startswith("MIG-")
