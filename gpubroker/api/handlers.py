@@ -140,7 +140,14 @@ class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
             HTTPError: 401 without a token, 403 when the token lacks the
                 service's access scope.
         """
-        model = await self.hub_auth.get_user(self, sync=False)
+        token = self.hub_auth.get_token(self, in_cookie=False)
+        if token:
+            model = await self._token_owner(token)
+            self._cached_hub_user = model  # what HubAuth.get_user would cache
+            if model:
+                self._token_authenticated = True
+        else:
+            model = await self.hub_auth.get_user(self, sync=False)
         if model:
             try:
                 model = self.check_hub_user(model)
@@ -155,6 +162,26 @@ class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
                 403, "token lacks scope {}".format(", ".join(sorted(self.hub_auth.access_scopes)))
             )
         raise web.HTTPError(401, "authentication required: send 'Authorization: token …'")
+
+    async def _token_owner(self, token: str) -> dict[str, Any] | None:
+        """``HubAuth.user_for_token`` (async, cached), asked once for many:
+        requests with the same token while the hub is being asked wait for
+        that one answer instead of asking again (no burst of hub requests
+        when a cached check expires under load)."""
+        session_id = self.hub_auth.get_session_id(self)
+        checks: dict[tuple[str, str], asyncio.Future[Any]] = self.application.settings.setdefault(
+            "token_checks", {}
+        )
+        key = (token, session_id)
+        check = checks.get(key)
+        if check is None:
+            check = asyncio.ensure_future(
+                self.hub_auth.user_for_token(token, session_id=session_id, sync=False)
+            )
+            checks[key] = check
+            check.add_done_callback(lambda _done: checks.pop(key, None))
+        model: dict[str, Any] | None = await asyncio.shield(check)
+        return model
 
     def get_current_user(self) -> dict[str, Any] | None:
         """The caller :meth:`prepare` authenticated, or ``None``; never asks
