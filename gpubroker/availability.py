@@ -10,7 +10,6 @@ from typing import Any
 from . import scheduler
 from .admission import held_weight
 from .devices import mig
-from .passes import build_state
 from .scheduler.sharing import SharingPool, mig_weight
 from .store.models import ACTIVE_STATES, LeaseState
 
@@ -69,13 +68,7 @@ class AvailabilityMixin:
             ``limit`` and ``remaining`` are ``None`` when there is no limit.
         """
         with self._read():  # type: ignore[attr-defined]
-            state, leases = build_state(
-                self._world,  # type: ignore[attr-defined]
-                self._policy(),  # type: ignore[attr-defined]
-                self._topology,  # type: ignore[attr-defined]
-                self._pools,  # type: ignore[attr-defined]
-                self._mig_inventory,  # type: ignore[attr-defined]
-            )
+            state, leases = self._scheduler_state()  # type: ignore[attr-defined]
             quota = self._quota_view(state.policy, user, leases.values()) if user else None
         held = {d for r in state.running for d in r.devices} | {
             d for r in state.pending for d in r.earmarked

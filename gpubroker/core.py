@@ -176,6 +176,7 @@ class Broker(
         self._stimulus: Stimulus | None = None
         self._touched: set[int] = set()
         self._world = World(self.session_factory)
+        self._world.on_reload.append(self._after_rollback)
         #: where holders run and where the inventory comes from (the local
         #: host first; Docker and Slurm engines plug in beside it)
         self.engine: Engine = LocalEngine(self.backend)
@@ -252,6 +253,12 @@ class Broker(
         """A write-through transaction on the in-memory state (see
         :meth:`World.write`)."""
         return self._world.write()
+
+    def _after_rollback(self) -> None:
+        """A transaction rolled back (memory is the store's again): the pass
+        it may have run is undone, so ask for another."""
+        if self.passes is not None:
+            self.passes.mark_dirty()
 
     def _read(self) -> contextlib.AbstractContextManager[Session]:
         """Read the in-memory state (see :meth:`World.read`)."""
@@ -777,20 +784,7 @@ class Broker(
         """
         if not force and self.passes is not None and not self.passes.at_once():
             return
-        instances: dict[str, list[scheduler.Instance]] = {
-            uuid: list(found) for uuid, found in self._mig_inventory.items()
-        }
-        for uuid, planned in self.preparing_instances().items():
-            instances.setdefault(uuid, []).extend(planned)
-        state, leases = build_state(
-            self._world,
-            self._policy(),
-            self._topology,
-            self._pools,
-            instances,
-            self.mig_placement,
-            skip=self._preparing,
-        )
+        state, leases = self._scheduler_state()
         decisions = scheduler.schedule(state, now)
         evicted = apply_decisions(
             session,
@@ -816,6 +810,25 @@ class Broker(
             self._schedule(session, now, again=False, force=True)
         if self.passes is not None and again:
             self.passes.ran()
+
+    def _scheduler_state(self) -> tuple[scheduler.SchedulerState, dict[int, Lease]]:
+        """The scheduler's view of memory (:func:`build_state`): MIG
+        instances being made occupy their slices, and their requests are
+        left out."""
+        instances: dict[str, list[scheduler.Instance]] = {
+            uuid: list(found) for uuid, found in self._mig_inventory.items()
+        }
+        for uuid, planned in self.preparing_instances().items():
+            instances.setdefault(uuid, []).extend(planned)
+        return build_state(
+            self._world,
+            self._policy(),
+            self._topology,
+            self._pools,
+            instances,
+            self.mig_placement,
+            skip=self._preparing,
+        )
 
     def _evict(self, lease: Lease, reason: str, now: dt.datetime) -> bool:
         """End an evicted lease; a hub server is stopped first (so two servers

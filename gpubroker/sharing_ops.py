@@ -444,6 +444,7 @@ class SharingOpsMixin:
             if not targets:
                 return changed
             busy = {a.device_uuid for x in world.active() for a in x.allocations if a.active}
+            busy |= {p.device for parts in self._preparing.values() for p in parts}
             for device in targets:
                 if device.uuid in busy:
                     continue

@@ -75,6 +75,7 @@ class Actuator:
         self._finish(key, done, None, error)
 
     def _finish(self, key: str, done: Done, result: Any, error: BaseException | None) -> None:
+        self._tasks.pop(key, None)  # done may submit under the same key again
         try:
             done(result, error)
         except Exception:
@@ -84,7 +85,6 @@ class Actuator:
         """Wait until every submitted call has finished and been handed back."""
         while pending := [t for t in self._tasks.values() if not t.done()]:
             await asyncio.gather(*pending, return_exceptions=True)
-        self._tasks = {k: t for k, t in self._tasks.items() if not t.done()}
 
     def cancel(self) -> None:
         """Stop waiting for every call (at shutdown; running threads end on

@@ -51,6 +51,10 @@ class PassLoop:
         self._dirty.set()
         return False
 
+    def mark_dirty(self) -> None:
+        """Ask the loop for a pass (after a rollback undid one)."""
+        self._dirty.set()
+
     def gap(self) -> float:
         """Seconds to keep between two passes: as long as the last one
         took, at most ``interval``."""

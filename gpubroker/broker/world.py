@@ -19,12 +19,13 @@ single-threaded: commands never interleave).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from sqlalchemy import event, func, insert, select
+from sqlalchemy import event, func, insert, inspect, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.attributes import set_committed_value
 
 from ..store.models import (
     ACTIVE_STATES,
@@ -68,6 +69,9 @@ class World:
         #: bumped whenever the stored quotas change (policy cache key)
         self.quota_version = 0
         self._next_lease_id = 1
+        self._depth = 0
+        #: called after every reload (the broker asks for a pass)
+        self.on_reload: list[Callable[[], None]] = []
         event.listen(self.session, "after_flush", self._collect)
         self.reload()
 
@@ -82,36 +86,65 @@ class World:
         then re-raises.
         """
         session = self.session
-        if session.in_transaction():
-            yield session
-            return
-        try:
-            with session.begin():
+        if self._depth:
+            with self._nested():
                 yield session
-                self._insert_events()
+            return
+        self._end_stray()
+        self._depth = 1
+        session.begin()
+        try:
+            yield session
+            self._insert_events()
+            session.commit()
         except BaseException:
-            self.reload()
+            self._roll_back()
             raise
+        finally:
+            self._depth = 0
 
     @contextlib.contextmanager
     def read(self) -> Iterator[Session]:
         """Read the in-memory objects (and the store for what is not kept in
-        memory, such as released leases and events); joins an open
-        transaction, else ends the one its queries began."""
+        memory, such as released leases and events); joins an open block,
+        else ends the transaction its queries began."""
         session = self.session
-        if session.in_transaction():
-            yield session
+        if self._depth:
+            with self._nested():
+                yield session
             return
+        self._end_stray()
+        self._depth = 1
         try:
             yield session
         except SQLAlchemyError:
-            session.rollback()
-            self.reload()
+            self._roll_back()
             raise
         finally:
-            if session.in_transaction():
-                self._insert_events()
-                session.commit()
+            try:
+                if session.in_transaction():  # what it read (and any note it staged)
+                    self._insert_events()
+                    session.commit()
+            except SQLAlchemyError:
+                self._roll_back()
+                raise
+            finally:
+                self._depth = 0
+
+    @contextlib.contextmanager
+    def _nested(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def _end_stray(self) -> None:
+        """End a transaction the session began outside any block (an
+        attribute of an expired object read by a caller that kept it): it
+        only read, and a block must never join it unknowingly."""
+        if self.session.in_transaction():
+            self.session.commit()
 
     def _collect(self, session: Session, _context: Any) -> None:
         """``after_flush``: index what the flush wrote (work proportional to
@@ -145,22 +178,47 @@ class World:
             rows, self.staged_events = self.staged_events, []
             self.session.execute(insert(LeaseEvent.__table__), rows)
 
-    def reload(self) -> None:
-        """Rebuild every index from the store (start-up, after a rollback)."""
+    def _roll_back(self) -> None:
+        """Roll the open transaction back and reload, keeping what only
+        memory holds (read before the rollback expires it)."""
+        kept = {lease_id: _memory_of(x) for lease_id, x in self.leases.items()}
+        self.reload(kept)
+
+    def reload(self, kept: dict[int, dict[str, Any]] | None = None) -> None:
+        """Rebuild every index from the store (start-up, after a rollback).
+
+        ``kept``: what only memory held before the rollback, by lease id
+        (:func:`_memory_of`). That survives: the wait (position, reason,
+        message, ETA, earmark) and the version of every pending lease
+        (versions never go back, so no long-poll misses a change), and lease
+        ids are never handed out twice. The indexes change only once every
+        query has answered. Then the ``on_reload`` callbacks run (the broker
+        asks for a scheduling pass: the decisions rolled back are made
+        again)."""
         session = self.session
+        kept = kept or {}
         if session.in_transaction():
             session.rollback()
         self.staged_events = []
+        self.scheduled = {}
         with session.begin():
-            self.devices = {d.uuid: d for d in session.scalars(select(Device))}
+            devices = {d.uuid: d for d in session.scalars(select(Device))}
             active = select(Lease).where(Lease.state.in_(ACTIVE_STATES)).order_by(Lease.id)
-            self.leases = {x.id: x for x in session.scalars(active)}
-            self.usage = {u.user: u for u in session.scalars(select(UsageRow))}
-            self.quotas = {(q.kind, q.name): q for q in session.scalars(select(QuotaRow))}
-            stops = select(Intent).where(Intent.kind == "stop-server", Intent.state == "open")
-            self.stops = {i.lease_id: i for i in session.scalars(stops)}
-            self._next_lease_id = (session.scalar(select(func.max(Lease.id))) or 0) + 1
+            leases = {x.id: x for x in session.scalars(active)}
+            usage = {u.user: u for u in session.scalars(select(UsageRow))}
+            quotas = {(q.kind, q.name): q for q in session.scalars(select(QuotaRow))}
+            open_stops = select(Intent).where(Intent.kind == "stop-server", Intent.state == "open")
+            stops = {i.lease_id: i for i in session.scalars(open_stops)}
+            top = session.scalar(select(func.max(Lease.id))) or 0
+        for lease_id, lease in leases.items():
+            if lease_id in kept and lease.state == "pending":
+                _restore(lease, kept[lease_id])
+        self.devices, self.leases, self.usage = devices, leases, usage
+        self.quotas, self.stops = quotas, stops
+        self._next_lease_id = max(self._next_lease_id, top + 1)
         self.quota_version += 1
+        for callback in self.on_reload:
+            callback()
 
     def add_lease(self, lease: Lease) -> None:
         """Give a new lease its id and keep it in memory (in the open
@@ -201,3 +259,27 @@ class World:
     def close(self) -> None:
         """Release the session's connection."""
         self.session.close()
+
+
+#: what a pending lease keeps in memory only (see :func:`gpubroker.passes.set_wait`)
+_MEMORY_ONLY = ("queue_position", "queue_reason", "queue_message", "queue_eta", "earmarked")
+
+
+def _memory_of(lease: Lease) -> dict[str, Any]:
+    """The memory-only values of ``lease`` (read before a rollback expires them)."""
+    state = inspect(lease)
+    if state.expired or "version" in state.unloaded:
+        return {}
+    values = {name: state.dict.get(name) for name in _MEMORY_ONLY}
+    values["version"] = state.dict.get("version")
+    return values
+
+
+def _restore(lease: Lease, kept: dict[str, Any]) -> None:
+    """Put memory-only values back on ``lease`` (reloaded from the store),
+    never lowering its version."""
+    if not kept or kept.get("version") is None:
+        return
+    for name in _MEMORY_ONLY:
+        set_committed_value(lease, name, kept[name])
+    set_committed_value(lease, "version", max(lease.version, kept["version"]) + 1)

@@ -101,3 +101,13 @@ async def test_the_api_answer_waits_for_the_instance(broker: Broker) -> None:
     assert lease["queue"]["reason"] == "Preparing"
     answered = await broker.after_pass(lease)  # what POST /leases answers
     assert answered["state"] == "granted" and answered["slots"][0]["uuid"].startswith("MIG-")
+
+
+async def test_a_retry_at_once_after_a_failure_is_not_dropped(broker: Broker) -> None:
+    broker.grant_retry_backoff = 0.0  # the outcome's own pass tries again
+    broker.backend.fail_mig_creates = 1
+    lease = broker.request_lease("ann", "", mig_profile="1g.10gb", pool="mig")
+    assert broker.actuator is not None
+    for _ in range(3):
+        await broker.actuator.idle()
+    assert broker.get_lease(lease["id"])["state"] == "granted"

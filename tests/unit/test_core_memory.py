@@ -10,11 +10,14 @@ import re
 
 import pytest
 from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
 
 from gpubroker.broker.passloop import PassLoop
 from gpubroker.broker.waiters import Waiters
+from gpubroker.broker.world import World
 from gpubroker.core import Broker
 from gpubroker.errors import Conflict
+from gpubroker.store.models import Lease
 
 from ..conftest import make_broker
 
@@ -165,3 +168,66 @@ async def test_a_long_poll_sees_its_grant_and_nothing_else_wakes_it(db_url: str)
     view = await poll
     assert view["queue"]["position"] == 1 and view["version"] > other["version"]
     assert broker.get_lease(mine["id"])["state"] == "granted"
+
+
+# -- a failed commit: memory goes back to the store's, nothing else is lost ---------------
+
+
+def _failing_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(self: World) -> None:
+        raise OperationalError("COMMIT", {}, Exception("database is locked"))
+
+    monkeypatch.setattr(World, "_insert_events", boom)
+
+
+def test_a_failed_commit_keeps_waits_and_versions_and_numbers_no_lease_twice(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker = make_broker(db_url, ["2 x H100"])
+    holder = broker.request_lease("holder", "", gpus=2)
+    first = broker.request_lease("w", "", gpus=1)
+    seen = broker.get_lease(first["id"])
+    with monkeypatch.context() as patch:
+        _failing_commits(patch)
+        with pytest.raises(OperationalError):
+            broker.request_lease("ann", "nb", gpus=2)  # rolled back
+    after = broker.get_lease(first["id"])
+    assert after["queue"] == seen["queue"] and after["version"] > seen["version"]
+    bob = broker.request_lease("bob", "nb", gpus=1)
+    assert bob["id"] > first["id"] + 1  # the rolled-back request's id is not reused
+    broker.release_lease(holder["id"], "done")
+    assert [len(broker.get_lease(x["id"])["slots"]) for x in (first, bob)] == [1, 1]
+    assert broker.validate_state() == []
+
+
+def test_an_object_read_after_a_rollback_does_not_swallow_later_commits(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker = make_broker(db_url, ["2 x H100"])
+    ann = broker.request_lease("ann", "nb", gpus=1)
+    kept = broker.server_leases()  # the culler keeps these across its awaits
+    broker.release_lease(ann["id"], "done")
+    with monkeypatch.context() as patch:
+        _failing_commits(patch)
+        with pytest.raises(OperationalError):
+            broker.request_lease("x", "", gpus=1)
+    assert kept[0].user == "ann"  # a lazy read outside any block
+    bob = broker.request_lease("bob", "nb", gpus=1)
+    with broker._session() as fresh:
+        assert fresh.get(Lease, bob["id"]) is not None  # committed
+    assert broker.validate_state() == []
+
+
+def test_a_rolled_back_pass_is_asked_for_again(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker = make_broker(db_url, ["1 x H100"])
+    clock = _Clock()
+    broker.passes = PassLoop(10.0, clock)
+    holder = broker.request_lease("holder", "", gpus=1)
+    broker.request_lease("w", "", gpus=1)
+    with monkeypatch.context() as patch:
+        _failing_commits(patch)
+        with pytest.raises(OperationalError):
+            broker.release_lease(holder["id"], "done")  # its pass ran, then rolled back
+    assert broker.passes._dirty.is_set()  # the loop will run it again
