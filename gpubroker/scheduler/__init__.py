@@ -6,6 +6,7 @@ live broker and the trace simulator call the same code.
 :mod:`~gpubroker.scheduler.fifo` the FIFO baseline.
 """
 
+from .apply import Applied, ApplyError, LeaseEvent, apply, release
 from .fifo import schedule as fifo_schedule
 from .policy import queue_order, schedule
 from .types import (
@@ -33,10 +34,13 @@ from .types import (
 
 __all__ = [
     "DEFAULT_CLASSES",
+    "Applied",
+    "ApplyError",
     "Decisions",
     "Eviction",
     "Grant",
     "Instance",
+    "LeaseEvent",
     "Part",
     "Policy",
     "PoolMode",
@@ -52,7 +56,9 @@ __all__ = [
     "UsageRecord",
     "Wait",
     "WaitReason",
+    "apply",
     "fifo_schedule",
     "queue_order",
+    "release",
     "schedule",
 ]

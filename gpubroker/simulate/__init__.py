@@ -2,8 +2,8 @@
 
 The scheduler is pure (``schedule(state, now) -> Decisions``), so the
 simulator feeds it the same :class:`~gpubroker.scheduler.SchedulerState` the
-live broker builds, on a virtual clock, and applies its decisions in memory
-the way :func:`gpubroker.passes.apply_decisions` writes them to the store.
+live broker builds, on a virtual clock, and applies its decisions with
+:func:`gpubroker.scheduler.apply`, whose rules the live broker follows.
 
 Modules, one idea each:
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..scheduler import Slot, Topology
+from ..scheduler import PoolMode, Slot, Topology
 
 _SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\S+))?\s*$")
 
@@ -25,11 +25,20 @@ class ClusterError(ValueError):
 
 @dataclass(frozen=True)
 class Node:
-    """One node: its name, how many GPUs it has, and their model."""
+    """One node: its name, how many GPUs it has, and their model.
+
+    ``mode`` (a :class:`~gpubroker.scheduler.PoolMode` value) other than
+    ``exclusive`` puts its GPUs in a pool of that name handed out as MIG
+    instances or time-sliced shares; ``model`` is then the NVML product name
+    (for the MIG catalog) and ``memory_mib`` each GPU's memory, MiB.
+    Specs and files only make exclusive nodes.
+    """
 
     name: str
     gpus: int
     model: str = "GPU"
+    mode: str = PoolMode.exclusive.value
+    memory_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,19 @@ class Cluster:
     def slots(self) -> tuple[Slot, ...]:
         """One :class:`~gpubroker.scheduler.Slot` per GPU (UUID ``node/index``)."""
         return tuple(
-            Slot(f"{node.name}/{i}", node.name, i) for node in self.nodes for i in range(node.gpus)
+            Slot(f"{node.name}/{i}", node.name, i)
+            if node.mode == PoolMode.exclusive.value
+            else Slot(
+                f"{node.name}/{i}",
+                node.name,
+                i,
+                pool=node.mode,
+                mode=node.mode,
+                model=node.model,
+                memory_mib=node.memory_mib,
+            )
+            for node in self.nodes
+            for i in range(node.gpus)
         )
 
     def models(self) -> dict[str, int]:

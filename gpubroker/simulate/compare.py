@@ -47,7 +47,9 @@ def make_scheduler(
         ValueError: an unknown name.
     """
     if name == "broker":
-        return Scheduler("broker", core.schedule, preempts=True, order=core.queue_order)
+        return Scheduler(
+            "broker", core.schedule, preempts=True, order=core.queue_order, fair_share_order=True
+        )
     if name == "fifo":
         return Scheduler("fifo", core.fifo_schedule, strict_fifo=True)
     if name == "slurm-like":

@@ -4,11 +4,13 @@ Events are arrivals (a job's submit time), completions (start + run time)
 and wake-ups (a preemption's grace deadline, or "run again now" after
 evictions). At each event time the engine applies every event due, then
 runs one scheduling pass on a :class:`~gpubroker.scheduler.SchedulerState`
-kept up to date incrementally, and applies the decisions in memory the way
-:func:`gpubroker.passes.apply_decisions` writes them to the store:
+kept up to date incrementally, and applies the decisions with
+:func:`gpubroker.scheduler.apply`, the pure applier whose rules the live
+broker follows (:func:`gpubroker.passes.apply_decisions`):
 
 - a grant becomes a :class:`~gpubroker.scheduler.Running` lease (started
-  now, ``ends`` = now + its time limit) that completes after its run time;
+  now, ``ends`` = now + its time limit) holding whole devices, or the MIG
+  instance or shares granted (``parts``), and completes after its run time;
 - a preemption sets the victim's ``preempt_deadline`` (and a wake-up then);
   the request's ``earmarked`` devices follow its :class:`~gpubroker.scheduler.Wait`;
 - an eviction ends the lease; a preempted job goes back to the queue (same
@@ -27,6 +29,12 @@ preempting class waiting). For a strict-FIFO scheduler, arrivals behind a
 blocked head change nothing either, and only the first ``free + 1`` requests
 in arrival order can be granted, so only those are passed.
 
+The broker's passes over a long queue see only its head in queue order (see
+:meth:`Engine._prefix_pass`, checked exact); the engine keeps each user's
+requests sorted and merges them into the broker's order as far as the head
+goes, and finds the requests behind the head that might start through an
+index by size and time limit, so that no pass sorts or scans the whole queue.
+
 The virtual clock counts integer microseconds from the first submission;
 the scheduler sees aware UTC datetimes from :data:`EPOCH` (an arbitrary
 origin: 2020-01-01 00:00 UTC).
@@ -34,26 +42,29 @@ origin: 2020-01-01 00:00 UTC).
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
 import heapq
 import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from ..scheduler import (
     Decisions,
     Policy,
+    PoolMode,
     Request,
     Running,
     SchedulerState,
     UsageRecord,
     WaitReason,
+    fairshare,
 )
-from ..scheduler.fairshare import decay, running_usage
+from ..scheduler.apply import CAUSE_TIME_LIMIT, ApplyError, apply, charge
 from .cluster import Cluster
 from .workload import SimJob, Workload
 
@@ -64,11 +75,14 @@ US = 1_000_000
 
 SchedulerFn = Callable[[SchedulerState, dt.datetime], Decisions]
 
-#: a prefix pass sees at least this many requests...
-PREFIX_BASE = 256
+#: a prefix pass sees at least this many requests more than Policy.max_reservations ...
+PREFIX_BASE = 32
 #: ... and at least this many that fit a node's free devices, plus PREFIX_PER_FREE per free device
 PREFIX_FITTING = 32
-PREFIX_PER_FREE = 8
+PREFIX_PER_FREE = 2
+#: requests that might start behind a prefix are added this many at a time (+ per free device)
+CHUNK_BASE = 32
+CHUNK_PER_FREE = 2
 
 _COMPLETE, _ARRIVAL, _WAKE = 0, 1, 2
 
@@ -102,6 +116,11 @@ class Scheduler:
             :func:`~gpubroker.scheduler.queue_order`); when given, the engine
             may pass a prefix of the queue and check the result (see
             :meth:`Engine._prefix_pass`).
+        fair_share_order: ``order`` is the broker's: class rank, then the
+            fair-share factor in steps of ``Policy.fairshare_resolution``,
+            then age and id. The engine then merges its per-user queues into
+            that order as far as a pass needs, instead of sorting the whole
+            queue every pass (``verify`` checks it against ``order``).
     """
 
     name: str
@@ -109,6 +128,7 @@ class Scheduler:
     preempts: bool = False
     strict_fifo: bool = False
     order: Callable[[SchedulerState, dt.datetime], list[Request]] | None = None
+    fair_share_order: bool = False
 
 
 @dataclass
@@ -173,7 +193,7 @@ class RunResult:
     records: list[JobRecord]
     leases: list[LeaseSpan]
     total_gpus: int
-    series: list[tuple[float, int, float]]
+    series: list[tuple[float, float, float]]
     end: float
     notices: int = 0
     evictions: int = 0
@@ -246,13 +266,23 @@ class Engine:
         self._attempt: dict[int, _Attempt] = {}
         self._lease_job: dict[int, int] = {}
         self._busy: set[str] = set()
+        #: devices holding parts (MIG instances, shares): parts held on each
+        self._shared: Counter[str] = Counter()
+        #: device units held in parts
+        self._fraction = 0.0
+        #: the cluster has devices that are handed out in parts
+        self._fractional = any(s.mode != PoolMode.exclusive.value for s in self._slots)
         self._usage: dict[str, UsageRecord] = {}
         self._ids = itertools.count(1)
+        #: per size (GPUs), (time limit s or inf, lease id) of pending requests, sorted
+        self._by_size: dict[int, list[tuple[float, int]]] = {}
+        #: per user, (-class rank, created us, lease id) of its pending requests, sorted
+        self._queues: dict[str, list[tuple[int, int, int]]] = {}
         self._seq = itertools.count()
         self._events: list[tuple[int, int, int, int]] = []
         self._held = 0
         self._requested = 0.0
-        self._series: list[tuple[float, int, float]] = [(0.0, 0, 0.0)]
+        self._series: list[tuple[float, float, float]] = [(0.0, 0, 0.0)]
         self._leases: list[LeaseSpan] = []
         self._in_grace = 0
         self._earmarked: set[int] = set()
@@ -308,7 +338,7 @@ class Engine:
             return False
         if not self._dirty and self.scheduler.strict_fifo and self._blocked:
             return False  # only arrivals, behind a head that does not fit
-        if self._held < len(self._slots) or self._in_grace or self._earmarked:
+        if self._held < len(self._slots) or self._in_grace or self._earmarked or self._fractional:
             return True
         return self.scheduler.preempts and (self.policy.has_guarantees or self._preempting > 0)
 
@@ -328,8 +358,16 @@ class Engine:
             group=job.group,
             priority_class=job.priority_class,
             time_limit=self._limit_left[job.index] / US,
+            kind=job.kind,
+            mig_profile=job.mig_profile,
+            memory_mib=job.memory_mib,
         )
         self._waiting_users[job.user] += 1
+        if self.scheduler.order is not None:  # the indexes of prefix passes
+            rank = self.policy.class_of(job.priority_class).rank
+            bisect.insort(self._queues.setdefault(job.user, []), (-rank, created, lease_id))
+            limit = self._limit_left[job.index] / US
+            bisect.insort(self._by_size.setdefault(job.gpus, []), (limit, lease_id))
         if self.policy.class_of(job.priority_class).preempting:
             self._preempting += 1
 
@@ -346,15 +384,16 @@ class Engine:
             usage=self._usage,
             topology=self._topology,
         )
+        seen = state
         if self.scheduler.order is not None and self._may_use_prefix(state):
-            decisions = self._prefix_pass(state, when)
+            decisions, seen = self._prefix_pass(state, when)
             if self.verify:
                 self._check(decisions, self.scheduler.schedule(state, when), when)
         else:
             decisions = self.scheduler.schedule(state, when)
         self._result.passes += 1
         self._dirty = False
-        self._apply(decisions, now)
+        self._apply(decisions, seen, now)
         self._blocked = bool(self._pending)
 
     @staticmethod
@@ -372,20 +411,24 @@ class Engine:
         """Whether requests behind a prefix could only wait: nothing earmarked,
         nobody in grace, no preemption possible, and a queue longer than a prefix."""
         return (
-            not self._earmarked
+            not self._fractional
+            and not self._earmarked
             and not self._in_grace
             and not self._preempting
             and not self.policy.has_guarantees
-            and len(state.pending) > PREFIX_BASE
+            and len(state.pending) > self.policy.max_reservations + PREFIX_BASE
         )
 
-    def _split(self, ordered: list[Request]) -> tuple[list[Request], list[Request]]:
-        """The queue's head for a prefix pass, and the rest.
+    def _split(self, queue: Iterator[Request], size: int, head: list[Request]) -> bool:
+        """Extend ``head`` to the queue's head for a prefix pass; return
+        whether requests are left behind it.
 
-        The head is at least :data:`PREFIX_BASE` requests long, and long enough
-        to hold :data:`PREFIX_FITTING` (+ :data:`PREFIX_PER_FREE` per free
-        device) requests small enough for a node's free devices, so that the
-        free devices are likely taken or shown reserved within it.
+        The head is at least ``size`` requests long, and long enough to hold
+        :data:`PREFIX_FITTING` (+ :data:`PREFIX_PER_FREE` per free device)
+        requests small enough for a node's free devices, so that the free
+        devices are likely taken or shown reserved within it. ``queue`` is
+        consumed as far as the head goes (``head``, a prefix of it so far, is
+        continued).
         """
         free: dict[str, int] = {}
         for slot in self._slots:
@@ -393,15 +436,19 @@ class Engine:
                 free[slot.node] = free.get(slot.node, 0) + 1
         largest = max(free.values(), default=0)
         wanted = PREFIX_FITTING + PREFIX_PER_FREE * sum(free.values()) if largest else 0
-        end = fitting = 0
-        for end, request in enumerate(ordered, 1):
+        fitting = sum(1 for r in head if r.gpus <= largest)
+        while len(head) < size or fitting < wanted:
+            request = next(queue, None)
+            if request is None:
+                break
+            head.append(request)
             if request.gpus <= largest:
                 fitting += 1
-            if end >= PREFIX_BASE and fitting >= wanted:
-                break
-        return ordered[:end], ordered[end:]
+        return len(head) < len(self._pending)
 
-    def _prefix_pass(self, state: SchedulerState, when: dt.datetime) -> Decisions:
+    def _prefix_pass(
+        self, state: SchedulerState, when: dt.datetime
+    ) -> tuple[Decisions, SchedulerState]:
         """The pass's decisions from part of the queue, when that is provably exact.
 
         Requests are served in the scheduler's queue order, and within a pass
@@ -424,56 +471,133 @@ class Engine:
         :meth:`_may_use_prefix`).
         """
         assert self.scheduler.order is not None
-        ordered = self.scheduler.order(state, when)
-        head, rest = self._split(ordered)
-        if not rest:
-            return self._full_pass(state, when)
+        queue = self._queue_order(state, when)
+        head: list[Request] = []
+        size = self.policy.max_reservations + PREFIX_BASE
+        while True:
+            if not self._split(queue, size, head):
+                return self._full_pass(state, when)
+            if self.verify:
+                full = self.scheduler.order(state, when)[: len(head)]
+                if [r.lease_id for r in full] != [r.lease_id for r in head]:
+                    diff = next(
+                        (a, b) for a, b in zip(full, head, strict=True) if a.lease_id != b.lease_id
+                    )
+                    raise SimulationError(
+                        f"at {when}: the merged queue order is not the policy's: {diff}"
+                    )
+            decided = self._serve(state, when, head)
+            if decided is not None:
+                return decided
+            size *= 2  # the reservations were not used up within the head: a longer one
+
+    def _serve(
+        self, state: SchedulerState, when: dt.datetime, head: list[Request]
+    ) -> tuple[Decisions, SchedulerState] | None:
+        """The decisions of :meth:`_prefix_pass` from ``head`` (a prefix of the
+        queue order) and requests added behind it; ``None`` when the head is
+        too short to tell (the pass's reservations were not used up within it)."""
         users = {r.user for r in head}
-        extra = []
-        waiting = len(self._waiting_users)
-        for request in rest:
-            if len(users) == waiting:
-                break
-            if request.user not in users:
-                users.add(request.user)
-                extra.append(request)
+        extra = [
+            self._pending[self._queues[user][0][2]]
+            for user in self._waiting_users
+            if user not in users
+        ]
         served = {r.lease_id: r for r in head}
+        rest: list[Request] | None = None  # every pending request behind the head
         first = True
         while True:
             pending = (*served.values(), *(r for r in extra if r.lease_id not in served))
-            decisions = self.scheduler.schedule(replace(state, pending=pending), when)
+            seen = replace(state, pending=pending)
+            decisions = self.scheduler.schedule(seen, when)
             if decisions.preemptions:
                 return self._full_pass(state, when)
-            rest = self._may_start(decisions, served, rest, when)
-            self._result.candidates += len(rest)
-            if not rest:
+            behind = self._may_start(decisions, served, rest, when)
+            if first:
+                behind = self._in_order(state, when, behind)
+            self._result.candidates += len(behind)
+            if not behind:
                 if any(g.lease_id not in served for g in decisions.grants):
                     return self._full_pass(state, when)  # cannot happen (see above); be safe
                 self._result.prefix_passes += 1
-                return decisions
+                return decisions, seen
             if first:
                 tried = sum(
                     1 for w in decisions.waits if w.lease_id in served and w.reason in _NOT_PLACED
                 )
                 if tried < self.policy.max_reservations:
-                    return self._full_pass(state, when)
+                    return None
                 first = False
-            chunk = PREFIX_FITTING + PREFIX_PER_FREE * (len(self._slots) - self._held)
-            served.update((r.lease_id, r) for r in rest[:chunk])
-            rest = rest[chunk:]
+            chunk = CHUNK_BASE + CHUNK_PER_FREE * (len(self._slots) - self._held)
+            served.update((r.lease_id, r) for r in behind[:chunk])
+            rest = behind[chunk:]
 
-    def _full_pass(self, state: SchedulerState, when: dt.datetime) -> Decisions:
+    def _buckets(self, state: SchedulerState, when: dt.datetime) -> dict[str, int]:
+        """Per waiting user, the fair-share part of the broker's queue key
+        (:func:`gpubroker.scheduler.queue_order`): minus the factor in steps."""
+        policy = self.policy
+        usage = fairshare.decayed_usage(state.usage, state.running, when, policy.half_life)
+        users = set(self._waiting_users).union(r.user for r in state.running)
+        total = sum(1 for s in state.slots if not s.drained)
+        factor = fairshare.factors(users, usage, policy.shares, total, policy.half_life)
+        step = policy.fairshare_resolution or 1e-9
+        return {user: -round(factor[user] / step) for user in self._waiting_users}
+
+    def _queue_order(self, state: SchedulerState, when: dt.datetime) -> Iterator[Request]:
+        """The pending requests in the scheduler's queue order, lazily: a merge
+        of the per-user queues by the broker's key (see
+        :attr:`Scheduler.fair_share_order`), else the scheduler's own sort."""
+        assert self.scheduler.order is not None
+        if not self.scheduler.fair_share_order:
+            yield from self.scheduler.order(state, when)
+            return
+        buckets = self._buckets(state, when)
+        pending = self._pending
+
+        def keyed(bucket: int, queue: list[tuple[int, int, int]]) -> Iterator[tuple[int, ...]]:
+            return ((rank, bucket, created, lease_id) for rank, created, lease_id in queue)
+
+        merged = heapq.merge(
+            *(keyed(buckets[user], queue) for user, queue in self._queues.items() if queue)
+        )
+        for key in merged:
+            yield pending[key[3]]
+
+    def _in_order(
+        self, state: SchedulerState, when: dt.datetime, requests: list[Request]
+    ) -> list[Request]:
+        """``requests`` sorted in the scheduler's queue order."""
+        if len(requests) < 2:
+            return requests
+        if not self.scheduler.fair_share_order:
+            assert self.scheduler.order is not None
+            wanted = {r.lease_id for r in requests}
+            return [r for r in self.scheduler.order(state, when) if r.lease_id in wanted]
+        buckets = self._buckets(state, when)
+        policy = self.policy
+
+        def key(r: Request) -> tuple[int, int, dt.datetime, int]:
+            rank = policy.class_of(r.priority_class).rank
+            return (-rank, buckets[r.user], r.created, r.lease_id)
+
+        return sorted(requests, key=key)
+
+    def _full_pass(
+        self, state: SchedulerState, when: dt.datetime
+    ) -> tuple[Decisions, SchedulerState]:
         self._result.full_passes += 1
-        return self.scheduler.schedule(state, when)
+        return self.scheduler.schedule(state, when), state
 
     def _may_start(
         self,
         decisions: Decisions,
         head: dict[int, Request],
-        behind: list[Request],
+        behind: list[Request] | None,
         when: dt.datetime,
     ) -> list[Request]:
-        """Requests of ``behind`` not shown unable to start once ``head`` was served.
+        """Requests of ``behind`` not shown unable to start once ``head`` was served
+        (``behind`` ``None``: every pending request not in ``head``, found
+        through the engine's index by size and time limit, in no set order).
 
         A request cannot start when (1) no node has as many free devices as
         it needs; (2) a request of ``head`` needing at most as many GPUs for
@@ -505,6 +629,8 @@ class Engine:
         smallest_missed = min(missed, default=math.inf)
         horizon = (latest - when).total_seconds()
         bounds = sorted(missed.items())
+        if behind is None:
+            return self._may_start_indexed(head, largest, bounds, smallest_missed, horizon)
         candidates = []
         for request in behind:
             if request.gpus > largest:
@@ -516,88 +642,128 @@ class Engine:
                 candidates.append(request)
         return candidates
 
-    def _apply(self, decisions: Decisions, now: int) -> None:
-        """Write ``decisions`` in memory, in the order apply_decisions does."""
-        for eviction in decisions.evictions:
-            if eviction.lease_id not in self._running:
-                raise SimulationError(f"evicted lease {eviction.lease_id} is not running")
-            self._evict(eviction.lease_id, eviction.reason, now)
-        for lease_id in decisions.withdrawn:
-            lease = self._running[lease_id]
-            if lease.preempt_deadline is not None:
-                self._in_grace -= 1
-                self._running[lease_id] = replace(lease, preempt_deadline=None)
-            self._result.withdrawn += 1
-        for grant in decisions.grants:
-            self._grant(grant.lease_id, grant.devices, now)
-        for preemption in decisions.preemptions:
-            victim = self._running[preemption.lease_id]
-            if victim.preempt_deadline is None:
+    def _may_start_indexed(
+        self,
+        head: dict[int, Request],
+        largest: int,
+        bounds: list[tuple[int, float]],
+        smallest_missed: float,
+        horizon: float,
+    ) -> list[Request]:
+        """:meth:`_may_start` over every pending request not in ``head``: per
+        size, the requests whose time limit is below the bound that rules (2)
+        and (3) set, a prefix of the size's requests sorted by time limit."""
+        candidates: list[Request] = []
+        pending = self._pending
+        for gpus, entries in self._by_size.items():
+            if gpus > largest or not entries:
+                continue
+            end = len(entries)
+            shortest = min((t for g, t in bounds if g <= gpus), default=None)
+            if shortest is not None:  # rule (2): only limits below the shortest missed
+                end = bisect.bisect_left(entries, (shortest, -1))
+            if gpus >= smallest_missed:  # rule (3): only limits within the horizon
+                end = min(end, bisect.bisect_right(entries, (horizon + 0.001, math.inf)))
+            candidates.extend(pending[i] for _, i in entries[:end] if i not in head)
+        return candidates
+
+    def _apply(self, decisions: Decisions, state: SchedulerState, now: int) -> None:
+        """Apply ``decisions`` (of a pass over ``state``) with
+        :func:`gpubroker.scheduler.apply`, the rules the live broker follows,
+        and keep the engine's indexes and records in step with its outcome."""
+        named = {grant.lease_id for grant in decisions.grants}
+        if decisions.preemptions or self._earmarked:
+            named.update(
+                w.lease_id for w in decisions.waits if w.earmarked or w.lease_id in self._earmarked
+            )
+        # apply() needs only the requests the decisions change: not the whole queue
+        state = replace(state, pending=tuple(self._pending[i] for i in named))
+        try:
+            applied = apply(state, decisions, at(now))
+        except ApplyError as err:
+            raise SimulationError(f"at {at(now)}: {err}") from err
+        if applied.evicted:
+            self._usage = dict(applied.usage)  # charged by apply(), in eviction order
+            causes = {e.lease_id: e.detail["cause"] for e in applied.events if e.kind == "released"}
+            for lease in applied.evicted:
+                self._evict(lease.lease_id, causes[lease.lease_id] == CAUSE_TIME_LIMIT, now)
+        self._result.withdrawn += len(decisions.withdrawn)
+        for lease in applied.marked:
+            if self._running[lease.lease_id].preempt_deadline is None:
                 self._in_grace += 1
-            self._running[victim.lease_id] = replace(victim, preempt_deadline=preemption.deadline)
+            if lease.preempt_deadline is None:
+                self._in_grace -= 1
+            self._running[lease.lease_id] = lease
+        for lease in applied.granted:
+            self._grant(lease, now)
+        for preemption in decisions.preemptions:
             self._push(max(micros(preemption.deadline), now), _WAKE)
             self._result.notices += 1
-        if decisions.preemptions or self._earmarked:
-            for wait in decisions.waits:
-                if wait.earmarked or wait.lease_id in self._earmarked:
-                    self._earmark(wait.lease_id, wait.earmarked)
+        for request in applied.earmarked:
+            self._pending[request.lease_id] = request
+            if request.earmarked:
+                self._earmarked.add(request.lease_id)
+            else:
+                self._earmarked.discard(request.lease_id)
         if decisions.evictions:
             self._push(now, _WAKE)  # evicted devices are free for the next pass
 
-    def _earmark(self, lease_id: int, devices: tuple[str, ...]) -> None:
-        request = self._pending[lease_id]
-        if request.earmarked != devices:
-            self._pending[lease_id] = replace(request, earmarked=devices)
-        if devices:
-            self._earmarked.add(lease_id)
-        else:
-            self._earmarked.discard(lease_id)
-
-    def _grant(self, lease_id: int, devices: tuple[str, ...], now: int) -> None:
-        request = self._pending.pop(lease_id, None)
-        if request is None:
-            raise SimulationError(f"granted lease {lease_id} is not pending")
-        if len(devices) != request.gpus or self._busy.intersection(devices):
-            raise SimulationError(f"grant of lease {lease_id}: devices {devices} are busy or wrong")
+    def _grant(self, lease: Running, now: int) -> None:
+        lease_id = lease.lease_id
+        request = self._pending.pop(lease_id)
         self._earmarked.discard(lease_id)
         self._waiting_users[request.user] -= 1
+        if self.scheduler.order is not None:
+            queue = self._queues[request.user]
+            rank = self.policy.class_of(request.priority_class).rank
+            del queue[bisect.bisect_left(queue, (-rank, micros(request.created), lease_id))]
+            sized = self._by_size[request.gpus]
+            limit = math.inf if request.time_limit is None else request.time_limit
+            del sized[bisect.bisect_left(sized, (limit, lease_id))]
         if not self._waiting_users[request.user]:
             del self._waiting_users[request.user]
         if self.policy.class_of(request.priority_class).preempting:
             self._preempting -= 1
         index = self._lease_job[lease_id]
         job = self._jobs[index]
-        self._busy.update(devices)
-        self._running[lease_id] = Running(
-            lease_id=lease_id,
-            user=request.user,
-            devices=devices,
-            started=at(now),
-            group=request.group,
-            priority_class=request.priority_class,
-            ends=at(now + self._limit_left[index]),
-        )
+        self._take(lease, 1)
+        self._running[lease_id] = lease
         self._attempt[lease_id] = _Attempt(index, now)
         self._push(now + self._run_left[index], _COMPLETE, lease_id)
         record = self._records[index]
         if record.first_start is None:
             record.first_start = now / US
         record.starts += 1
-        self._held += len(devices)
         self._requested += job.demand
         self._mark(now)
 
-    def _end(self, lease_id: int, now: int, how: str) -> _Attempt:
-        """Remove a running lease: free its devices, charge its usage."""
+    def _take(self, lease: Running, sign: int) -> None:
+        """Count the slots of ``lease`` as held (``sign`` 1) or free again (-1)."""
+        if sign > 0:
+            self._busy.update(lease.devices)
+        else:
+            self._busy.difference_update(lease.devices)
+        self._held += sign * len(lease.devices)
+        for part in lease.parts:
+            self._shared[part.device] += sign
+            if not self._shared[part.device]:
+                del self._shared[part.device]
+            self._fraction += sign * part.weight
+        if not self._shared:
+            self._fraction = 0.0  # no rounding residue once no part is held
+
+    def _end(self, lease_id: int, now: int, how: str, charged: bool = False) -> _Attempt:
+        """Remove a running lease: free its slots, charge its usage (unless
+        :func:`~gpubroker.scheduler.apply` has)."""
         lease = self._running.pop(lease_id)
         attempt = self._attempt.pop(lease_id)
         job = self._jobs[attempt.job]
         if lease.preempt_deadline is not None:
             self._in_grace -= 1
-        self._busy.difference_update(lease.devices)
-        self._held -= len(lease.devices)
+        self._take(lease, -1)
         self._requested -= job.demand
-        self._charge(lease, now)
+        if not charged:
+            self._usage = charge(self._usage, lease, at(now), self.policy.half_life)
         self._leases.append(LeaseSpan(attempt.job, job.gpus, attempt.start / US, now / US, how))
         self._mark(now)
         if how in ("completed", "time limit"):
@@ -608,11 +774,11 @@ class Engine:
                 self.progress.update(1)
         return attempt
 
-    def _evict(self, lease_id: int, reason: str, now: int) -> None:
-        if reason.startswith("time limit"):
-            self._end(lease_id, now, "time limit")
+    def _evict(self, lease_id: int, timed_out: bool, now: int) -> None:
+        if timed_out:
+            self._end(lease_id, now, "time limit", charged=True)
             return
-        attempt = self._end(lease_id, now, "preempted")
+        attempt = self._end(lease_id, now, "preempted", charged=True)
         index = attempt.job
         ran = now - attempt.start
         record = self._records[index]
@@ -627,21 +793,9 @@ class Engine:
         self._requeued = True
         self._enqueue(job, seconds_to_us(job.submit))
 
-    def _charge(self, lease: Running, now: int) -> None:
-        """Add the lease's decayed GPU-seconds to its user (as gpubroker.usage does)."""
-        when = at(now)
-        half_life = self.policy.half_life
-        old = self._usage.get(lease.user)
-        past = (
-            0.0
-            if old is None
-            else decay(old.gpu_seconds, (when - old.as_of).total_seconds(), half_life)
-        )
-        total = past + running_usage(lease.gpus, lease.started, when, half_life)
-        self._usage[lease.user] = UsageRecord(total, when)
-
     def _mark(self, now: int) -> None:
-        point = (now / US, self._held, self._requested)
+        held = self._held + self._fraction if self._fraction else self._held
+        point = (now / US, held, self._requested)
         if self._series[-1][0] == point[0]:
             self._series[-1] = point
         else:

@@ -53,7 +53,7 @@ def summary(values: Sequence[float]) -> dict[str, float | None]:
     }
 
 
-def integrate(series: Sequence[tuple[float, int, float]], end: float) -> tuple[float, float]:
+def integrate(series: Sequence[tuple[float, float, float]], end: float) -> tuple[float, float]:
     """(allocated, requested) GPU-seconds over ``[0, end]`` of a step series."""
     allocated = requested = 0.0
     for (t, held, asked), nxt in zip(series, [*series[1:], (end, 0, 0.0)], strict=True):
@@ -64,7 +64,10 @@ def integrate(series: Sequence[tuple[float, int, float]], end: float) -> tuple[f
 
 
 def binned(
-    series: Sequence[tuple[float, int, float]], end: float, total: int, points: int = SERIES_POINTS
+    series: Sequence[tuple[float, float, float]],
+    end: float,
+    total: int,
+    points: int = SERIES_POINTS,
 ) -> dict[str, list[float]]:
     """The allocation ratio as ``points`` time-weighted bin means over ``[0, end]``."""
     if end <= 0 or total <= 0:

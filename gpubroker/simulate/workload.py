@@ -48,6 +48,12 @@ class SimJob:
         priority_class: its class name.
         demand: GPUs it asked for (fractional for ``openb``; else ``gpus``).
         line: its line in the trace.
+        kind: :class:`~gpubroker.scheduler.SlotKind` value: ``gpus`` (whole
+            devices), ``mig`` (one instance of ``mig_profile``) or ``share``
+            (``gpus`` shares of ``memory_mib`` MiB each); traces only make
+            ``gpus`` jobs, the others come from callers building jobs.
+        mig_profile: the MIG profile (``mig`` only).
+        memory_mib: memory of each share, MiB (``share`` only).
     """
 
     index: int
@@ -61,6 +67,9 @@ class SimJob:
     priority_class: str
     demand: float
     line: int
+    kind: str = "gpus"
+    mig_profile: str = ""
+    memory_mib: int = 0
 
 
 @dataclass
