@@ -132,7 +132,7 @@ class SharingOpsMixin:
         if time.monotonic() < not_before:
             return None  # keeps the failure as its wait; tried after the backoff
         self._preparing[lease.id] = parts
-        lease_id = self._lease_id(lease)
+        lease_id = lease.id
         self.actuator.submit(
             f"making MIG instances of lease {lease_id}",
             lambda: self._make_all(parts),
@@ -141,10 +141,6 @@ class SharingOpsMixin:
         what = ", ".join(f"MIG {p.profile} on {p.device}" for p in to_make)
         set_wait(lease, PREPARING, f"making {what}")
         return None
-
-    @staticmethod
-    def _lease_id(lease: Lease) -> int:
-        return lease.id
 
     @command("scheduler")
     def _prepared(

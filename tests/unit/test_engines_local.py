@@ -406,7 +406,7 @@ def test_another_user_needs_root(
     try:
         nobody = pwd.getpwnam("nobody")
     except KeyError:
-        pytest.skip("no user 'nobody'")
+        pytest.skip(reason="no user 'nobody'")
     monkeypatch.setattr(os, "geteuid", lambda: nobody.pw_uid)  # the broker runs as nobody
     with pytest.raises(EngineError, match=r"runs as 'nobody'.*run it as root"):
         engine.launch(spec("pass", tmp_path, user="root"))
@@ -416,14 +416,14 @@ def test_launch_as_another_user(
     backend: FakeDeviceBackend, launch: Launch, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if os.geteuid() != 0:
-        pytest.skip("needs root to switch users")
+        pytest.skip(reason="needs root to switch users")
     try:
         nobody = pwd.getpwnam("nobody")
     except KeyError:
-        pytest.skip("no user 'nobody'")
+        pytest.skip(reason="no user 'nobody'")
     helper = shutil.which("python3", path="/usr/bin:/bin")
     if helper is None:
-        pytest.skip("no /usr/bin/python3 for the as-user helper")
+        pytest.skip(reason="no /usr/bin/python3 for the as-user helper")
     monkeypatch.setenv("GPUBROKER_TEST_LEAK_MARKER", "must-not-leak")
     engine = LocalEngine(backend, helper_python=helper)
     home = Path(tempfile.mkdtemp(prefix="gpubroker-engine-"))
