@@ -233,14 +233,16 @@ class AdmissionMixin:
         gpus: float,
     ) -> None:
         """Refuse what would take held plus pending GPUs above a limit (403)."""
-        active = self._world.active()  # type: ignore[attr-defined]
-        checks = [("user", user, policy.user_quota(user), [x for x in active if x.user == user])]
+        inputs = self._world.refresh_inputs()  # type: ignore[attr-defined]
+        checks = [("user", user, policy.user_quota(user))]
         quota = policy.group_quota(group)
         if quota is not None and group is not None:
-            checks.append(("group", group, quota, [x for x in active if x.group_name == group]))
-        for kind, name, q, leases in checks:
-            taken = sum(held_weight(x) for x in leases)
-            if q.limit is not None and taken + gpus > q.limit + 1e-9:
+            checks.append(("group", group, quota))
+        for kind, name, q in checks:
+            if q.limit is None:
+                continue
+            taken = inputs.taken(user=name) if kind == "user" else inputs.taken(group=name)
+            if taken + gpus > q.limit + 1e-9:
                 raise Forbidden(
                     f"quota: {kind} {name} holds or waits for {taken:.3g} GPUs; {gpus:.3g} more "
                     f"would exceed the {kind} limit of {q.limit:.3g} GPUs"

@@ -228,6 +228,7 @@ class Broker(
         with self._session() as session:
             found = state_check.problems(session, touched)
             found += state_check.memory_matches(session, self._world.active())
+            found += self._world.refresh_inputs().drift(self._world.leases)
         for problem in found:
             self.log.error("State check: %s", problem)
         if found and self.check_state == "raise":
@@ -794,6 +795,7 @@ class Broker(
             lambda lease, why: self._evict(lease, why, now),
             self._prepare,
             self._rec(session, now, "scheduler"),
+            self._world.inputs,
         )
         for grant in decisions.grants:
             what = grant.devices or tuple(f"{p.kind}:{p.device}" for p in grant.parts)

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from . import scheduler
+from .broker.inputs import SchedulerInputs
 from .broker.world import World
 from .pools import PoolSpec
 from .scheduler import (
@@ -30,67 +31,8 @@ from .transitions import Recorder
 MigInventory = Mapping[str, Sequence[Instance]]
 
 
-def _part(allocation: Allocation) -> Part:
-    return Part(
-        device=allocation.device_uuid,
-        kind=allocation.kind,
-        weight=allocation.weight,
-        profile=allocation.profile or "",
-        start=allocation.placement_start or 0,
-        size=allocation.placement_size or 0,
-        memory_mib=allocation.memory_mib or 0,
-        instance=allocation.instance_uuid or "",
-    )
-
-
-def _cached(cache: dict[int, tuple[Any, Any]], lease: Lease, key: Any, build: Any) -> Any:
-    """``build(lease)``, reused while ``key`` (what it depends on that can
-    change) stays the same."""
-    hit = cache.get(lease.id)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    value = build(lease)
-    cache[lease.id] = (key, value)
-    return value
-
-
-def _running(lease: Lease) -> scheduler.Running:
-    assert lease.granted_at is not None
-    active = [a for a in lease.allocations if a.active]
-    return scheduler.Running(
-        lease_id=lease.id,
-        user=lease.user,
-        devices=tuple(a.device_uuid for a in active if a.kind == "device"),
-        started=lease.granted_at,
-        group=lease.group_name,
-        priority_class=lease.priority_class,
-        ends=lease.ends_at,
-        preempt_deadline=lease.preempt_deadline,
-        parts=tuple(_part(a) for a in active if a.kind != "device"),
-    )
-
-
-def _request(lease: Lease) -> scheduler.Request:
-    return scheduler.Request(
-        lease_id=lease.id,
-        user=lease.user,
-        gpus=lease.gpus,
-        created=lease.created,
-        group=lease.group_name,
-        priority_class=lease.priority_class,
-        time_limit=lease.time_limit,
-        earmarked=tuple(lease.earmarked or ()),
-        kind=lease.kind,
-        mig_profile=lease.mig_profile or "",
-        memory_mib=lease.memory_mib or 0,
-        pool=lease.pool,
-        weight=lease.weight,
-        prefer=tuple(lease.prefer_devices or ()),
-    )
-
-
 def _slot(
-    device: Device, spec: PoolSpec | None, instances: Sequence[Instance], held: set[str]
+    device: Device, spec: PoolSpec | None, instances: Sequence[Instance], held: Collection[str]
 ) -> scheduler.Slot:
     """A device as the scheduler sees it. A ``mig`` device whose MIG mode is
     off, a device of another pool whose MIG mode is on (never granted whole
@@ -133,9 +75,11 @@ def build_state(
     mig_instances: MigInventory | None = None,
     sharing_strategy: str = "least-fragmentation",
     skip: Collection[int] = (),
-) -> tuple[SchedulerState, dict[int, Lease]]:
+) -> tuple[SchedulerState, Mapping[int, Lease]]:
     """The scheduler's view of the broker's memory (no database read), and
-    the active leases by id.
+    the active leases by id. The leases' values are kept between passes
+    and built again only for the leases that changed
+    (:class:`~gpubroker.broker.inputs.SchedulerInputs`).
 
     Args:
         world: the broker's in-memory state.
@@ -146,40 +90,22 @@ def build_state(
             being made off the event loop).
     """
     devices = world.present_devices()
-    active = world.active()
-    held = {
-        a.instance_uuid
-        for x in active
-        for a in x.allocations
-        if a.active and a.instance_uuid is not None
-    }
+    inputs = world.refresh_inputs()
+    held = inputs.held_instances()
     pools = pools or {}
     mig_instances = mig_instances or {}
-    # a lease's scheduler value changes only with these (the rest is fixed
-    # at creation or grant): reuse the values of the previous pass
-    cache, world.scheduled = world.scheduled, {}
-    running, pending = [], []
-    for x in active:
-        if x.id in skip:
-            continue
-        if x.state == LeaseState.granted.value:
-            running.append(_cached(cache, x, ("granted", x.version), _running))
-        else:
-            key = ("pending", x.priority_class, tuple(x.earmarked or ()))
-            pending.append(_cached(cache, x, key, _request))
-        world.scheduled[x.id] = cache[x.id]
     state = SchedulerState(
         slots=tuple(
             _slot(d, pools.get(d.uuid), mig_instances.get(d.uuid, ()), held) for d in devices
         ),
-        running=tuple(running),
-        pending=tuple(pending),
+        running=inputs.running_values(skip),
+        pending=inputs.pending_values(skip),
         policy=policy,
         usage={u.user: UsageRecord(u.gpu_seconds, u.as_of) for u in world.usage.values()},
         topology=topology,
         sharing_strategy=sharing_strategy,
     )
-    return state, {x.id: x for x in active}
+    return state, world.leases
 
 
 def _bump(lease: Lease) -> None:
@@ -205,8 +131,14 @@ def apply_decisions(
     evict: Callable[[Lease, str], bool],
     realize: Realize | None = None,
     rec: Recorder | None = None,
+    inputs: SchedulerInputs | None = None,
 ) -> list[Lease]:
     """Write ``decisions`` to the rows; return the leases ended by eviction.
+
+    ``inputs``: the scheduler values the decisions were made from (the
+    broker's); with them, a wait equal to the one the lease holds is passed
+    over without reading the row, and only granted leases are looked at
+    for the reclaimable flag.
 
     ``evict(lease, reason)`` ends a lease or starts ending it (stopping its
     server first); it returns whether the lease is released now.
@@ -246,7 +178,7 @@ def apply_decisions(
                 failed = scheduler.Wait(
                     lease.id, 1, scheduler.WaitReason.resources, f"waiting: {err}"
                 )
-                _wait(lease, failed, rec)
+                _wait(lease, failed, rec, inputs)
                 continue
             if made is None:  # made off the event loop (granted when done), or backing off
                 if lease.queue_reason == PREPARING:
@@ -265,9 +197,16 @@ def apply_decisions(
         _bump(victim)
         detail = {"for_lease": preemption.for_lease, "deadline": preemption.deadline.isoformat()}
         rec.note(victim, "preempting", preemption.reason, detail)
+    held = inputs.waits if inputs is not None else {}
     for wait in decisions.waits:
-        _wait(leases[wait.lease_id], wait, rec)
-    for lease in leases.values():
+        if held.get(wait.lease_id) != wait:
+            _wait(leases[wait.lease_id], wait, rec, inputs)
+    granted = (
+        [leases[i] for i in list(inputs.running) if i in leases]
+        if inputs is not None
+        else list(leases.values())
+    )
+    for lease in granted:
         if lease.state == LeaseState.granted.value:
             # only whole devices are ever reclaimed (fractional leases are not victims)
             flag = lease.id in decisions.reclaimable and lease.kind == "gpus"
@@ -323,7 +262,9 @@ def grant_parts(
     _grant(session, lease, (), now, rec)
 
 
-def _wait(lease: Lease, wait: scheduler.Wait, rec: Any) -> None:
+def _wait(
+    lease: Lease, wait: scheduler.Wait, rec: Any, inputs: SchedulerInputs | None = None
+) -> None:
     verdict = (wait.position, wait.reason.value, wait.message, wait.eta, list(wait.earmarked))
     current = (
         lease.queue_position,
@@ -342,7 +283,10 @@ def _wait(lease: Lease, wait: scheduler.Wait, rec: Any) -> None:
             wait.position,
             wait.eta,
             list(wait.earmarked) or None,
+            inputs,
         )
+    if inputs is not None:
+        inputs.waits[lease.id] = wait
 
 
 def set_wait(
@@ -352,10 +296,13 @@ def set_wait(
     position: int | None = 1,
     eta: dt.datetime | None = None,
     earmarked: list[str] | None = None,
+    inputs: SchedulerInputs | None = None,
 ) -> None:
     """Set why ``lease`` waits and bump its version, in memory only: served
     from there, never written (a pass writes nothing for the requests that
     only wait); the first pass after a restart computes it again.
+    ``inputs``: the broker's scheduler values, told that the lease changed
+    (its earmark is part of its request).
 
     Args:
         reason: the reason code (``WaitReason`` values, or ``Preparing``).
@@ -377,6 +324,9 @@ def set_wait(
             setattr(lease, name, value)
         else:
             set_committed_value(lease, name, value)
+    if inputs is not None:
+        inputs.changed(lease.id)
+        inputs.waits.pop(lease.id, None)
 
 
 class _Silent:

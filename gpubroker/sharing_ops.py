@@ -139,7 +139,7 @@ class SharingOpsMixin:
             lambda made, err: self._prepared(lease_id, made, err),  # type: ignore[attr-defined]
         )
         what = ", ".join(f"MIG {p.profile} on {p.device}" for p in to_make)
-        set_wait(lease, PREPARING, f"making {what}")
+        set_wait(lease, PREPARING, f"making {what}", inputs=self._world.inputs)  # type: ignore[attr-defined]
         return None
 
     @command("scheduler")
@@ -184,7 +184,12 @@ class SharingOpsMixin:
         delay = min(60.0, self.grant_retry_backoff * 2.0 ** (failures - 1))
         self._retry_after[lease.id] = (failures, time.monotonic() + delay)
         rec.note(lease, "grant-failed", str(err), {"failures": failures})
-        set_wait(lease, "Resources", f"waiting: {err}; tried again in {delay:g} s")
+        set_wait(
+            lease,
+            "Resources",
+            f"waiting: {err}; tried again in {delay:g} s",
+            inputs=self._world.inputs,  # type: ignore[attr-defined]
+        )
 
     def _make_all(self, parts: tuple[Part, ...]) -> tuple[Part, ...]:
         """Make every MIG instance of ``parts`` (in a worker thread: only

@@ -29,6 +29,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from ..store.models import (
     ACTIVE_STATES,
+    Allocation,
     Device,
     HolderKind,
     Intent,
@@ -37,6 +38,7 @@ from ..store.models import (
     QuotaRow,
     UsageRow,
 )
+from .inputs import SchedulerInputs
 
 
 class World:
@@ -60,9 +62,8 @@ class World:
         self.quotas: dict[tuple[str, str], QuotaRow] = {}
         #: open ``stop-server`` intents by lease id
         self.stops: dict[int, Intent] = {}
-        #: the scheduler's value of each active lease with the key it was
-        #: built for (see :func:`gpubroker.passes.build_state`)
-        self.scheduled: dict[int, tuple[Any, Any]] = {}
+        #: the scheduler's value of each active lease, rebuilt per change
+        self.inputs = SchedulerInputs()
         #: lease event rows of the open transaction, inserted in one
         #: statement before it commits
         self.staged_events: list[dict[str, Any]] = []
@@ -150,8 +151,13 @@ class World:
         """``after_flush``: index what the flush wrote (work proportional to
         what changed). A rollback undoes it through :meth:`reload`."""
         deleted = [o for o in session.deleted if isinstance(o, QuotaRow)]
+        changed = self.inputs.changed
         for obj in [*session.new, *session.dirty, *deleted]:
-            if isinstance(obj, Lease):
+            if isinstance(obj, Allocation):
+                if obj.lease_id is not None:
+                    changed(obj.lease_id)
+            elif isinstance(obj, Lease):
+                changed(obj.id)
                 if obj.state in ACTIVE_STATES:
                     self.leases[obj.id] = obj
                 else:
@@ -200,7 +206,7 @@ class World:
         if session.in_transaction():
             session.rollback()
         self.staged_events = []
-        self.scheduled = {}
+        self.inputs.forget()
         with session.begin():
             devices = {d.uuid: d for d in session.scalars(select(Device))}
             active = select(Lease).where(Lease.state.in_(ACTIVE_STATES)).order_by(Lease.id)
@@ -229,6 +235,20 @@ class World:
         self._next_lease_id += 1
         self.session.add(lease)
         self.leases[lease.id] = lease
+        self.inputs.changed(lease.id)
+
+    def refresh_inputs(self) -> SchedulerInputs:
+        """The scheduler's values of the active leases, with every change
+        so far built in (the open transaction's too, flushed or not)."""
+        session = self.session
+        dirty = [
+            o.lease_id if isinstance(o, Allocation) else o.id
+            for o in (*session.new, *session.dirty)
+            if isinstance(o, (Lease, Allocation))
+        ]
+        dirty = [i for i in dirty if i is not None]
+        self.inputs.refresh(self.leases, dirty)
+        return self.inputs
 
     # -- queries on memory ---------------------------------------------------------
 

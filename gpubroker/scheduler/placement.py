@@ -130,6 +130,15 @@ class Pool:
     #: pass stay valid while it is unchanged
     version: int = 0
     _fits: dict[tuple[int, str | None], tuple[int, bool]] = field(default_factory=dict)
+    #: counts changes of anything a reservation reads (free and earmarked
+    #: devices, next-free times, reservation starts)
+    plan_version: int = 0
+    #: reservations that changed nothing: (gpus, duration, pool) ->
+    #: (plan version, answer); asked again unchanged, the answer is the same
+    _idle_reservations: dict[
+        tuple[int, float | None, str | None],
+        tuple[int, tuple[dt.datetime, tuple[str, ...]] | None],
+    ] = field(default_factory=dict)
     #: (the pool of every device in service, or None), once known
     _only_pool: tuple[str | None] | None = None
 
@@ -180,7 +189,10 @@ class Pool:
 
     def set_available(self, uuid: str, when: dt.datetime) -> None:
         """Record that ``uuid`` is next free at ``when``."""
+        if self.available_from.get(uuid) == when:
+            return  # no change: what is cached about its node still holds
         self.available_from[uuid] = when
+        self.plan_version += 1
         slot = self.slots.get(uuid)
         if slot is not None:
             self._node_changed(slot.node)
@@ -194,6 +206,7 @@ class Pool:
     def _unfree(self, uuid: str) -> None:
         self._largest_free = None
         self.version += 1
+        self.plan_version += 1
         node = self.slots[uuid].node
         self._node_changed(node)
         free = self.free.get(node)
@@ -284,7 +297,25 @@ class Pool:
             (start, devices): ``start`` is ``NEVER`` when some device has no
             known end; such a reservation still holds the node's free devices
             back from requests behind it. ``None`` when no node is big enough.
+
+        A reservation that changes nothing (e.g. behind another of the same
+        size on devices with no known end) is remembered: asked again before
+        anything changed, the same answer is given without a search.
         """
+        key = (gpus, duration, pool)
+        idle = self._idle_reservations.get(key)
+        if idle is not None and idle[0] == self.plan_version:
+            return idle[1]
+        before = self.plan_version
+        answer = self._reserve(gpus, duration, pool)
+        if self.plan_version == before:
+            self._idle_reservations[key] = (before, answer)
+        return answer
+
+    def _reserve(
+        self, gpus: int, duration: float | None, pool: str | None
+    ) -> tuple[dt.datetime, tuple[str, ...]] | None:
+        """:meth:`reserve`, searched."""
         found = self._first_free(gpus, pool)
         if found is None:
             return None
@@ -300,7 +331,10 @@ class Pool:
             NEVER if duration is None or start >= NEVER else start + dt.timedelta(seconds=duration)
         )
         for slot in chosen:
-            self.reserved_from[slot.uuid] = min(self.reserved_from.get(slot.uuid, NEVER), hold_from)
+            reserved = self.reserved_from.get(slot.uuid, NEVER)
+            if hold_from < reserved:
+                self.reserved_from[slot.uuid] = hold_from
+                self.plan_version += 1
             self.set_available(slot.uuid, max(self.available_from[slot.uuid], end))
         return start, tuple(s.uuid for s in chosen)
 

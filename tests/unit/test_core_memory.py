@@ -231,3 +231,39 @@ def test_a_rolled_back_pass_is_asked_for_again(
         with pytest.raises(OperationalError):
             broker.release_lease(holder["id"], "done")  # its pass ran, then rolled back
     assert broker.passes._dirty.is_set()  # the loop will run it again
+
+
+def test_scheduler_values_are_built_again_only_for_changed_leases(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpubroker.broker import inputs
+
+    broker = make_broker(db_url, ["2 x H100"])
+    for i in range(2):
+        broker.request_lease(f"holder{i}", "", gpus=1)
+    for i in range(30):
+        broker.request_lease(f"w{i}", "", gpus=1)
+    broker.check_state = "off"  # the check builds every value afresh
+    built: list[int] = []
+    real = inputs.request_of
+    monkeypatch.setattr(inputs, "request_of", lambda x: built.append(x.id) or real(x))
+    lease = broker.request_lease("late", "", gpus=1)
+    broker.release_lease(lease["id"], "done")
+    # the new request is built (its first pass); none of the 30 others
+    assert set(built) == {lease["id"]}
+    broker.check_state = "raise"
+    assert broker.validate_state() == []
+
+
+def test_a_scheduler_value_left_stale_is_a_broken_invariant(db_url: str) -> None:
+    from sqlalchemy.orm.attributes import set_committed_value
+
+    broker = make_broker(db_url, ["1 x H100"])
+    broker.request_lease("holder", "", gpus=1)
+    waiting = broker.request_lease("w", "", gpus=1)
+    broker.check_state = "log"
+    lease = broker._world.leases[waiting["id"]]
+    # a change no one told the inputs of (as a forgotten mark would be)
+    set_committed_value(lease, "priority_class", "preemptible")
+    found = broker.validate_state()
+    assert any(f"lease {waiting['id']}: scheduler value" in p for p in found)
