@@ -43,7 +43,7 @@ from .enforce.mps import MPSControl
 from .engines import Engine, LocalEngine
 from .errors import BadRequest, Conflict, NotFound
 from .notices import NoticesMixin
-from .passes import PREPARING, apply_decisions, build_state
+from .passes import PREPARING, QUEUED, QUEUED_MESSAGE, apply_decisions, build_state, set_wait
 from .policy_config import SchedulingPolicy
 from .pools import Pools, PoolSpec
 from .sharing_ops import SharingOpsMixin
@@ -57,7 +57,6 @@ from .store.models import (
     LeaseState,
 )
 from .transitions import EventBus, Recorder, Stimulus, event_view
-from .usage import record_usage
 from .views import lease_view, summary
 
 
@@ -150,6 +149,16 @@ class Broker(
         allocation per command).""",
     ).tag(config=True)
 
+    usage_write_interval = Float(
+        60.0,
+        help="""Seconds between writes of the fair-share usage records
+        (gpubroker.usage). A release changes its user's record in memory
+        only; the records that changed are written by the periodic pass at
+        most this often and when the broker stops. Nothing is lost in a
+        crash between two writes: loading adds the leases released after
+        each stored record again. 0: write at every periodic pass.""",
+    ).tag(config=True)
+
     @default("mps")
     def _default_mps(self) -> MPSControl:
         return MPSControl(parent=self)
@@ -175,7 +184,8 @@ class Broker(
         self.bus = EventBus(self.log)
         self._stimulus: Stimulus | None = None
         self._touched: set[int] = set()
-        self._world = World(self.session_factory)
+        self._world = World(self.session_factory, self.policy.fairshare_half_life)
+        self._usage_written = time.monotonic()
         self._world.on_reload.append(self._after_rollback)
         #: where holders run and where the inventory comes from (the local
         #: host first; Docker and Slurm engines plug in beside it)
@@ -229,6 +239,7 @@ class Broker(
             found = state_check.problems(session, touched)
             found += state_check.memory_matches(session, self._world.active())
             found += self._world.refresh_inputs().drift(self._world.leases)
+            found += state_check.usage_matches(session, self._world.usage, self._world.half_life)
         for problem in found:
             self.log.error("State check: %s", problem)
         if found and self.check_state == "raise":
@@ -518,6 +529,9 @@ class Broker(
                 detail["restart_of"] = previous.id
             self._rec(session, now).created(lease, f"requested {summary(lease)}", detail)
             self._schedule(session, now)
+            if lease.state == LeaseState.pending.value and lease.queue_reason is None:
+                # the pass that covers it runs a little later (coalesced)
+                set_wait(lease, QUEUED, QUEUED_MESSAGE, None, inputs=self._world.inputs)
             view = lease_view(lease)
         self.log.info(
             "Lease %s for %s/%s (%s, %s): %s",
@@ -585,7 +599,7 @@ class Broker(
     def _release(self, lease: Lease, reason: str, now: dt.datetime) -> None:
         session = self._session_of(lease)
         if lease.state == LeaseState.granted.value:
-            record_usage(session, lease, now, self.policy.fairshare_half_life)
+            self._world.charge(lease, now)
             self._unrealize(lease)
         self._retry_after.pop(lease.id, None)
         self._rec(session, now).transition(lease, LeaseState.released.value, reason)
@@ -743,6 +757,8 @@ class Broker(
             return view
         deadline = time.monotonic() + timeout
         if self.passes is not None:
+            if not self._may_grant_now(view):
+                return view  # the pass could not grant it now: the long-poll sees its verdict
             await self.passes.settled(timeout=timeout)
             view = self.get_lease(int(view["id"]))
         while (
@@ -754,6 +770,35 @@ class Broker(
             view = self.get_lease(int(view["id"]))
         return view
 
+    def _may_grant_now(self, view: dict[str, Any]) -> bool:
+        """Whether the pass may grant pending lease ``view`` at once: always
+        for MIG instances and shares; for whole devices, when a device of
+        an exclusive pool (of the pool asked for, if one was) is free: in
+        service, not held, not kept for another request. When not, its
+        first verdict is a wait (or a preemption, which takes a grace
+        period): the request is answered without waiting for the pass."""
+        if view.get("kind", "gpus") != "gpus":
+            return True
+        inputs = self._world.refresh_inputs()
+        taken = inputs.held_devices() | inputs.earmarked_devices()
+        wanted = view.get("pool")
+        for device in self._world.present_devices():
+            if device.uuid in taken or device.drained or device.mig_target is not None:
+                continue
+            spec = self.pool_spec(device.uuid)
+            if spec.mode != scheduler.PoolMode.exclusive.value or device.mig_enabled:
+                continue
+            if wanted is None or spec.name == wanted:
+                return True
+        return False
+
+    async def settled(self, timeout: float = 1.0) -> None:
+        """Return once the commands answered so far are covered by a pass
+        (at most ``timeout`` seconds): what a read answers then includes
+        their verdicts (queue place and reason, grants)."""
+        if self.passes is not None:
+            await self.passes.settled(timeout=timeout)
+
     @command("scheduler")
     def schedule_now(self) -> None:
         """Run a scheduling pass in its own transaction (the periodic timer);
@@ -763,7 +808,24 @@ class Broker(
             self._expire_stops(session, now)
             session.flush()
             self._schedule(session, now, force=True)
+            if time.monotonic() - self._usage_written >= self.usage_write_interval:
+                self._write_usage()
         self._notify()
+
+    @command("broker")
+    def write_usage(self) -> int:
+        """Write the fair-share usage records that changed since the last
+        write (``usage_write_interval``; the service calls it when it
+        stops). Returns how many were written."""
+        with self._write():
+            return self._write_usage()
+
+    def _write_usage(self) -> int:
+        self._usage_written = time.monotonic()
+        written = self._world.write_usage()
+        if written:
+            self.log.debug("Wrote the usage records of %s users", written)
+        return written
 
     def _policy(self) -> scheduler.Policy:
         """The pure policy: config plus quotas stored through the admin API

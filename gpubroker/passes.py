@@ -22,7 +22,6 @@ from .scheduler import (
     Policy,
     PoolMode,
     SchedulerState,
-    UsageRecord,
 )
 from .store.models import Allocation, Device, Lease, LeaseState
 from .transitions import Recorder
@@ -101,7 +100,7 @@ def build_state(
         running=inputs.running_values(skip),
         pending=inputs.pending_values(skip),
         policy=policy,
-        usage={u.user: UsageRecord(u.gpu_seconds, u.as_of) for u in world.usage.values()},
+        usage=dict(world.usage),
         topology=topology,
         sharing_strategy=sharing_strategy,
     )
@@ -114,6 +113,11 @@ def _bump(lease: Lease) -> None:
 
 #: the wait reason of a grant whose MIG instances are being made
 PREPARING = "Preparing"
+
+#: the wait reason of a request no pass has covered yet (passes are
+#: coalesced: the next one, a few ms later, gives its place and reason)
+QUEUED = "Queued"
+QUEUED_MESSAGE = "in the queue: its place and reason come with the next scheduling pass"
 
 #: makes a grant's fractional parts real (creates MIG instances); returns
 #: the parts with their instance UUIDs; ``None`` when they are being made

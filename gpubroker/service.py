@@ -199,6 +199,10 @@ class BrokerService:
             task.cancel()
         if self.broker.actuator is not None:
             self.broker.actuator.cancel()
+        try:
+            self.broker.write_usage()
+        except Exception:
+            self.log.exception("Writing the usage records at shutdown failed")
         if self.broker.mps.enabled:
             self.broker.mps.stop_all()
         self.backend.close()

@@ -15,15 +15,18 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .model.lifecycle import IllegalTransition, replay
+from .scheduler import UsageRecord
 from .store.models import ACTIVE_STATES, Allocation, Device, HolderKind, Lease, LeaseEvent
 from .transitions import as_events
+from .usage import load_usage
 
 
 class StateInvalid(AssertionError):
@@ -122,6 +125,27 @@ def memory_matches(session: Session, memory: Iterable[Lease]) -> list[str]:
             found.append(f"lease {lease_id}: {mine.state!r} in memory, {truth.state!r} stored")
         if _slots_of(mine) != _slots_of(truth):
             found.append(f"lease {lease_id}: memory and store disagree on its slots")
+    return found
+
+
+def usage_matches(
+    session: Session, memory: Mapping[str, UsageRecord], half_life: float
+) -> list[str]:
+    """How the broker's usage records differ from what a restart would load
+    (:func:`gpubroker.usage.load_usage`; equal to rounding)."""
+    loaded, _stored, _behind = load_usage(session, half_life)
+    found = [
+        f"usage of {u}: in memory, not loadable" for u in sorted(memory.keys() - loaded.keys())
+    ]
+    found += [
+        f"usage of {u}: loadable, not in memory" for u in sorted(loaded.keys() - memory.keys())
+    ]
+    for user in sorted(memory.keys() & loaded.keys()):
+        mine, truth = memory[user], loaded[user]
+        if mine.as_of != truth.as_of or not math.isclose(
+            mine.gpu_seconds, truth.gpu_seconds, rel_tol=1e-9, abs_tol=1e-9
+        ):
+            found.append(f"usage of {user}: {mine} in memory, {truth} loaded")
     return found
 
 

@@ -797,10 +797,11 @@ class GPUSpawnerMixin(LoggingConfigurable):
         else:
             queue = lease.get("queue") or {}
             what = summary or f"{lease.get('gpus')} GPU(s)"
+            place = "" if queue.get("position") is None else f"position {queue['position']} "
             event = {
                 "progress": 10,
-                "message": f"Queued for {what}: position {queue.get('position')}"
-                f" ({queue.get('reason')}) - {queue.get('message')}",
+                "message": f"Queued for {what}: {place}({queue.get('reason')})"
+                f" - {queue.get('message')}",
             }
         if not self._gpu_events or self._gpu_events[-1] != event:
             self._gpu_events.append(event)

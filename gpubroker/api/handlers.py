@@ -358,7 +358,8 @@ class LeasesHandler(APIHandler):
         return None if user == self.me else user
 
     @auth.needs(auth.ADMIN_SCOPE, unless_owner=_listed_user)
-    def get(self) -> None:
+    async def get(self) -> None:
+        await self.broker.settled()  # every request answered so far has its verdict
         named = self.name_arg("user")
         active = self.get_argument("state", "active") == "active"
         leases = self.broker.list_leases(user=self.owner if named is None else named, active=active)
@@ -411,7 +412,9 @@ class LeaseHandler(APIHandler):
         ``GPUBrokerApp.max_long_polls_per_user`` of this caller (one more
         answers the caller's oldest at once with the lease as it stands)."""
         model = self.caller()
-        lease = self.lease(raw_id)
+        self.lease(raw_id)  # 404 before any wait
+        await self.broker.settled()
+        lease = self.broker.get_lease(self.lease_id(raw_id))
         wait = validation.wait_seconds(self.get_argument("wait", None), MAX_WAIT)
         version = validation.optional_int(self.get_argument("version", None), "version")
         if wait:
@@ -492,7 +495,8 @@ class QueueHandler(APIHandler):
     reason, message and estimated start (like ``squeue``: visible to all)."""
 
     @auth.needs(auth.ACCESS_SCOPE)
-    def get(self) -> None:
+    async def get(self) -> None:
+        await self.broker.settled()
         self.write_json({"queue": self.broker.queue()})
 
 

@@ -95,6 +95,7 @@ class SchedulerInputs:
         self._all = True
         self._running_tuple: tuple[scheduler.Running, ...] | None = None
         self._held: frozenset[str] | None = None
+        self._held_devices: frozenset[str] | None = None
 
     def changed(self, lease_id: int) -> None:
         """Lease ``lease_id`` may have changed: build its value again."""
@@ -160,6 +161,7 @@ class SchedulerInputs:
     def _invalidate(self) -> None:
         self._running_tuple = None
         self._held = None
+        self._held_devices = None
 
     def running_values(self, skip: Collection[int] = ()) -> tuple[scheduler.Running, ...]:
         """The granted leases' values, by id (``skip``: ids left out)."""
@@ -174,6 +176,20 @@ class SchedulerInputs:
         if skip:
             return tuple(r for i, r in self.pending.items() if i not in skip)
         return tuple(self.pending.values())
+
+    def held_devices(self) -> frozenset[str]:
+        """UUIDs of the devices granted leases hold, whole or in parts."""
+        if self._held_devices is None:
+            self._held_devices = frozenset(
+                uuid
+                for r in self.running.values()
+                for uuid in (*r.devices, *(part.device for part in r.parts))
+            )
+        return self._held_devices
+
+    def earmarked_devices(self) -> frozenset[str]:
+        """UUIDs of the devices kept for pending requests (reclaimed for them)."""
+        return frozenset(d for r in self.pending.values() if r.earmarked for d in r.earmarked)
 
     def held_instances(self) -> frozenset[str]:
         """UUIDs of the MIG instances granted leases hold."""

@@ -27,6 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.attributes import set_committed_value
 
+from ..scheduler import UsageRecord
 from ..store.models import (
     ACTIVE_STATES,
     Allocation,
@@ -36,8 +37,8 @@ from ..store.models import (
     Lease,
     LeaseEvent,
     QuotaRow,
-    UsageRow,
 )
+from ..usage import add_use, lease_units, load_usage, write_usage
 from .inputs import SchedulerInputs
 
 
@@ -49,15 +50,21 @@ class World:
             :func:`gpubroker.store.db.make_session_factory`).
     """
 
-    def __init__(self, factory: sessionmaker[Session]) -> None:
+    def __init__(self, factory: sessionmaker[Session], half_life: float = 7 * 86400.0) -> None:
         self.factory = factory
+        #: fair-share half-life, seconds (how usage is loaded, :mod:`gpubroker.usage`)
+        self.half_life = half_life
         self.session: Session = factory()
         #: pending and granted leases by id
         self.leases: dict[int, Lease] = {}
         #: every device the store knows (present or not) by UUID
         self.devices: dict[str, Device] = {}
-        #: fair-share usage records by user
-        self.usage: dict[str, UsageRow] = {}
+        #: fair-share usage records by user (memory is ahead of the rows:
+        #: :mod:`gpubroker.usage`)
+        self.usage: dict[str, UsageRecord] = {}
+        #: users with a stored usage row, and users whose row is behind memory
+        self.usage_stored: set[str] = set()
+        self.usage_behind: set[str] = set()
         #: stored quotas (admin API), by (kind, name)
         self.quotas: dict[tuple[str, str], QuotaRow] = {}
         #: open ``stop-server`` intents by lease id
@@ -169,8 +176,6 @@ class World:
                     del self.stops[obj.lease_id]
             elif isinstance(obj, Device):
                 self.devices[obj.uuid] = obj
-            elif isinstance(obj, UsageRow):
-                self.usage[obj.user] = obj
             elif isinstance(obj, QuotaRow):
                 self.quota_version += 1
                 if obj in deleted:
@@ -211,7 +216,7 @@ class World:
             devices = {d.uuid: d for d in session.scalars(select(Device))}
             active = select(Lease).where(Lease.state.in_(ACTIVE_STATES)).order_by(Lease.id)
             leases = {x.id: x for x in session.scalars(active)}
-            usage = {u.user: u for u in session.scalars(select(UsageRow))}
+            usage, stored, behind = load_usage(session, self.half_life)
             quotas = {(q.kind, q.name): q for q in session.scalars(select(QuotaRow))}
             open_stops = select(Intent).where(Intent.kind == "stop-server", Intent.state == "open")
             stops = {i.lease_id: i for i in session.scalars(open_stops)}
@@ -220,6 +225,7 @@ class World:
             if lease_id in kept and lease.state == "pending":
                 _restore(lease, kept[lease_id])
         self.devices, self.leases, self.usage = devices, leases, usage
+        self.usage_stored, self.usage_behind = stored, behind
         self.quotas, self.stops = quotas, stops
         self._next_lease_id = max(self._next_lease_id, top + 1)
         self.quota_version += 1
@@ -249,6 +255,24 @@ class World:
         dirty = [i for i in dirty if i is not None]
         self.inputs.refresh(self.leases, dirty)
         return self.inputs
+
+    def charge(self, lease: Lease, now: Any) -> None:
+        """Add the use of granted ``lease``, released at ``now`` (aware UTC),
+        to its user's record, in memory (written at the next
+        :meth:`write_usage`; a reload adds it again from the lease row)."""
+        assert lease.granted_at is not None
+        user = lease.user
+        self.usage[user] = add_use(
+            self.usage.get(user), lease_units(lease), lease.granted_at, now, self.half_life
+        )
+        self.usage_behind.add(user)
+
+    def write_usage(self) -> int:
+        """Write the usage records that are ahead of their rows (a
+        checkpoint), in the open transaction. Returns how many."""
+        behind, self.usage_behind = self.usage_behind, set()
+        write_usage(self.session, self.usage, behind, self.usage_stored)
+        return len(behind)
 
     # -- queries on memory ---------------------------------------------------------
 

@@ -335,13 +335,23 @@ def test_priority_class_of_a_pending_request_can_change(broker: Broker) -> None:
 
 
 def test_usage_is_recorded_for_fair_share_on_release(broker: Broker) -> None:
-    from gpubroker.usage import usage_records
+    from gpubroker.usage import load_usage
 
     lease = broker.request_lease("ann", "", 2)
     broker.release_lease(lease["id"], "done")
-    with broker.session_factory() as session:
-        record = usage_records(session)["ann"]
-    assert record.gpu_seconds > 0
+    half_life = broker.policy.fairshare_half_life
+    assert broker._world.usage["ann"].gpu_seconds > 0
+    with broker.session_factory() as session:  # not written yet: loaded from the lease
+        records, stored, behind = load_usage(session, half_life)
+    assert records["ann"] == broker._world.usage["ann"]
+    assert (stored, behind) == (set(), {"ann"})
+    assert broker.write_usage() == 1
+    again = broker.request_lease("ann", "", 1)
+    broker.release_lease(again["id"], "done")
+    with broker.session_factory() as session:  # the row, plus the release after it
+        records, stored, behind = load_usage(session, half_life)
+    assert records["ann"] == broker._world.usage["ann"]
+    assert (stored, behind) == ({"ann"}, {"ann"})
 
 
 def test_external_leases_past_their_time_limit_are_ended(db_url: str) -> None:

@@ -267,3 +267,24 @@ def test_a_scheduler_value_left_stale_is_a_broken_invariant(db_url: str) -> None
     set_committed_value(lease, "priority_class", "preemptible")
     found = broker.validate_state()
     assert any(f"lease {waiting['id']}: scheduler value" in p for p in found)
+
+
+def test_usage_lost_in_a_crash_between_writes_is_loaded_from_the_leases(db_url: str) -> None:
+    broker = make_broker(db_url, ["2 x H100"])
+    seen = _statements(broker)
+    for user in ("ann", "bob", "ann"):
+        lease = broker.request_lease(user, "", gpus=2)
+        broker.release_lease(lease["id"], "done")
+    written = [s for s in seen if s.startswith(("INSERT INTO usage", "UPDATE usage"))]
+    assert written == []  # a release writes no usage row
+    broker.write_usage()
+    lease = broker.request_lease("ann", "", gpus=1)
+    broker.release_lease(lease["id"], "done")  # after the write: in memory only
+    before = dict(broker._world.usage)
+    # the broker dies here (no write); the next one loads rows + later releases
+    again = make_broker(db_url, ["2 x H100"])
+    assert again._world.usage.keys() == before.keys() == {"ann", "bob"}
+    for user, record in before.items():
+        assert again._world.usage[user].as_of == record.as_of
+        assert again._world.usage[user].gpu_seconds == pytest.approx(record.gpu_seconds, rel=1e-12)
+    assert again._world.usage_behind == {"ann"}
