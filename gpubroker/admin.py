@@ -115,4 +115,5 @@ class AdminMixin:
         """Pending leases in queue order (position 1 first)."""
         pending = [x for x in self._world.active() if x.state == LeaseState.pending.value]
         views = [lease_view(lease) for lease in pending]
-        return sorted(views, key=lambda v: (v["queue"]["position"] or 0, v["id"]))
+        # requests no pass has placed yet (``Queued``, no position) come last
+        return sorted(views, key=lambda v: (v["queue"]["position"] or float("inf"), v["id"]))

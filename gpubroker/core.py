@@ -184,7 +184,7 @@ class Broker(
         self.bus = EventBus(self.log)
         self._stimulus: Stimulus | None = None
         self._touched: set[int] = set()
-        self._world = World(self.session_factory, self.policy.fairshare_half_life)
+        self._world = World(self.session_factory, lambda: self.policy.fairshare_half_life)
         self._usage_written = time.monotonic()
         self._world.on_reload.append(self._after_rollback)
         #: where holders run and where the inventory comes from (the local

@@ -115,7 +115,8 @@ def _bump(lease: Lease) -> None:
 PREPARING = "Preparing"
 
 #: the wait reason of a request no pass has covered yet (passes are
-#: coalesced: the next one, a few ms later, gives its place and reason)
+#: coalesced: the next one, a few ms later, gives its place and reason);
+#: set on the new lease, so it is also the value its first INSERT stores
 QUEUED = "Queued"
 QUEUED_MESSAGE = "in the queue: its place and reason come with the next scheduling pass"
 
@@ -205,8 +206,14 @@ def apply_decisions(
     for wait in decisions.waits:
         if held.get(wait.lease_id) != wait:
             _wait(leases[wait.lease_id], wait, rec, inputs)
+    # the leases granted before this pass and those it granted (both get
+    # the flag: a lease borrowed above guarantees is reclaimable at once)
     granted = (
-        [leases[i] for i in list(inputs.running) if i in leases]
+        [
+            leases[i]
+            for i in dict.fromkeys([*inputs.running, *(g.lease_id for g in decisions.grants)])
+            if i in leases
+        ]
         if inputs is not None
         else list(leases.values())
     )

@@ -36,13 +36,18 @@ def add_use(
     """``record`` (``None``: no past use) with a lease of ``gpus`` device
     units, granted at ``granted_at`` and released at ``now`` (aware UTC),
     added: the past decayed to ``now`` plus the lease's decayed
-    GPU-seconds; ``half_life`` in seconds."""
+    GPU-seconds; ``half_life`` in seconds. The record's ``as_of`` never
+    goes back (after a clock step back it stays): it is the mark after
+    which loading adds releases again, so no lease is counted twice (a
+    release stamped before the mark after such a step, and not yet
+    written, is the one a crash can lose)."""
     past = (
         0.0
         if record is None
         else decay(record.gpu_seconds, (now - record.as_of).total_seconds(), half_life)
     )
-    return UsageRecord(past + running_usage(gpus, granted_at, now, half_life), now)
+    as_of = now if record is None else max(now, record.as_of)
+    return UsageRecord(past + running_usage(gpus, granted_at, now, half_life), as_of)
 
 
 def lease_units(lease: Lease) -> float:

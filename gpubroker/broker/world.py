@@ -50,10 +50,13 @@ class World:
             :func:`gpubroker.store.db.make_session_factory`).
     """
 
-    def __init__(self, factory: sessionmaker[Session], half_life: float = 7 * 86400.0) -> None:
+    def __init__(
+        self, factory: sessionmaker[Session], half_life: Callable[[], float] = lambda: 604800.0
+    ) -> None:
         self.factory = factory
-        #: fair-share half-life, seconds (how usage is loaded, :mod:`gpubroker.usage`)
-        self.half_life = half_life
+        #: the fair-share half-life in force, seconds (how usage is charged
+        #: and loaded, :mod:`gpubroker.usage`)
+        self._half_life = half_life
         self.session: Session = factory()
         #: pending and granted leases by id
         self.leases: dict[int, Lease] = {}
@@ -266,6 +269,11 @@ class World:
             self.usage.get(user), lease_units(lease), lease.granted_at, now, self.half_life
         )
         self.usage_behind.add(user)
+
+    @property
+    def half_life(self) -> float:
+        """The fair-share half-life in force, seconds."""
+        return self._half_life()
 
     def write_usage(self) -> int:
         """Write the usage records that are ahead of their rows (a

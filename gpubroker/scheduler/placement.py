@@ -330,12 +330,19 @@ class Pool:
         end = (
             NEVER if duration is None or start >= NEVER else start + dt.timedelta(seconds=duration)
         )
+        moved = False
+        available = self.available_from
         for slot in chosen:
-            reserved = self.reserved_from.get(slot.uuid, NEVER)
-            if hold_from < reserved:
-                self.reserved_from[slot.uuid] = hold_from
+            uuid = slot.uuid
+            if hold_from < self.reserved_from.get(uuid, NEVER):
+                self.reserved_from[uuid] = hold_from
                 self.plan_version += 1
-            self.set_available(slot.uuid, max(self.available_from[slot.uuid], end))
+            if end > available[uuid]:
+                available[uuid] = end
+                moved = True
+        if moved:  # set_available for each, with the node's caches dropped once
+            self.plan_version += 1
+            self._node_changed(node)
         return start, tuple(s.uuid for s in chosen)
 
     def _first_free(self, gpus: int, pool: str | None) -> tuple[dt.datetime, str] | None:
