@@ -103,6 +103,8 @@ class _Pass:
     waits: list[Wait] = field(default_factory=list)
     reservations: int = 0
     blocked: bool = False
+    #: build each wait's sentence (``SchedulerState.explain``)
+    explain: bool = True
     told: set[int] = field(default_factory=set)
     spare: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     #: waits so far by (slot kind, pool asked for; None: any pool)
@@ -167,12 +169,16 @@ class _Pass:
             position = waiting[(kind, pool)] + waiting[(kind, None)] + 1
         waiting[(kind, pool)] += 1
         self.waiting_kind[kind] += 1
-        whole = kind == "gpus"
-        key = (reason, eta, detail, whole)
-        parts = self._messages.get(key)
-        if parts is None:
-            parts = wait_parts(reason, eta, self.now, detail, whole)
-            self._messages[key] = parts
+        if self.explain:
+            whole = kind == "gpus"
+            key = (reason, eta, detail, whole)
+            parts = self._messages.get(key)
+            if parts is None:
+                parts = wait_parts(reason, eta, self.now, detail, whole)
+                self._messages[key] = parts
+            message = parts[0] + ordinal(position) + parts[1]
+        else:
+            message = ""
         wait = _NEW(Wait)
         _SET(
             wait,
@@ -181,7 +187,7 @@ class _Pass:
                 "lease_id": request.lease_id,
                 "position": position,
                 "reason": reason,
-                "message": parts[0] + ordinal(position) + parts[1],
+                "message": message,
                 "eta": eta,
                 "earmarked": earmarked,
             },
@@ -199,16 +205,19 @@ class _Pass:
             position = waiting[(kind, pool)] + waiting[(kind, None)] + 1
         waiting[(kind, pool)] += 1
         self.waiting_kind[kind] += 1
-        key = (reason, None, "", kind == "gpus")
-        parts = self._messages.get(key)
-        if parts is None:
-            parts = self._messages[key] = wait_parts(reason, None, self.now, "", key[3])
         wait = _NEW(Wait)
         values = wait.__dict__
         values["lease_id"] = request.lease_id
         values["position"] = position
         values["reason"] = reason
-        values["message"] = parts[0] + ordinal(position) + parts[1]
+        if self.explain:
+            key = (reason, None, "", kind == "gpus")
+            parts = self._messages.get(key)
+            if parts is None:
+                parts = self._messages[key] = wait_parts(reason, None, self.now, "", key[3])
+            values["message"] = parts[0] + ordinal(position) + parts[1]
+        else:
+            values["message"] = ""
         values["eta"] = None
         values["earmarked"] = ()
         self.waits.append(wait)
@@ -283,7 +292,7 @@ def _start(state: SchedulerState, now: dt.datetime) -> _Pass:
     pool = Pool.build(exclusive, busy_until, earmarked, state.topology, now)
     sharing = SharingPool.build(state.slots, running, state.sharing_strategy)
     acct = Accounting.of(state.policy, state.running)
-    return _Pass(state, now, acct, pool, running, sharing)
+    return _Pass(state, now, acct, pool, running, sharing, explain=state.explain)
 
 
 def _fractional(p: _Pass, request: Request) -> Miss | None:

@@ -357,6 +357,10 @@ class SchedulerState:
         sharing_strategy: MIG placement, ``least-fragmentation`` (the
             broker's) or ``first-fit`` (a baseline), see
             :mod:`gpubroker.scheduler.sharing`.
+        explain: whether each wait gets its sentence for the user
+            (``Wait.message``); the trace simulator, which reads only
+            reasons, ETAs and earmarks, turns it off (``message`` is then
+            ``""``). The decisions are the same either way.
     """
 
     slots: tuple[Slot, ...]
@@ -366,6 +370,7 @@ class SchedulerState:
     usage: Mapping[str, UsageRecord] = field(default_factory=dict)
     topology: Mapping[str, Topology] = field(default_factory=dict)
     sharing_strategy: str = "least-fragmentation"
+    explain: bool = field(default=True, repr=False)  # repr: as before (golden data)
 
 
 @dataclass(frozen=True)

@@ -383,6 +383,7 @@ class Engine:
             policy=self.policy,
             usage=self._usage,
             topology=self._topology,
+            explain=False,  # only reasons, ETAs and earmarks are read here
         )
         seen = state
         if self.scheduler.order is not None and self._may_use_prefix(state):

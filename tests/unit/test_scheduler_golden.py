@@ -142,6 +142,19 @@ def test_decisions_match_golden(name: str, golden: dict[str, Any]) -> None:
     assert _digest(got) == expected["decisions"]
 
 
+@pytest.mark.parametrize(
+    "name", ["mixed-16-extras-s6-fewer-shares", "mixed-64-extras-s4", "bench-whole-1024"]
+)
+def test_without_sentences_the_decisions_are_the_same(name: str) -> None:
+    build, now, _full = CASES[name]
+    state = build()
+    told = schedule(state, now)
+    quiet = schedule(dataclasses.replace(state, explain=False), now)
+    assert {w.message for w in quiet.waits} == {""}
+    blank = [dataclasses.replace(w, message="") for w in told.waits]
+    assert dataclasses.replace(told, waits=tuple(blank)) == quiet
+
+
 def test_golden_covers_the_paths() -> None:
     """The stored workloads exercise what the pass optimizes."""
     data = json.loads(GOLDEN.read_text())
