@@ -505,9 +505,9 @@ def _walk(p: _Pass, order: list[Request]) -> None:
     #: shape of a fractional request -> (sharing pool version, miss)
     missed: dict[tuple[object, ...], tuple[int, Miss]] = {}
     wait, wait_plain = p.wait, p.wait_plain
-    #: set once no device is free, the window is full and a request was
-    #: blocked: from then on it stays so for the rest of the pass
-    frozen = False
+    #: set once the window is full and a request was blocked: from then on
+    #: it stays so for the rest of the pass
+    closed = False
     for request in order:
         user, group = request.user, request.group
         weight = request.weight
@@ -537,12 +537,13 @@ def _walk(p: _Pass, order: list[Request]) -> None:
         if not cls_ok and not acct.within_guarantee(user, group, amount):
             _held(p, request)
             continue
-        if frozen and whole and not request.earmarked:
-            # no device is free, the reservation window is full and a
-            # request was blocked: no placement, reservation or class
-            # preemption can happen (free devices only go during a pass), so
-            # what the full path gives is a plain wait for Priority, unless
-            # a reclaim for a request within guarantee is possible
+        if closed and whole and not request.earmarked and request.gpus > pool.largest_free():
+            # the reservation window is full, a request was blocked, and no
+            # node has this many devices free (free devices only go during
+            # a pass): no placement, reservation or class preemption can
+            # happen, so what the full path gives is a plain wait for
+            # Priority, unless a reclaim for a request within guarantee is
+            # possible
             if not (
                 has_guarantees
                 and request.pool is None
@@ -550,8 +551,8 @@ def _walk(p: _Pass, order: list[Request]) -> None:
             ):
                 wait_plain(request, _PRIORITY)
                 continue
-        elif not frozen and p.blocked and p.reservations >= max_reservations:
-            frozen = pool.largest_free() == 0
+        elif not closed and p.blocked and p.reservations >= max_reservations:
+            closed = True
         if not whole:
             shape = (request.kind, request.mig_profile, request.memory_mib, request.gpus)
             seen = missed.get((shape, request.pool))
