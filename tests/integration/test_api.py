@@ -62,9 +62,11 @@ def test_fifty_concurrent_requests_on_eight_gpus(clean_hub: RunningHub) -> None:
     assert len(granted) == 8
     uuids = [x["devices"][0]["uuid"] for x in granted]
     assert len(set(uuids)) == 8
+    # a read waits for the pass covering every request answered before it
     pending = sorted((x for x in hub.leases() if x["state"] == "pending"), key=lambda x: x["id"])
     assert len(pending) == 42
     assert [x["queue"]["position"] for x in pending] == list(range(1, 43))  # arrival order
+    assert {x["queue"]["reason"] for x in pending} <= {"Resources", "Priority"}
     assert max(x["id"] for x in granted) < min(x["id"] for x in pending)
 
 

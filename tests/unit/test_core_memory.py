@@ -139,6 +139,40 @@ async def test_coalesced_requests_are_granted_by_one_pass(db_url: str) -> None:
         runner.cancel()
 
 
+async def test_a_request_no_free_device_could_serve_is_answered_at_once(db_url: str) -> None:
+    broker = make_broker(db_url, ["2 x H100"])
+    clock = _Clock()
+    broker.passes = PassLoop(10.0, clock)
+    runner = asyncio.ensure_future(broker.passes.run(broker.schedule_now, broker.log))
+    try:
+        held = [broker.request_lease("h0", "", gpus=1)]  # its pass runs at once
+        broker.passes.last_took = 0.5  # keep a gap: the next commands only mark the state
+        held.append(broker.request_lease("h1", "", gpus=1))
+        clock.now += 1.0
+        await broker.after_pass(held[1])  # the loop's pass: both GPUs held
+        broker.passes.last_took, clock.now = 0.5, clock.now + 0.1
+        full = broker.request_lease("full", "", gpus=1)
+        assert full["queue"]["reason"] == "Queued" and full["queue"]["position"] is None
+        # nothing is free for it: answered as it stands, without waiting for a pass
+        answered = await asyncio.wait_for(broker.after_pass(full), 0.2)
+        assert answered["queue"]["reason"] == "Queued"
+        broker.release_lease(held[0]["id"], "done")  # a GPU is free now (no pass yet)
+        fits = broker.request_lease("fits", "", gpus=1)
+        assert fits["queue"]["reason"] == "Queued"
+        waiting = asyncio.ensure_future(broker.after_pass(fits))  # a pass could grant it
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        clock.now += 1.0  # the loop's pass is due
+        # queue order: "full" came first and takes the free GPU; "fits" waits
+        assert (await waiting)["queue"]["reason"] == "Resources"
+        await broker.settled()  # what a GET does first
+        after = broker.get_lease(full["id"])
+        assert after["state"] == "granted" and after["version"] > full["version"]
+        assert broker.validate_state() == []
+    finally:
+        runner.cancel()
+
+
 # -- waiters ------------------------------------------------------------------------------
 
 
