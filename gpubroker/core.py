@@ -146,7 +146,8 @@ class Broker(
         slots, each changed lease's transition log replays to its state).
         "log": log each broken invariant as an error; "raise": fail the
         command (the test suite runs so); "off": skip (it reads every active
-        allocation per command).""",
+        allocation, every active lease and the released leases' usage per
+        command).""",
     ).tag(config=True)
 
     usage_write_interval = Float(

@@ -96,6 +96,8 @@ class SchedulerInputs:
         self._running_tuple: tuple[scheduler.Running, ...] | None = None
         self._held: frozenset[str] | None = None
         self._held_devices: frozenset[str] | None = None
+        #: devices kept for pending requests (``None``: to be computed again)
+        self._earmarked: frozenset[str] | None = None
 
     def changed(self, lease_id: int) -> None:
         """Lease ``lease_id`` may have changed: build its value again."""
@@ -120,6 +122,7 @@ class SchedulerInputs:
             self._changed.clear()
             self.running, self.pending = {}, {}
             self._invalidate()
+            self._earmarked = None
             for lease_id in sorted(leases):
                 self._build(leases, lease_id)
             return
@@ -132,6 +135,13 @@ class SchedulerInputs:
             self._build(leases, lease_id)
 
     def _build(self, leases: Mapping[int, Lease], lease_id: int) -> None:
+        old = self.pending.get(lease_id)
+        self._build_value(leases, lease_id)
+        new = self.pending.get(lease_id)
+        if (old is not None and old.earmarked) or (new is not None and new.earmarked):
+            self._earmarked = None
+
+    def _build_value(self, leases: Mapping[int, Lease], lease_id: int) -> None:
         lease = leases.get(lease_id)
         state = None if lease is None else lease.state
         if state == LeaseState.granted.value:
@@ -189,7 +199,11 @@ class SchedulerInputs:
 
     def earmarked_devices(self) -> frozenset[str]:
         """UUIDs of the devices kept for pending requests (reclaimed for them)."""
-        return frozenset(d for r in self.pending.values() if r.earmarked for d in r.earmarked)
+        if self._earmarked is None:
+            self._earmarked = frozenset(
+                d for r in self.pending.values() if r.earmarked for d in r.earmarked
+            )
+        return self._earmarked
 
     def held_instances(self) -> frozenset[str]:
         """UUIDs of the MIG instances granted leases hold."""

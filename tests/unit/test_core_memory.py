@@ -362,3 +362,19 @@ def test_usage_is_charged_with_the_half_life_in_force(db_url: str) -> None:
     broker = make_broker(db_url)
     broker.policy.fairshare_half_life = 3600.0
     assert broker._world.half_life == 3600.0
+
+
+def test_kept_devices_follow_the_earmarks_of_pending_requests(db_url: str) -> None:
+    from gpubroker.passes import set_wait
+
+    broker = make_broker(db_url, ["1 x H100"])
+    holder = broker.request_lease("holder", "", gpus=1)
+    waiting = broker.request_lease("w", "", gpus=1)
+    inputs = broker._world.refresh_inputs()
+    assert inputs.earmarked_devices() == frozenset()
+    uuid = holder["devices"][0]["uuid"]
+    lease = broker._world.leases[waiting["id"]]
+    set_wait(lease, "Preempting", "reclaimed", 1, None, [uuid], inputs)
+    assert broker._world.refresh_inputs().earmarked_devices() == {uuid}
+    set_wait(lease, "Resources", "waiting", 1, None, None, inputs)
+    assert broker._world.refresh_inputs().earmarked_devices() == frozenset()
