@@ -106,6 +106,19 @@ class Broker(
         most 1 s, before it answers).""",
     ).tag(config=True)
 
+    lazy_pass_factor = Float(
+        3.0,
+        min=1.0,
+        help="""After a change that can only move waiting requests (a request
+        nothing is free for; a pending request withdrawn), the service's pass
+        loop keeps a gap this many times as long as the last pass took
+        (capped by pass_interval) before the pass that covers it, so that a
+        stream of such changes over a long queue spends at most
+        1 / (1 + lazy_pass_factor) of the broker's time in passes. Any other
+        change cuts the gap back to pass_interval's rule. Such a request is
+        answered Queued at once; its place and reason come with that pass.""",
+    ).tag(config=True)
+
     grant_retry_backoff = Float(
         1.0,
         help="""Seconds before a grant whose MIG instance could not be made
@@ -529,7 +542,11 @@ class Broker(
             if previous is not None:
                 detail["restart_of"] = previous.id
             self._rec(session, now).created(lease, f"requested {summary(lease)}", detail)
-            self._schedule(session, now)
+            # nothing free it could have: its pass can only place it in the queue
+            lazy = self.passes is not None and not self._may_grant_now(
+                {"kind": lease.kind, "pool": lease.pool}
+            )
+            self._schedule(session, now, lazy=lazy)
             if lease.state == LeaseState.pending.value and lease.queue_reason is None:
                 # the pass that covers it runs a little later (coalesced)
                 set_wait(lease, QUEUED, QUEUED_MESSAGE, None, inputs=self._world.inputs)
@@ -586,12 +603,14 @@ class Broker(
         with self._write() as session:
             lease = self._get(session, lease_id)
             if lease.state != LeaseState.released.value:
+                # a request withdrawn frees nothing: its pass can only move the queue
+                lazy = lease.state == LeaseState.pending.value
                 stopping = self._open_stop(lease.id)
                 if stopping is not None:  # the broker asked for this stop: its reason
                     reason = f"{stopping.reason} (server stopped)"
                 self._release(lease, reason, now)
                 session.flush()
-                self._schedule(session, now)
+                self._schedule(session, now, lazy=lazy)
                 self.log.info("Released lease %s of %s: %s", lease.id, lease.user, reason)
             view = lease_view(lease)
         self._notify()
@@ -838,15 +857,22 @@ class Broker(
         return self._policy_cache[1]
 
     def _schedule(
-        self, session: Session, now: dt.datetime, again: bool = True, force: bool = False
+        self,
+        session: Session,
+        now: dt.datetime,
+        again: bool = True,
+        force: bool = False,
+        lazy: bool = False,
     ) -> None:
         """Run the pure scheduler on the session's state and apply its
         decisions; with a pass loop (:attr:`passes`) and a pass less than
-        ``pass_interval`` ago, only mark the state dirty (unless ``force``).
+        its gap ago, only mark the state dirty (unless ``force``). ``lazy``:
+        the change can only move waiting requests (the longer gap of
+        :attr:`lazy_pass_factor`).
 
         When an eviction released devices, one more pass hands them on.
         """
-        if not force and self.passes is not None and not self.passes.at_once():
+        if not force and self.passes is not None and not self.passes.at_once(lazy):
             return
         state, leases = self._scheduler_state()
         decisions = scheduler.schedule(state, now)

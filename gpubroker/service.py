@@ -87,7 +87,9 @@ class BrokerService:
             cache_max_age=app.token_cache_max_age,
         )
         self.broker.on_evict = self._evicted
-        self.broker.passes = PassLoop(self.broker.pass_interval)
+        self.broker.passes = PassLoop(
+            self.broker.pass_interval, lazy_factor=self.broker.lazy_pass_factor
+        )
         self.broker.actuator = Actuator(self.log)
         self.culler = Culler(self.broker, self.hub, parent=app)
         self.share_guard = ShareGuard(self.broker, parent=app)

@@ -9,6 +9,13 @@ request is answered granted. Otherwise the command only marks the state
 dirty and answers; :meth:`PassLoop.run` runs one pass when the gap is over,
 covering every change since: under load, however many commands arrive,
 passes run at most once per gap.
+
+A change that can only move waiting requests (a request nothing is free
+for, a pending request withdrawn) is *lazy*: its pass keeps a gap
+``lazy_factor`` times as long as the last pass took (still at most
+``interval``), so that a stream of such changes spends at most
+``1 / (1 + lazy_factor)`` of the broker's time in passes over a long queue.
+Any other change cuts a lazy gap short to the plain one.
 """
 
 from __future__ import annotations
@@ -26,11 +33,22 @@ class PassLoop:
     Args:
         interval: the longest gap between two passes, seconds (>= 0).
         clock: monotonic seconds (``time.monotonic``; a test passes its own).
+        lazy_factor: the gap after lazy changes, in multiples of the last
+            pass's time (>= 1).
     """
 
-    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        interval: float,
+        clock: Callable[[], float] = time.monotonic,
+        lazy_factor: float = 3.0,
+    ) -> None:
         self.interval = interval
         self.clock = clock
+        self.lazy_factor = max(lazy_factor, 1.0)
+        #: a change waiting for the loop's pass is not lazy (the plain gap holds)
+        self._urgent = False
+        self._woken = asyncio.Event()
         self._last_end = float("-inf")
         #: seconds the last pass took (the gap kept after it)
         self.last_took = 0.0
@@ -41,13 +59,17 @@ class PassLoop:
         self.passes = 0
         self.asked = 0
 
-    def at_once(self) -> bool:
-        """Whether a pass asked for now runs at once (the broker is idle);
-        when not, the state is marked dirty for :meth:`run`."""
+    def at_once(self, lazy: bool = False) -> bool:
+        """Whether a pass asked for now runs at once (the last pass ended at
+        least :meth:`gap` ago); when not, the state is marked dirty for
+        :meth:`run`. ``lazy``: the change can only move waiting requests."""
         self.asked += 1
-        if self.clock() - self._last_end >= self.gap():
+        if self.clock() - self._last_end >= self.gap(lazy and not self._urgent):
             self._started = self.clock()
             return True
+        if not lazy and not self._urgent:
+            self._urgent = True
+            self._woken.set()  # the loop may be keeping a lazy gap: shorten it
         self._dirty.set()
         return False
 
@@ -55,10 +77,10 @@ class PassLoop:
         """Ask the loop for a pass (after a rollback undid one)."""
         self._dirty.set()
 
-    def gap(self) -> float:
+    def gap(self, lazy: bool = False) -> float:
         """Seconds to keep between two passes: as long as the last one
-        took, at most ``interval``."""
-        return min(self.interval, self.last_took)
+        took (``lazy``: ``lazy_factor`` times as long), at most ``interval``."""
+        return min(self.interval, self.last_took * (self.lazy_factor if lazy else 1.0))
 
     def starting(self) -> None:
         """Record that the loop starts a pass now."""
@@ -72,6 +94,8 @@ class PassLoop:
             self.last_took = self._last_end - self._started
         self._started = None
         self._dirty.clear()
+        self._urgent = False
+        self._woken.clear()
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(None)
         self._ended = None
@@ -87,11 +111,20 @@ class PassLoop:
             await asyncio.wait_for(asyncio.shield(self._ended), timeout)
 
     async def run(self, run_pass: Callable[[], Any], log: Any) -> None:
-        """Forever: wait for a dirty mark, then for the interval since the
-        last pass, then ``run_pass()`` (which calls :meth:`ran`)."""
+        """Forever: wait for a dirty mark, then for the gap since the last
+        pass (lazy while only lazy changes wait), then ``run_pass()`` (which
+        calls :meth:`ran`)."""
         while True:
             await self._dirty.wait()
-            wait = self._last_end + self.gap() - self.clock()
+            wait = self._last_end + self.gap(not self._urgent) - self.clock()
+            if wait > 0 and not self._urgent:  # a lazy gap, cut short by a change that is not
+                self._woken.clear()
+                try:
+                    await asyncio.wait_for(self._woken.wait(), wait)
+                except asyncio.TimeoutError:
+                    wait = 0.0
+                else:
+                    wait = self._last_end + self.gap() - self.clock()
             if wait > 0:
                 await asyncio.sleep(wait)
             if not self._dirty.is_set():

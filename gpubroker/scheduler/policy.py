@@ -63,7 +63,7 @@ def queue_order(state: SchedulerState, now: dt.datetime) -> list[Request]:
         now,
         policy.half_life,
     )
-    users = waiting_users | {r.user for r in state.running}
+    users = waiting_users | state.also_waiting | {r.user for r in state.running}
     total = sum(1 for s in state.slots if not s.drained)
     factor = fairshare.factors(
         users, usage, policy.shares, total, policy.half_life, only=waiting_users

@@ -361,6 +361,11 @@ class SchedulerState:
             (``Wait.message``); the trace simulator, which reads only
             reasons, ETAs and earmarks, turns it off (``message`` is then
             ``""``). The decisions are the same either way.
+        also_waiting: users with requests waiting that ``pending`` leaves
+            out, for a pass over part of the queue (the trace simulator's
+            prefix passes). They count among the active users whose shares
+            normalise fair share, so every factor is the one the whole queue
+            gives; their left-out requests get no decisions.
     """
 
     slots: tuple[Slot, ...]
@@ -371,6 +376,7 @@ class SchedulerState:
     topology: Mapping[str, Topology] = field(default_factory=dict)
     sharing_strategy: str = "least-fragmentation"
     explain: bool = field(default=True, repr=False)  # repr: as before (golden data)
+    also_waiting: frozenset[str] = field(default=frozenset(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -432,6 +438,18 @@ class Wait:
     message: str
     eta: dt.datetime | None = None
     earmarked: tuple[str, ...] = ()
+
+    def __eq__(self, other: object) -> bool:
+        # the fields compared at once (the broker compares thousands per
+        # pass); the same result as the generated field-by-field comparison
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    def __hash__(self) -> int:
+        return hash(
+            (self.lease_id, self.position, self.reason, self.message, self.eta, self.earmarked)
+        )
 
 
 @dataclass(frozen=True)

@@ -462,9 +462,9 @@ class Engine:
         the head, it does not even change what the pass plans, so it can be
         left out.
 
-        The scheduler first sees the head (see :meth:`_split`) plus each other
-        waiting user's first request (so that fair-share factors, which depend
-        on who waits, stay the same). While some request behind might start,
+        The scheduler first sees the head (see :meth:`_split`), told who else
+        waits (``SchedulerState.also_waiting``, so that fair-share factors,
+        which depend on who waits, stay the same). While some request behind might start,
         the next few of those are added to the head and the pass runs again
         (only when the reservations were used up within the first head; else
         the full pass runs). The decisions are those of the full pass, less
@@ -498,18 +498,13 @@ class Engine:
         """The decisions of :meth:`_prefix_pass` from ``head`` (a prefix of the
         queue order) and requests added behind it; ``None`` when the head is
         too short to tell (the pass's reservations were not used up within it)."""
-        users = {r.user for r in head}
-        extra = [
-            self._pending[self._queues[user][0][2]]
-            for user in self._waiting_users
-            if user not in users
-        ]
+        # the users waiting behind the head still count in fair share
+        also_waiting = frozenset(self._waiting_users)
         served = {r.lease_id: r for r in head}
         rest: list[Request] | None = None  # every pending request behind the head
         first = True
         while True:
-            pending = (*served.values(), *(r for r in extra if r.lease_id not in served))
-            seen = replace(state, pending=pending)
+            seen = replace(state, pending=tuple(served.values()), also_waiting=also_waiting)
             decisions = self.scheduler.schedule(seen, when)
             if decisions.preemptions:
                 return self._full_pass(state, when)

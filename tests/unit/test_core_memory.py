@@ -118,6 +118,58 @@ def test_pass_loop_keeps_a_gap_as_long_as_the_last_pass_took() -> None:
     assert (loop.asked, loop.passes) == (5, 2)
 
 
+def test_lazy_changes_keep_a_longer_gap_cut_short_by_others() -> None:
+    clock = _Clock()
+    loop = PassLoop(0.05, clock, lazy_factor=3.0)
+    assert loop.at_once(lazy=True)  # idle: at once, lazy or not
+    clock.now += 0.004  # the pass took 4 ms
+    loop.ran()
+    assert loop.gap() == pytest.approx(0.004) and loop.gap(lazy=True) == pytest.approx(0.012)
+    clock.now += 0.006  # past the plain gap, within the lazy one
+    assert not loop.at_once(lazy=True)  # a request nothing is free for: marked only
+    assert loop.at_once(lazy=False)  # a release: the plain gap is over, so at once
+    clock.now += 0.004
+    loop.ran()
+    clock.now += 0.001
+    assert not loop.at_once(lazy=True)
+    assert not loop.at_once(lazy=False)  # within the plain gap too
+    clock.now += 0.004  # the plain gap is over: a lazy ask runs at once now (one is due)
+    assert loop.at_once(lazy=True)
+    clock.now += 1.0  # a slow pass: both gaps are capped by the interval
+    loop.ran()
+    assert loop.gap(lazy=True) == pytest.approx(0.05)
+
+
+async def test_the_loop_keeps_a_lazy_gap_until_another_change_comes() -> None:
+    clock = _Clock()  # frozen: the loop's waits are the gaps themselves
+    loop = PassLoop(10.0, clock, lazy_factor=100.0)
+    ran: list[int] = []
+
+    def run_pass() -> None:
+        ran.append(len(ran))
+        loop.ran()
+
+    loop.ran()
+    loop.last_took = 0.05  # plain gap 0.05 s, lazy gap 5 s
+    runner = asyncio.ensure_future(loop.run(run_pass, None))
+    try:
+        assert not loop.at_once(lazy=True)  # a request nothing is free for
+        await asyncio.sleep(0.3)
+        assert ran == []  # far past the plain gap: the lazy one holds
+        assert not loop.at_once(lazy=False)  # a release, within the plain gap
+        for _ in range(100):  # the loop is woken and keeps the plain gap
+            if ran:
+                break
+            await asyncio.sleep(0.02)
+        assert ran == [0]
+        loop.last_took = 0.05
+        assert not loop.at_once(lazy=True)
+        await asyncio.sleep(0.3)
+        assert ran == [0]
+    finally:
+        runner.cancel()
+
+
 async def test_coalesced_requests_are_granted_by_one_pass(db_url: str) -> None:
     broker = make_broker(db_url, ["8 x H100"])
     clock = _Clock()  # frozen: every command after the first comes "too soon"
