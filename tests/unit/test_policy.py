@@ -229,3 +229,29 @@ def test_pool_drained_when_no_node_is_big_enough() -> None:
     slots = (*node("a", 2), Slot("b0", "b", 0, drained=True))
     (wait,) = schedule(SchedulerState(slots, (), (req(1, "u", gpus=3),)), NOW).waits
     assert wait.reason is WaitReason.pool_drained and "largest: 2" in wait.message
+
+
+def test_users_waiting_behind_a_partial_queue_still_count_in_fair_share() -> None:
+    """A pass over the head of the queue (the simulator's prefix passes) names
+    the users left out in ``also_waiting``: their shares normalise the
+    factors, so the head is ordered as in the whole queue."""
+    from dataclasses import replace
+
+    from gpubroker.scheduler import queue_order
+
+    usage = {
+        "ann": UsageRecord(3 * 3600.0, NOW),
+        "bob": UsageRecord(3600.0, NOW),
+        "cat": UsageRecord(4e6, NOW),  # far behind
+    }
+    pending = (req(1, "ann", minute=-30), req(2, "bob", minute=-10), req(3, "cat", minute=-5))
+    policy = Policy(shares={"ann": 1.0, "bob": 1.0, "cat": 8.0})
+    state = SchedulerState(node("a", 4), (), pending, policy, usage)
+    whole = [r.lease_id for r in queue_order(state, NOW)]
+    assert whole == [2, 1, 3]  # bob used less: first
+    head = replace(state, pending=pending[:2])
+    # without cat, ann and bob round to one fair-share step: age decides
+    assert [r.lease_id for r in queue_order(head, NOW)] == [1, 2]
+    told = replace(head, also_waiting=frozenset({"ann", "bob", "cat"}))
+    assert [r.lease_id for r in queue_order(told, NOW)] == whole[:2]
+    assert [w.lease_id for w in schedule(replace(told, slots=()), NOW).waits] == [2, 1]
