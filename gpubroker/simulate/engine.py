@@ -184,6 +184,9 @@ class RunResult:
         full_passes: passes on the whole queue after a prefix did not suffice.
         candidates: requests behind a prefix that might have started, summed
             over passes (they are added to a second prefix pass).
+        passed_over: requests within the span of a prefix pass's head left
+            out of it (larger than any node's free devices, past the head's
+            first part), summed over passes.
         events: events applied.
         wall: wall-clock seconds of the replay.
     """
@@ -203,6 +206,7 @@ class RunResult:
     prefix_passes: int = 0
     full_passes: int = 0
     candidates: int = 0
+    passed_over: int = 0
     events: int = 0
     wall: float = 0.0
 
@@ -420,32 +424,43 @@ class Engine:
             and len(state.pending) > self.policy.max_reservations + PREFIX_BASE
         )
 
-    def _split(self, queue: Iterator[Request], size: int, head: list[Request]) -> bool:
-        """Extend ``head`` to the queue's head for a prefix pass; return
-        whether requests are left behind it.
-
-        The head is at least ``size`` requests long, and long enough to hold
-        :data:`PREFIX_FITTING` (+ :data:`PREFIX_PER_FREE` per free device)
-        requests small enough for a node's free devices, so that the free
-        devices are likely taken or shown reserved within it. ``queue`` is
-        consumed as far as the head goes (``head``, a prefix of it so far, is
-        continued).
-        """
+    def _free_per_node(self) -> dict[str, int]:
+        """Free devices (in service, not held) per node, at the pass's start."""
         free: dict[str, int] = {}
         for slot in self._slots:
             if slot.uuid not in self._busy and not slot.drained:
                 free[slot.node] = free.get(slot.node, 0) + 1
+        return free
+
+    def _split(self, queue: Iterator[Request], size: int) -> tuple[list[Request], bool]:
+        """The head of the queue for a prefix pass, and whether requests
+        are left behind it.
+
+        The head holds the first ``size`` requests of ``queue`` (the queue
+        order), then, until it holds :data:`PREFIX_FITTING` (+
+        :data:`PREFIX_PER_FREE` per free device) requests small enough for a
+        node's free devices (so that the free devices are likely taken or
+        shown reserved within it), the next ones of those small enough only:
+        once the pass's reservations are used up within the first ``size``
+        (:meth:`_serve` checks it), a request larger than any node's free
+        devices only waits and changes nothing the pass decides after it.
+        """
+        free = self._free_per_node()
         largest = max(free.values(), default=0)
         wanted = PREFIX_FITTING + PREFIX_PER_FREE * sum(free.values()) if largest else 0
-        fitting = sum(1 for r in head if r.gpus <= largest)
-        while len(head) < size or fitting < wanted:
+        head: list[Request] = []
+        consumed = fitting = 0
+        while consumed < size or fitting < wanted:
             request = next(queue, None)
             if request is None:
                 break
-            head.append(request)
-            if request.gpus <= largest:
-                fitting += 1
-        return len(head) < len(self._pending)
+            consumed += 1
+            fits = request.gpus <= largest
+            if fits or consumed <= size:
+                head.append(request)
+            fitting += fits
+        self._result.passed_over += consumed - len(head)
+        return head, consumed < len(self._pending)
 
     def _prefix_pass(
         self, state: SchedulerState, when: dt.datetime
@@ -460,44 +475,56 @@ class Engine:
         long was tried and did not fit (see :meth:`_may_start`). Such a
         request only waits; once the pass's reservations are used up within
         the head, it does not even change what the pass plans, so it can be
-        left out.
+        left out (also from the head, past its first part: :meth:`_split`).
 
-        The scheduler first sees the head (see :meth:`_split`), told who else
-        waits (``SchedulerState.also_waiting``, so that fair-share factors,
-        which depend on who waits, stay the same). While some request behind might start,
-        the next few of those are added to the head and the pass runs again
-        (only when the reservations were used up within the first head; else
-        the full pass runs). The decisions are those of the full pass, less
-        the waits of the requests left out; nothing here may preempt (see
-        :meth:`_may_use_prefix`).
+        The scheduler first sees the head, told who else waits
+        (``SchedulerState.also_waiting``, so that fair-share factors, which
+        depend on who waits, stay the same). While some request behind might
+        start, the next few of those are added to the head and the pass runs
+        again. When the reservations were not used up within the head's
+        first part, the head is taken again, twice as long. The decisions
+        are those of the full pass, less the waits of the requests left out;
+        nothing here may preempt (see :meth:`_may_use_prefix`).
         """
         assert self.scheduler.order is not None
-        queue = self._queue_order(state, when)
-        head: list[Request] = []
         size = self.policy.max_reservations + PREFIX_BASE
         while True:
-            if not self._split(queue, size, head):
+            head, left = self._split(self._queue_order(state, when), size)
+            if not left:
                 return self._full_pass(state, when)
             if self.verify:
-                full = self.scheduler.order(state, when)[: len(head)]
-                if [r.lease_id for r in full] != [r.lease_id for r in head]:
-                    diff = next(
-                        (a, b) for a, b in zip(full, head, strict=True) if a.lease_id != b.lease_id
-                    )
-                    raise SimulationError(
-                        f"at {when}: the merged queue order is not the policy's: {diff}"
-                    )
-            decided = self._serve(state, when, head)
+                self._check_head(state, when, head, size)
+            decided = self._serve(state, when, head, size)
             if decided is not None:
                 return decided
             size *= 2  # the reservations were not used up within the head: a longer one
 
+    def _check_head(
+        self, state: SchedulerState, when: dt.datetime, head: list[Request], size: int
+    ) -> None:
+        """Raise unless ``head`` is what :meth:`_split` takes from the policy's order."""
+        assert self.scheduler.order is not None
+        largest = max(self._free_per_node().values(), default=0)
+        order = self.scheduler.order(state, when)
+        last = next(k for k, r in enumerate(order) if r.lease_id == head[-1].lease_id)
+        want = [
+            r.lease_id for k, r in enumerate(order[: last + 1]) if k < size or r.gpus <= largest
+        ]
+        got = [r.lease_id for r in head]
+        if want != got:
+            raise SimulationError(
+                f"at {when}: the merged queue order is not the policy's: "
+                f"the policy's head {want[:8]}..., the engine's {got[:8]}..."
+            )
+
     def _serve(
-        self, state: SchedulerState, when: dt.datetime, head: list[Request]
+        self, state: SchedulerState, when: dt.datetime, head: list[Request], size: int
     ) -> tuple[Decisions, SchedulerState] | None:
-        """The decisions of :meth:`_prefix_pass` from ``head`` (a prefix of the
-        queue order) and requests added behind it; ``None`` when the head is
-        too short to tell (the pass's reservations were not used up within it)."""
+        """The decisions of :meth:`_prefix_pass` from ``head`` (see
+        :meth:`_split`) and requests added behind it; ``None`` when the head
+        is too short to tell (the pass's reservations were not used up
+        within its first ``size`` requests, which are the queue's first)."""
+        first_part = {r.lease_id for r in head[:size]}
         # the users waiting behind the head still count in fair share
         also_waiting = frozenset(self._waiting_users)
         served = {r.lease_id: r for r in head}
@@ -519,7 +546,9 @@ class Engine:
                 return decisions, seen
             if first:
                 tried = sum(
-                    1 for w in decisions.waits if w.lease_id in served and w.reason in _NOT_PLACED
+                    1
+                    for w in decisions.waits
+                    if w.lease_id in first_part and w.reason in _NOT_PLACED
                 )
                 if tried < self.policy.max_reservations:
                     return None
