@@ -292,6 +292,8 @@ class Engine:
         self._earmarked: set[int] = set()
         self._preempting = 0
         self._waiting_users: Counter[str] = Counter()
+        #: the fair-share buckets of the last pass: (its state, its time, buckets)
+        self._bucket_memo: tuple[SchedulerState, dt.datetime, dict[str, int]] | None = None
         self._dirty = True
         self._blocked = False
         self._requeued = False
@@ -559,7 +561,16 @@ class Engine:
 
     def _buckets(self, state: SchedulerState, when: dt.datetime) -> dict[str, int]:
         """Per waiting user, the fair-share part of the broker's queue key
-        (:func:`gpubroker.scheduler.queue_order`): minus the factor in steps."""
+        (:func:`gpubroker.scheduler.queue_order`): minus the factor in steps.
+        Computed once per pass (``state`` is the pass's, never changed)."""
+        memo = self._bucket_memo
+        if memo is not None and memo[0] is state and memo[1] == when:
+            return memo[2]
+        buckets = self._compute_buckets(state, when)
+        self._bucket_memo = (state, when, buckets)
+        return buckets
+
+    def _compute_buckets(self, state: SchedulerState, when: dt.datetime) -> dict[str, int]:
         policy = self.policy
         usage = fairshare.decayed_usage(state.usage, state.running, when, policy.half_life)
         users = set(self._waiting_users).union(r.user for r in state.running)
@@ -600,12 +611,10 @@ class Engine:
             return [r for r in self.scheduler.order(state, when) if r.lease_id in wanted]
         buckets = self._buckets(state, when)
         policy = self.policy
-
-        def key(r: Request) -> tuple[int, int, dt.datetime, int]:
-            rank = policy.class_of(r.priority_class).rank
-            return (-rank, buckets[r.user], r.created, r.lease_id)
-
-        return sorted(requests, key=key)
+        rank = {c: -policy.class_of(c).rank for c in {r.priority_class for r in requests}}
+        return sorted(
+            requests, key=lambda r: (rank[r.priority_class], buckets[r.user], r.created, r.lease_id)
+        )
 
     def _full_pass(
         self, state: SchedulerState, when: dt.datetime
