@@ -109,8 +109,10 @@ class Broker(
     lazy_pass_factor = Float(
         3.0,
         min=1.0,
-        help="""After a change that can only move waiting requests (a request
-        nothing is free for; a pending request withdrawn), the service's pass
+        help="""After a change whose pass cannot grant anything at once (a
+        request nothing is free for; a pending request withdrawn: the pass
+        can only place requests in the queue, or start a preemption, which
+        has a grace period anyway), the service's pass
         loop keeps a gap this many times as long as the last pass took
         (capped by pass_interval) before the pass that covers it, so that a
         stream of such changes over a long queue spends at most
@@ -867,7 +869,7 @@ class Broker(
         """Run the pure scheduler on the session's state and apply its
         decisions; with a pass loop (:attr:`passes`) and a pass less than
         its gap ago, only mark the state dirty (unless ``force``). ``lazy``:
-        the change can only move waiting requests (the longer gap of
+        the pass cannot grant anything at once (the longer gap of
         :attr:`lazy_pass_factor`).
 
         When an eviction released devices, one more pass hands them on.

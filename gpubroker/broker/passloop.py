@@ -10,8 +10,8 @@ dirty and answers; :meth:`PassLoop.run` runs one pass when the gap is over,
 covering every change since: under load, however many commands arrive,
 passes run at most once per gap.
 
-A change that can only move waiting requests (a request nothing is free
-for, a pending request withdrawn) is *lazy*: its pass keeps a gap
+A change whose pass cannot grant anything at once (a request nothing is
+free for, a pending request withdrawn) is *lazy*: its pass keeps a gap
 ``lazy_factor`` times as long as the last pass took (still at most
 ``interval``), so that a stream of such changes spends at most
 ``1 / (1 + lazy_factor)`` of the broker's time in passes over a long queue.
@@ -62,7 +62,7 @@ class PassLoop:
     def at_once(self, lazy: bool = False) -> bool:
         """Whether a pass asked for now runs at once (the last pass ended at
         least :meth:`gap` ago); when not, the state is marked dirty for
-        :meth:`run`. ``lazy``: the change can only move waiting requests."""
+        :meth:`run`. ``lazy``: its pass cannot grant anything at once."""
         self.asked += 1
         if self.clock() - self._last_end >= self.gap(lazy and not self._urgent):
             self._started = self.clock()

@@ -170,6 +170,25 @@ async def test_the_loop_keeps_a_lazy_gap_until_another_change_comes() -> None:
         runner.cancel()
 
 
+def test_requests_nothing_is_free_for_and_withdrawals_are_lazy(db_url: str) -> None:
+    broker = make_broker(db_url, ["1 x H100"])
+    clock = _Clock()
+    broker.passes = PassLoop(10.0, clock, lazy_factor=3.0)
+    holder = broker.request_lease("holder", "", gpus=1)  # idle: at once
+    assert holder["state"] == "granted"
+    broker.passes.last_took = 0.5  # plain gap 0.5 s, lazy gap 1.5 s
+    clock.now += 1.0
+    waiting = broker.request_lease("w", "", gpus=1)  # nothing is free: lazy, marked only
+    assert waiting["queue"]["reason"] == "Queued" and broker.passes.passes == 1
+    late = broker.request_lease("late", "", gpus=1)
+    broker.release_lease(late["id"], "changed my mind")  # a withdrawal: lazy too
+    assert broker.passes.passes == 1
+    broker.release_lease(holder["id"], "done")  # frees the GPU: the plain gap holds, over
+    assert broker.passes.passes == 2
+    assert broker.get_lease(waiting["id"])["state"] == "granted"
+    assert broker.validate_state() == []
+
+
 async def test_coalesced_requests_are_granted_by_one_pass(db_url: str) -> None:
     broker = make_broker(db_url, ["8 x H100"])
     clock = _Clock()  # frozen: every command after the first comes "too soon"
