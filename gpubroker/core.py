@@ -109,16 +109,19 @@ class Broker(
     lazy_pass_factor = Float(
         3.0,
         min=1.0,
-        help="""After a change whose pass cannot grant anything at once (a
-        request nothing is free for; a pending request withdrawn: the pass
-        can only place requests in the queue, or start a preemption, which
-        has a grace period anyway), the service's pass
-        loop keeps a gap this many times as long as the last pass took
-        (capped by pass_interval) before the pass that covers it, so that a
-        stream of such changes over a long queue spends at most
-        1 / (1 + lazy_pass_factor) of the broker's time in passes. Any other
-        change cuts the gap back to pass_interval's rule. Such a request is
-        answered Queued at once; its place and reason come with that pass.""",
+        help="""After a change whose pass cannot grant anything at once, the
+        service's pass loop keeps a gap this many times as long as the last
+        pass took (capped by pass_interval) before the pass that covers it:
+        a request for which no device it could take is free, or a pending
+        request withdrawn while no whole device is free and nothing was
+        earmarked or being made for it (no restart released a lease either).
+        Such a pass can only place requests in the queue, or start a
+        preemption, which has a grace period anyway. While the longer gap
+        stays under pass_interval, a stream of such changes over a long
+        queue spends at most 1 / (1 + lazy_pass_factor) of the broker's time
+        in passes. Any other change cuts the gap back to pass_interval's
+        rule. Such a request is answered Queued at once; its place and
+        reason come with that pass.""",
     ).tag(config=True)
 
     grant_retry_backoff = Float(
@@ -497,11 +500,13 @@ class Broker(
         now = utcnow()
         with self._write() as session:
             previous = None
+            freed = False  # a restart released the lease it replaces
             if restart_of is not None:
                 previous = self._restarted(session, restart_of, user, server_name, holder_kind)
                 if previous.state in ACTIVE_STATES and not dry_run:
                     self._release(previous, "server restarted", now)
                     session.flush()
+                    freed = True
             if holder_kind == HolderKind.server.value:
                 self._check_no_active_lease(session, user, server_name, restart_of)
             self._check_limits(session, policy, user, charged, shape.weight)
@@ -544,9 +549,12 @@ class Broker(
             if previous is not None:
                 detail["restart_of"] = previous.id
             self._rec(session, now).created(lease, f"requested {summary(lease)}", detail)
-            # nothing free it could have: its pass can only place it in the queue
-            lazy = self.passes is not None and not self._may_grant_now(
-                {"kind": lease.kind, "pool": lease.pool}
+            # nothing free it could have (and no restart freed slots): its pass
+            # can only place it in the queue
+            lazy = (
+                self.passes is not None
+                and not freed
+                and not self._may_grant_now({"kind": lease.kind, "pool": lease.pool})
             )
             self._schedule(session, now, lazy=lazy)
             if lease.state == LeaseState.pending.value and lease.queue_reason is None:
@@ -605,8 +613,16 @@ class Broker(
         with self._write() as session:
             lease = self._get(session, lease_id)
             if lease.state != LeaseState.released.value:
-                # a request withdrawn frees nothing: its pass can only move the queue
-                lazy = lease.state == LeaseState.pending.value
+                # a request withdrawn frees nothing, unless devices were earmarked
+                # for it, its MIG instance was being made, or its reservation kept
+                # a free device back (then others may take them at once)
+                lazy = (
+                    self.passes is not None
+                    and lease.state == LeaseState.pending.value
+                    and not lease.earmarked
+                    and lease.queue_reason != PREPARING
+                    and not self._may_grant_now({"kind": "gpus", "pool": None})
+                )
                 stopping = self._open_stop(lease.id)
                 if stopping is not None:  # the broker asked for this stop: its reason
                     reason = f"{stopping.reason} (server stopped)"

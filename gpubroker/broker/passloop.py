@@ -10,12 +10,13 @@ dirty and answers; :meth:`PassLoop.run` runs one pass when the gap is over,
 covering every change since: under load, however many commands arrive,
 passes run at most once per gap.
 
-A change whose pass cannot grant anything at once (a request nothing is
-free for, a pending request withdrawn) is *lazy*: its pass keeps a gap
-``lazy_factor`` times as long as the last pass took (still at most
-``interval``), so that a stream of such changes spends at most
-``1 / (1 + lazy_factor)`` of the broker's time in passes over a long queue.
-Any other change cuts a lazy gap short to the plain one.
+A change whose pass cannot grant anything at once (the broker says which:
+a request nothing is free for, some withdrawals) is *lazy*: its pass keeps
+a gap ``lazy_factor`` times as long as the last pass took (still at most
+``interval``), so that, below that cap, a stream of such changes spends at
+most ``1 / (1 + lazy_factor)`` of the broker's time in passes over a long
+queue. Any other change (and a rolled-back pass, :meth:`PassLoop.mark_dirty`)
+cuts a lazy gap short to the plain one.
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ class PassLoop:
         return False
 
     def mark_dirty(self) -> None:
-        """Ask the loop for a pass (after a rollback undid one)."""
+        """Ask the loop for a pass (after a rollback undid one): not lazy."""
+        self._urgent = True
+        self._woken.set()
         self._dirty.set()
 
     def gap(self, lazy: bool = False) -> float:
@@ -111,24 +114,19 @@ class PassLoop:
             await asyncio.wait_for(asyncio.shield(self._ended), timeout)
 
     async def run(self, run_pass: Callable[[], Any], log: Any) -> None:
-        """Forever: wait for a dirty mark, then for the gap since the last
-        pass (lazy while only lazy changes wait), then ``run_pass()`` (which
-        calls :meth:`ran`)."""
+        """Forever: wait for a dirty mark, then until the gap since the last
+        pass is over (the lazy one while only lazy changes wait; worked out
+        again whenever a change that is not lazy arrives), then
+        ``run_pass()`` (which calls :meth:`ran`)."""
         while True:
             await self._dirty.wait()
             wait = self._last_end + self.gap(not self._urgent) - self.clock()
-            if wait > 0 and not self._urgent:  # a lazy gap, cut short by a change that is not
-                self._woken.clear()
-                try:
-                    await asyncio.wait_for(self._woken.wait(), wait)
-                except asyncio.TimeoutError:
-                    wait = 0.0
-                else:
-                    wait = self._last_end + self.gap() - self.clock()
             if wait > 0:
-                await asyncio.sleep(wait)
-            if not self._dirty.is_set():
-                continue  # a pass at once covered it meanwhile
+                self._woken.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    # woken early by a change that is not lazy
+                    await asyncio.wait_for(self._woken.wait(), wait)
+                continue  # again: a pass may have run at once meanwhile, the gap changed
             try:
                 self.starting()
                 run_pass()

@@ -157,6 +157,7 @@ async def test_the_loop_keeps_a_lazy_gap_until_another_change_comes() -> None:
         await asyncio.sleep(0.3)
         assert ran == []  # far past the plain gap: the lazy one holds
         assert not loop.at_once(lazy=False)  # a release, within the plain gap
+        clock.now += 0.05  # the plain gap is over, the lazy one (5 s) is not
         for _ in range(100):  # the loop is woken and keeps the plain gap
             if ran:
                 break
@@ -166,6 +167,13 @@ async def test_the_loop_keeps_a_lazy_gap_until_another_change_comes() -> None:
         assert not loop.at_once(lazy=True)
         await asyncio.sleep(0.3)
         assert ran == [0]
+        loop.mark_dirty()  # a rolled-back pass: not lazy
+        clock.now += 0.05
+        for _ in range(100):
+            if len(ran) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert ran == [0, 1]
     finally:
         runner.cancel()
 
@@ -186,6 +194,36 @@ def test_requests_nothing_is_free_for_and_withdrawals_are_lazy(db_url: str) -> N
     broker.release_lease(holder["id"], "done")  # frees the GPU: the plain gap holds, over
     assert broker.passes.passes == 2
     assert broker.get_lease(waiting["id"])["state"] == "granted"
+    assert broker.validate_state() == []
+
+
+def test_withdrawals_and_restarts_that_may_free_devices_are_not_lazy(db_url: str) -> None:
+    broker = make_broker(db_url, ["2 x H100"])
+    clock = _Clock()
+    broker.passes = PassLoop(10.0, clock, lazy_factor=3.0)
+    ann = broker.request_lease("ann", "", gpus=1)  # at once: granted
+    broker.passes.last_took = 0.5  # plain gap 0.5 s, lazy gap 1.5 s
+    clock.now += 1.0
+    big = broker.request_lease("big", "", gpus=2)  # a GPU is free: not lazy, at once
+    assert broker.passes.passes == 2
+    assert broker.get_lease(big["id"])["queue"]["reason"] == "Resources"  # keeps the free GPU
+    broker.passes.last_took = 0.5
+    clock.now += 1.0
+    bob = broker.request_lease("bob", "", gpus=1)  # the free GPU is reserved for big
+    assert broker.passes.passes == 3 and broker.get_lease(bob["id"])["state"] == "pending"
+    broker.passes.last_took = 0.5
+    clock.now += 1.0
+    broker.release_lease(big["id"], "gave up")  # its reservation kept a free GPU back
+    assert broker.passes.passes == 4 and broker.get_lease(bob["id"])["state"] == "granted"
+    broker.passes.last_took = 0.5
+    clock.now += 1.0
+    cat = broker.request_lease("cat", "", gpus=1)  # nothing is free: lazy
+    assert broker.passes.passes == 4
+    # ann's server restarts asking for one GPU: her old lease is released, so not lazy
+    again = broker.request_lease("ann", "", gpus=1, restart_of=ann["id"])
+    assert broker.passes.passes == 5
+    assert broker.get_lease(cat["id"])["state"] == "granted"  # older: first in the queue
+    assert broker.get_lease(again["id"])["state"] == "pending"
     assert broker.validate_state() == []
 
 
