@@ -554,7 +554,7 @@ class Broker(
             lazy = (
                 self.passes is not None
                 and not freed
-                and not self._may_grant_now({"kind": lease.kind, "pool": lease.pool})
+                and not self._may_grant_now(lease.kind, lease.pool)
             )
             self._schedule(session, now, lazy=lazy)
             if lease.state == LeaseState.pending.value and lease.queue_reason is None:
@@ -621,7 +621,7 @@ class Broker(
                     and lease.state == LeaseState.pending.value
                     and not lease.earmarked
                     and lease.queue_reason != PREPARING
-                    and not self._may_grant_now({"kind": "gpus", "pool": None})
+                    and not self._may_grant_now("gpus", None)
                 )
                 stopping = self._open_stop(lease.id)
                 if stopping is not None:  # the broker asked for this stop: its reason
@@ -795,7 +795,7 @@ class Broker(
             return view
         deadline = time.monotonic() + timeout
         if self.passes is not None:
-            if not self._may_grant_now(view):
+            if not self._may_grant_now(view.get("kind", "gpus"), view.get("pool")):
                 return view  # the pass could not grant it now: the long-poll sees its verdict
             await self.passes.settled(timeout=timeout)
             view = self.get_lease(int(view["id"]))
@@ -808,18 +808,18 @@ class Broker(
             view = self.get_lease(int(view["id"]))
         return view
 
-    def _may_grant_now(self, view: dict[str, Any]) -> bool:
-        """Whether the pass may grant pending lease ``view`` at once: always
-        for MIG instances and shares; for whole devices, when a device of
-        an exclusive pool (of the pool asked for, if one was) is free: in
-        service, not held, not kept for another request. When not, its
-        first verdict is a wait (or a preemption, which takes a grace
-        period): the request is answered without waiting for the pass."""
-        if view.get("kind", "gpus") != "gpus":
+    def _may_grant_now(self, kind: str, wanted: str | None) -> bool:
+        """Whether a pass may grant a pending request of slot ``kind`` in
+        pool ``wanted`` (``None``: any) at once: always for MIG instances
+        and shares; for whole devices, when a device of an exclusive pool
+        (of the pool asked for, if one was) is free: in service, not held,
+        not kept for another request. When not, the request's first verdict
+        is a wait (or a preemption, which takes a grace period): it is
+        answered without waiting for the pass, and its pass is lazy."""
+        if kind != "gpus":
             return True
         inputs = self._world.refresh_inputs()
         taken = inputs.held_devices() | inputs.earmarked_devices()
-        wanted = view.get("pool")
         for device in self._world.present_devices():
             if device.uuid in taken or device.drained or device.mig_target is not None:
                 continue
