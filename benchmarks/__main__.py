@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import api, scheduler, sharing, simulate
+from . import api, packing, scheduler, sharing, simulate
 
 
 def main() -> None:
@@ -14,6 +14,8 @@ def main() -> None:
     results.update(scheduler.run())
     print(simulate.describe())
     results.update(simulate.run())
+    print(packing.describe())
+    results.update(packing.run())
     print(sharing.describe())
     results.update(sharing.run())
     print(f"API: {api.PAIRS} lease request/release pairs on loopback vs a bare Tornado handler")

@@ -15,7 +15,14 @@ the baseline the benchmark compares it with.
 
 Shares: a ``timeslice`` device hands out at most ``memory_mib - reserve_mib``
 MiB in shares; the shares of one request go to distinct devices of one node,
-best fit (the devices with the least memory left that still fits).
+placed by :mod:`gpubroker.scheduler.packing`'s ``packing`` strategy (the
+one the packing experiment measures): the node and devices whose expected
+fragmentation rises least under the pass's *share mix* (the share sizes
+the pool's leases hold and its requests wait for, each lease or request
+counted once), then best fit (the least room left on the device, then on
+the node). Units are MiB of share room; host CPU and memory are not
+modelled. With no share mix (nothing held or waiting) every gradient is 0
+and best fit decides.
 
 Weights (quotas and usage, in device units): a MIG instance counts its
 compute slices / the device's compute slices; a share its memory / the
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..devices import mig
+from . import packing
 from .placement import Best
 from .types import Instance, Part, PoolMode, Request, Running, Slot, SlotKind, WaitReason
 
@@ -172,6 +180,24 @@ class _Device:
         return self._free
 
 
+def share_mix(running: Iterable[Running], pending: Iterable[Request] = ()) -> packing.Mix:
+    """The share sizes held and asked for: one :class:`~gpubroker.scheduler.packing.Demand`
+    (count, MiB per share) per distinct size, weighted by how many leases
+    hold it and requests wait for it (the broker's online estimate of what
+    comes next, for :mod:`~gpubroker.scheduler.packing`)."""
+    counts: dict[packing.Demand, int] = {}
+    for lease in running:
+        shares = [p for p in lease.parts if p.kind == "share"]  # SlotKind.share.value
+        if shares:
+            demand = packing.Demand(len(shares), shares[0].memory_mib)
+            counts[demand] = counts.get(demand, 0) + 1
+    for request in pending:
+        if request.kind == "share" and request.memory_mib > 0:
+            demand = packing.Demand(request.gpus, request.memory_mib)
+            counts[demand] = counts.get(demand, 0) + 1
+    return [(d, float(n)) for d, n in counts.items()]
+
+
 def _record(dev: _Device, lease_id: int, part: Part) -> None:
     """``dev`` now holds ``part`` of ``lease_id``: a share's memory, or a MIG
     instance's placement (a static instance is no longer free)."""
@@ -212,6 +238,8 @@ class SharingPool:
         self._share_misses: dict[tuple[int, int, str | None], Miss] = {}
         self._static_misses: dict[tuple[Any, ...], Miss | None] = {}
         self._share_able: dict[tuple[int, str | None], dict[str, list[_Device]]] = {}
+        #: scores share placements (:meth:`set_share_mix`)
+        self.scorer = packing.Scorer("packing")
         #: counts :meth:`take` calls that changed a device: answers stay valid while unchanged
         self.version = 0
 
@@ -221,11 +249,13 @@ class SharingPool:
         slots: Iterable[Slot],
         running: Iterable[Running],
         strategy: str = "least-fragmentation",
+        pending: Iterable[Request] = (),
     ) -> SharingPool:
         """The fractional devices of ``slots`` with the parts ``running`` holds.
 
         Devices held whole by a lease (e.g. moved into a sharing pool while
-        a lease held them) are left out until released.
+        a lease held them) are left out until released. The share mix
+        (:func:`share_mix`) comes from ``running`` and ``pending``.
         """
         running = list(running)
         whole = {d for lease in running if lease.devices for d in lease.devices}
@@ -245,12 +275,19 @@ class SharingPool:
             dev.free_static = list(slot.static)
             devices[slot.uuid] = dev
         pool = cls(devices, strategy)
+        pool.set_share_mix(share_mix(running, pending))
         for lease in running:  # nothing is indexed yet: record without invalidating
             for part in lease.parts:
                 held = devices.get(part.device)
                 if held is not None:
                     _record(held, lease.lease_id, part)
         return pool
+
+    def set_share_mix(self, mix: packing.Mix) -> None:
+        """Score share placements under ``mix`` (demands in MiB of share
+        room, see :func:`share_mix`); forgets the answers kept so far."""
+        self.scorer = packing.Scorer("packing", mix)
+        self._share_best.clear()
 
     # -- bookkeeping ---------------------------------------------------------------
 
@@ -495,26 +532,32 @@ class SharingPool:
             self._static_misses[key] = miss
         return by_node, self._static_misses[key]
 
-    @staticmethod
     def _share_score(
-        devs: list[_Device], need: int, count: int, lightest: bool
-    ) -> tuple[tuple[float, int, str], list[_Device]] | None:
+        self, devs: list[_Device], need: int, count: int, lightest: bool
+    ) -> tuple[tuple[Any, ...], list[_Device]] | None:
         """The best ``count`` devices of one node for shares of ``need`` MiB
-        and their key (lower wins), or ``None`` when fewer have room."""
+        and their key (lower wins), or ``None`` when fewer have room.
+        ``lightest``: the largest devices (where the share weighs least),
+        then best fit; otherwise :mod:`~gpubroker.scheduler.packing`'s
+        ``packing`` score of the node's share room."""
+        if not lightest:
+            node = packing.Node(tuple(d.share_room for d in devs))
+            demand = packing.Demand(count, need)
+            found = self.scorer.score(node, demand)
+            if found is None:
+                return None
+            indices = self.scorer.place(node, demand)
+            assert indices is not None
+            return (found[0], devs[0].slot.node), [devs[i] for i in indices]
         fits = sorted(
             (d for d in devs if d.share_room >= need),
-            key=lambda d: (-d.slot.memory_mib, d.share_room) if lightest else d.share_room,
+            key=lambda d: (-d.slot.memory_mib, d.share_room),
         )
         if len(fits) < count:
             return None
         chosen = fits[:count]
         weight = sum(share_weight(need, d.slot.memory_mib) for d in chosen)
-        node = chosen[0].slot.node
-        return (
-            round(weight, 9) if lightest else 0,
-            sum(d.share_room for d in chosen),
-            node,
-        ), chosen
+        return (round(weight, 9), sum(d.share_room for d in chosen), chosen[0].slot.node), chosen
 
     def _most_room(self, pool: str | None) -> int:
         """Most MiB free for shares on one device in service (of ``pool`` when named)."""

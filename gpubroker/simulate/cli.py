@@ -114,6 +114,9 @@ class SimulateCommand(Application):
         "out": "SimulateCommand.out",
         "schedulers": "SimulateCommand.schedulers",
         "seed": "SimulateCommand.seed",
+        "packing": "SimulateCommand.packing",
+        "seeds": "SimulateCommand.seeds",
+        "strategies": "SimulateCommand.strategies",
         "time-limit-factor": "Enrichment.time_limit_factor",
         "groups": "Enrichment.groups",
         "log-level": "Application.log_level",
@@ -155,6 +158,20 @@ class SimulateCommand(Application):
     seed = Integer(0, help="Seed of the enrichment's random draws (time-limit jitter).").tag(
         config=True
     )
+    packing = Unicode(
+        "",
+        help="""Run the packing experiment instead of the replay: openb pods
+        (--trace, --format openb) drawn at random until they ask for these
+        comma-separated shares of the GPU capacity (e.g. 1.0,1.3), placed in order, none
+        leaving; prints the share placed at each. --cluster is then an openb
+        node list (.csv: host CPU and memory modelled) or a cluster spec.""",
+    ).tag(config=True)
+    seeds = Integer(5, help="Packing experiment: seeds of the draws (0..seeds-1).").tag(config=True)
+    strategies = Unicode(
+        "packing,fgd,best-fit,first-fit,random",
+        help="Packing experiment: comma-separated placement strategies "
+        "(packing, fgd, best-fit, first-fit, random).",
+    ).tag(config=True)
     quiet = Bool(False, help="No progress bar (it is off anyway when stderr is not a TTY).").tag(
         config=True
     )
@@ -246,6 +263,9 @@ class SimulateCommand(Application):
 
     def start(self) -> None:
         """Read, replay under each scheduler, print the figures, write the outputs."""
+        if self.packing:
+            self._pack()
+            return
         names = self._names()
         try:
             until = parse_duration(self.until) if self.until else None
@@ -293,6 +313,27 @@ class SimulateCommand(Application):
             written += write(data, results, out)
         print(summary_table(data))
         print("wrote " + ", ".join(str(p) for p in written))
+
+    def _pack(self) -> None:
+        """The packing experiment: print its table, write packing.json to --out."""
+        from . import packing_cli
+        from .packing import PackingError
+
+        if self.trace_format != "openb" or not self.trace:
+            self.log.critical("--packing needs an openb pod list: --trace FILE --format openb")
+            self.exit(2)
+        try:
+            strategies = packing_cli.parse_strategies(self.strategies)
+            marks = packing_cli.parse_checkpoints(self.packing)
+            data = packing_cli.run(self.trace, self.cluster, marks, self.seeds, strategies)
+        except (PackingError, TraceError, ClusterError) as err:
+            self.log.critical("%s", err)
+            self.exit(2)
+        out = Path(self.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "packing.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        print(packing_cli.table(data))
+        print(f"wrote {out / 'packing.json'}")
 
 
 def _number(value: float | None, spec: str) -> str:

@@ -143,6 +143,7 @@ def measure(
     jct = [r.finish - j.submit for j, r in zip(jobs, records, strict=True) if r.finish is not None]
     arrived = sum(1 for j in jobs if j.submit <= end)
     finished = sum(1 for r in records if r.finish is not None)
+    replayed = sum(1 for j in jobs if j.submit <= result.end)
     allocated, requested = integrate(result.series, end)
     capacity = result.total_gpus * end
     last_submit = max((j.submit for j in jobs), default=0.0)
@@ -182,7 +183,9 @@ def measure(
             "full_passes_after_prefix": result.full_passes,
             "events": result.events,
             "wall_s": result.wall,
-            "jobs_per_s": len(jobs) / result.wall if result.wall > 0 else None,
+            # the jobs submitted before the replay stopped (--until): those it handled
+            "jobs_replayed": replayed,
+            "jobs_per_s": replayed / result.wall if result.wall > 0 else None,
         },
     }
     if fractional:

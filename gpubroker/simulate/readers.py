@@ -71,6 +71,15 @@ class TraceJob:
         gpu_request: GPUs actually requested when fractional (``openb``:
             ``num_gpu * gpu_milli / 1000``); ``None`` means ``gpus``.
         qos: the trace's QoS label (``openb``), for class rules.
+        share: the fraction of one device's compute and memory each of its
+            ``gpus`` asks for (``openb``: ``gpu_milli / 1000``; ``1.0`` a
+            whole device); ``None``: whole devices.
+        gpu_models: GPU models it may run on (``openb``: ``gpu_spec``);
+            empty: any.
+        cpu_milli: host CPU it asks for, milli-cores (``openb``); ``None``:
+            not given.
+        memory_mib: host memory it asks for, MiB (``openb``); ``None``: not
+            given.
     """
 
     job_id: str
@@ -84,6 +93,10 @@ class TraceJob:
     priority_class: str | None = None
     gpu_request: float | None = None
     qos: str | None = None
+    share: float | None = None
+    gpu_models: tuple[str, ...] = ()
+    cpu_milli: int | None = None
+    memory_mib: int | None = None
 
 
 @dataclass(frozen=True)
@@ -327,48 +340,85 @@ _OPENB_COLUMNS = (
 )
 
 
-def _read_openb(trace: Trace, stream: TextIO) -> None:
-    fractional = 0
+def _openb_times(row: Mapping[str, Any]) -> tuple[float, float]:
+    """(submit, run time) of an openb row, seconds."""
+    if not _text(row, "scheduled_time"):
+        raise _Bad(f"scheduled_time is missing (pod_phase {_text(row, 'pod_phase') or '?'})")
+    start = _seconds(row, "scheduled_time")
+    end = _seconds(row, "deletion_time")
+    if end < start:
+        raise _Bad(f"deletion_time {end:g} is before scheduled_time {start:g}")
+    return _seconds(row, "creation_time"), end - start
 
+
+def _optional_count(row: Mapping[str, Any], name: str) -> int | None:
+    return _count(row, name) if _text(row, name) else None
+
+
+def _openb_pod(line: int, row: Mapping[str, Any], timed: bool) -> TraceJob:
+    """One openb pod; ``timed``: read its times too (else submit and run
+    time are 0: the packing experiment needs only the order)."""
+    num_gpu = _count(row, "num_gpu")
+    if num_gpu == 0:
+        raise _Bad("num_gpu is 0: a CPU-only pod, nothing to schedule")
+    milli = _count(row, "gpu_milli")
+    if not 0 < milli <= 1000:
+        raise _Bad(f"gpu_milli {milli} is not in 1..1000")
+    if milli < 1000 and num_gpu > 1:
+        raise _Bad(f"gpu_milli {milli} with num_gpu {num_gpu}: a share is of one GPU")
+    submit, run_time = _openb_times(row) if timed else (0.0, 0.0)
+    spec = _text(row, "gpu_spec")
+    return TraceJob(
+        job_id=_text(row, "name") or str(line),
+        user=None,
+        gpus=num_gpu,
+        submit=submit,
+        run_time=run_time,
+        line=line,
+        gpu_request=num_gpu * milli / 1000.0,
+        qos=_text(row, "qos") or None,
+        share=milli / 1000.0,
+        gpu_models=tuple(m for m in spec.split("|") if m),
+        cpu_milli=_optional_count(row, "cpu_milli"),
+        memory_mib=_optional_count(row, "memory_mib"),
+    )
+
+
+def _read_openb(trace: Trace, stream: TextIO, timed: bool = True) -> None:
     def parse(line: int, row: Mapping[str, Any]) -> TraceJob:
-        nonlocal fractional
-        num_gpu = _count(row, "num_gpu")
-        if num_gpu == 0:
-            raise _Bad("num_gpu is 0: a CPU-only pod, nothing to schedule")
-        milli = _count(row, "gpu_milli")
-        if not 0 < milli <= 1000:
-            raise _Bad(f"gpu_milli {milli} is not in 1..1000")
-        if not _text(row, "scheduled_time"):
-            raise _Bad(f"scheduled_time is missing (pod_phase {_text(row, 'pod_phase') or '?'})")
-        start = _seconds(row, "scheduled_time")
-        end = _seconds(row, "deletion_time")
-        if end < start:
-            raise _Bad(f"deletion_time {end:g} is before scheduled_time {start:g}")
-        request = num_gpu * milli / 1000.0
-        if milli < 1000:
-            fractional += 1
-        return TraceJob(
-            job_id=_text(row, "name") or str(line),
-            user=None,
-            gpus=num_gpu,
-            submit=_seconds(row, "creation_time"),
-            run_time=end - start,
-            line=line,
-            gpu_request=request,
-            qos=_text(row, "qos") or None,
-        )
+        return _openb_pod(line, row, timed)
 
-    _read_rows(trace, _csv_rows(stream, _OPENB_COLUMNS, "openb"), parse)
+    columns = _OPENB_COLUMNS if timed else _OPENB_COLUMNS[:3]
+    _read_rows(trace, _csv_rows(stream, columns, "openb"), parse)
+    fractional = sum(1 for job in trace.jobs if job.share is not None and job.share < 1)
     trace.fractional = fractional > 0
     trace.notes += [
         "openb: submit = creation_time, run time = deletion_time - scheduled_time; "
         "pods still Running at the end of the trace run until its end; CPU-only pods "
-        "(num_gpu 0) are reported and left out; gpu_spec (GPU model constraints) is ignored",
-        f"openb: {fractional} fractional GPU requests (gpu_milli < 1000). The scheduler core "
-        "has only whole devices today: each is placed on one whole device (rounded up), "
-        "while the fraction-of-capacity and fragmentation metrics use the requested "
-        "milli-GPUs",
+        "(num_gpu 0) are reported and left out; each pod keeps its share (gpu_milli / 1000 "
+        "of one GPU's compute and memory), its gpu_spec models, cpu_milli and memory_mib"
+        if timed
+        else "openb pods in file order (times not read); CPU-only pods (num_gpu 0) are "
+        "reported and left out; each keeps its share (gpu_milli / 1000 of one GPU's compute "
+        "and memory), gpu_spec models, cpu_milli and memory_mib",
+        f"openb: {fractional} fractional GPU requests (gpu_milli < 1000). The replay places "
+        "each on one whole device (rounded up: its queue model has whole devices), while the "
+        "fraction-of-capacity metrics use the requested milli-GPUs; the packing experiment "
+        "(gpubroker simulate --packing) places them as shares",
     ]
+
+
+def read_openb_pods(source: str | Path | TextIO) -> Trace:
+    """An openb pod list in file order, times not needed (the packing
+    experiment's reader; the ``multigpu20`` list has no time columns).
+
+    Raises:
+        TraceError: unreadable file, or no ``name``, ``num_gpu``, ``gpu_milli``.
+    """
+    name, stream = _open(source)
+    trace = Trace(name, "openb")
+    _read_openb(trace, stream, timed=False)
+    return trace
 
 
 # -- native --------------------------------------------------------------------------

@@ -333,10 +333,14 @@ def test_two_40gib_shares_with_a_2gib_reserve_go_to_two_devices() -> None:
     assert "no 1 device(s) in the time-sliced pools have 40 GiB free" in message
 
 
-def test_without_reserve_two_smaller_shares_share_one_device() -> None:
+def test_shares_go_where_they_strand_least_then_best_fit() -> None:
     slots = [ts_slot("GPU-0", index=0, reserve_gib=0), ts_slot("GPU-1", index=1, reserve_gib=0)]
     d = run(slots, [share_request(10, 30), share_request(11, 30)])
-    # best fit: the second share goes where the least memory is left that still fits
+    # stacking both 30 GiB shares on one device would leave 19.6 GiB there that
+    # no share of the mix (30 GiB) can use: the second goes to the other device
+    assert granted(d)[10].parts[0].device != granted(d)[11].parts[0].device
+    d = run(slots, [share_request(10, 40), share_request(11, 39)])
+    # 40 + 39 GiB fit one device and strand nothing either way: best fit stacks them
     assert granted(d)[10].parts[0].device == granted(d)[11].parts[0].device
 
 
@@ -383,19 +387,20 @@ def test_a_share_on_a_smaller_device_stays_within_the_limit() -> None:
             ts_slot("GPU-small", index=1, reserve_gib=0), model=A100_40, memory_mib=A100_40_MIB
         ),
     ]
-    request = share_request(10, 21, user="ben")  # estimate: 21 GiB / 81,559 MiB = 0.26
-    policy = Policy(user_quotas={"ben": Quota(0.0, 0.5)})
+    request = share_request(10, 20, user="ben")  # estimate: 20 GiB / 81,559 MiB = 0.25
+    policy = Policy(user_quotas={"ben": Quota(0.0, 0.45)})
     d = run(slots, [request], policy=policy)
-    # best fit finds the 40 GB device, where it would weigh 21 GiB / 40 GiB = 0.525,
-    # over the limit: the share goes to the large device, where it weighs 0.26
+    # placement finds the 40 GB device (it fills it exactly), where it would weigh
+    # 20 GiB / 40 GiB = 0.5, over the limit: the share goes to the large device,
+    # where it weighs 0.25
     (part,) = granted(d)[10].parts
-    assert part.device == "GPU-big" and part.weight == pytest.approx(21 * 1024 / 81559)
-    d = run(slots, [request], policy=Policy(user_quotas={"ben": Quota(0.0, 0.25)}))
+    assert part.device == "GPU-big" and part.weight == pytest.approx(20 * 1024 / 81559)
+    d = run(slots, [request], policy=Policy(user_quotas={"ben": Quota(0.0, 0.2)}))
     assert d.grants == ()  # too heavy everywhere: held at the limit, never over it
     assert waits(d)[10][0] is WaitReason.quota_user
     d = run(slots, [request], policy=Policy(user_quotas={"ben": Quota(0.0, 0.6)}))
     (part,) = granted(d)[10].parts
-    assert part.device == "GPU-small" and part.weight == pytest.approx(21 / 40)
+    assert part.device == "GPU-small" and part.weight == pytest.approx(20 / 40)
 
 
 def test_a_request_for_a_full_pool_reserves_nothing_in_another_pool() -> None:

@@ -173,3 +173,72 @@ def test_openb_fractional_trace_reports_capacity_and_fragmentation(tmp_path: Pat
     assert fractional["requested_gpu_seconds"] == pytest.approx(75 + 200)
     assert fractional["fragmentation_rate"] == pytest.approx(1 - 275 / 400)
     assert fractional["capacity_allocated"] == pytest.approx(275 / (4 * 150))
+
+
+def test_packing_experiment_prints_and_writes_its_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(
+        [
+            f"--trace={DATA / 'openb_default_first400.csv'}",
+            "--format=openb",
+            f"--cluster={DATA / 'openb_nodes_sample.csv'}",
+            "--packing=1.0,1.3",
+            "--seeds=2",
+            "--strategies=packing,best-fit",
+            f"--out={tmp_path}",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("strategy | placed @1 | placed @1.3 | vs best-fit")
+    data = json.loads((tmp_path / "packing.json").read_text())
+    assert data["host_modelled"] and data["gpus"] == 201 and data["pods"] > 300
+    assert set(data["strategies"]) == {"packing", "best-fit"}
+    assert data["strategies"]["packing"]["seeds"] == [0, 1]
+    assert all("CPU-only" in reason for reason in data["left_out"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--packing=0"], "must be > 0"),
+        (["--packing=1.3", "--strategies=tetris"], "strategies tetris"),
+        (["--packing=1.3", "--format=native"], "needs an openb pod list"),
+        (["--packing=1.3", "--seeds=0"], "seeds 0"),
+    ],
+)
+def test_packing_experiment_refuses_bad_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    base = [
+        f"--trace={DATA / 'openb_default_first400.csv'}",
+        f"--cluster={DATA / 'openb_nodes_sample.csv'}",
+        f"--out={tmp_path}",
+    ]
+    if not any(a.startswith("--format") for a in argv):
+        base.append("--format=openb")
+    with pytest.raises(SystemExit) as exit_:
+        run([*base, *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_jobs_per_second_counts_only_the_jobs_replayed(tmp_path: Path) -> None:
+    run(
+        [
+            f"--trace={PHILLY}",
+            "--format=philly",
+            "--cluster=2x8xA100-80GB",
+            "--schedulers=fifo",
+            "--until=6h",
+            f"--out={tmp_path}",
+            "--quiet",
+            "--no-plots",
+        ]
+    )
+    data = json.loads((tmp_path / "metrics.json").read_text())
+    sim = data["runs"]["fifo"]["simulation"]
+    submitted = data["runs"]["fifo"]["jobs"]["submitted"]
+    assert 0 < sim["jobs_replayed"] < 300
+    assert sim["jobs_per_s"] == pytest.approx(sim["jobs_replayed"] / sim["wall_s"])
+    assert submitted >= sim["jobs_replayed"]

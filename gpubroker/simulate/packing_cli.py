@@ -1,0 +1,119 @@
+"""``gpubroker simulate --packing``: run the packing experiment
+(:mod:`gpubroker.simulate.packing`) and print its table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..scheduler.packing import STRATEGIES
+from .cluster import load_cluster
+from .packing import (
+    HostNode,
+    PackingError,
+    experiment,
+    pods_of,
+    read_openb_nodes,
+    summarise,
+)
+from .readers import read_openb_pods
+
+
+def load_nodes(spec: str) -> list[HostNode]:
+    """Nodes from an openb node list (a ``.csv`` with ``sn, cpu_milli,
+    memory_mib, gpu, model``), or a cluster spec or file
+    (:func:`~gpubroker.simulate.cluster.load_cluster`; host CPU and memory
+    are then not modelled).
+
+    Raises:
+        TraceError, ClusterError: the list or spec cannot be read.
+    """
+    if spec.endswith(".csv") and Path(spec).is_file():
+        return read_openb_nodes(spec)
+    return [HostNode(n.name, n.gpus, n.model) for n in load_cluster(spec).nodes]
+
+
+def parse_strategies(text: str) -> list[str]:
+    """Comma-separated strategy names, checked.
+
+    Raises:
+        PackingError: an unknown name, or none.
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or not names:
+        raise PackingError(
+            f"strategies {', '.join(unknown) or '(none)'}: use some of {', '.join(STRATEGIES)}"
+        )
+    return names
+
+
+def parse_checkpoints(text: str) -> list[float]:
+    """Comma-separated shares of capacity (``1.0,1.3``), each > 0.
+
+    Raises:
+        PackingError: not numbers, or one <= 0.
+    """
+    try:
+        marks = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise PackingError(f"--packing {text!r}: give shares of capacity, e.g. 1.0,1.3") from None
+    if not marks or min(marks) <= 0:
+        raise PackingError(f"--packing {text!r}: each share of capacity must be > 0")
+    return marks
+
+
+def run(
+    trace: str,
+    cluster: str,
+    checkpoints: Sequence[float],
+    seeds: int,
+    strategies: Sequence[str],
+    host: bool = True,
+) -> dict[str, Any]:
+    """The experiment's figures as JSON-able data (see :func:`summarise`),
+    with what was read and left out.
+
+    Raises:
+        PackingError, TraceError, ClusterError: bad input.
+    """
+    if seeds < 1:
+        raise PackingError(f"seeds {seeds}: need at least 1")
+    nodes = load_nodes(cluster)
+    read = read_openb_pods(trace)
+    pods = pods_of(read, host=host and all(n.cpu_milli is not None for n in nodes))
+    runs = experiment(nodes, pods, strategies, range(seeds), checkpoints)
+    return {
+        "trace": read.source,
+        "pods": len(pods),
+        "left_out": [str(p) for p in read.problems],
+        "notes": read.notes,
+        "nodes": len(nodes),
+        "gpus": sum(n.gpus for n in nodes),
+        "host_modelled": host and all(n.cpu_milli is not None for n in nodes),
+        "checkpoints": list(checkpoints),
+        "strategies": summarise(runs),
+    }
+
+
+def table(data: dict[str, Any]) -> str:
+    """The figures as a text table: per strategy, the median (min-max) share
+    of capacity placed at each checkpoint, the ratio to best fit, the
+    fragmentation at the end and the placement time per pod."""
+    marks = [f"{m:g}" for m in data["checkpoints"]]
+    head = ["strategy", *(f"placed @{m}" for m in marks), "vs best-fit", "frag", "us/pod"]
+    lines = [" | ".join(head)]
+    for name, row in data["strategies"].items():
+        cells = [name]
+        for mark in marks:
+            f = row["allocated"][mark]
+            cells.append(f"{f['median']:.4f} ({f['min']:.4f}-{f['max']:.4f})")
+        ratio = row["allocated"][marks[-1]].get("ratio_to_best-fit")
+        cells += [
+            "-" if ratio is None else f"{ratio:.4f}",
+            f"{row['fragmentation_median']:.4f}",
+            f"{row['place_us_median']:.0f}",
+        ]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)

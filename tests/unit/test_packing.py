@@ -1,0 +1,265 @@
+"""The packing experiment and the placement strategies it compares
+(:mod:`gpubroker.scheduler.packing`, :mod:`gpubroker.simulate.packing`)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpubroker.scheduler import Part
+from gpubroker.scheduler.packing import (
+    STRATEGIES,
+    UNIT,
+    Demand,
+    Node,
+    Scorer,
+    fits,
+    fragment,
+    fragmentation,
+    options,
+)
+from gpubroker.simulate.packing import (
+    HostNode,
+    Packer,
+    PackingError,
+    Pod,
+    experiment,
+    pods_of,
+    read_openb_nodes,
+    run_one,
+    summarise,
+)
+from gpubroker.simulate.readers import read_openb_pods
+
+DATA = Path(__file__).parent.parent / "data"
+
+
+def pod(units: int, count: int = 1, cpu: int = 0, memory: int = 0) -> Pod:
+    return Pod(f"p{units}", Demand(count, units, cpu, memory))
+
+
+# -- readers keep fractions ------------------------------------------------------
+
+
+def test_openb_pods_keep_share_models_cpu_and_memory() -> None:
+    trace = read_openb_pods(DATA / "openb_default_first400.csv")
+    jobs = {j.job_id: j for j in trace.jobs}
+    first, share = jobs["openb-pod-0000"], jobs["openb-pod-0001"]
+    assert (first.gpus, first.share, first.cpu_milli, first.memory_mib) == (1, 1.0, 12000, 16384)
+    assert (share.gpus, share.share, share.cpu_milli, share.memory_mib) == (1, 0.46, 6000, 12288)
+    assert all("CPU-only" in p.reason for p in trace.problems)
+    assert len(trace.jobs) + len(trace.problems) == 400
+    assert any("share" in n for n in trace.notes)
+
+
+def test_openb_reader_without_times_and_with_gpu_spec() -> None:
+    text = (
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+        "a,4000,1024,1,250,V100M16|V100M32\n"
+        "b,4000,1024,2,500,\n"
+        "c,4000,1024,8,1000,\n"
+    )
+    trace = read_openb_pods(io.StringIO(text))
+    assert [(j.job_id, j.gpus, j.share, j.gpu_models) for j in trace.jobs] == [
+        ("a", 1, 0.25, ("V100M16", "V100M32")),
+        ("c", 8, 1.0, ()),
+    ]
+    assert "a share is of one GPU" in trace.problems[0].reason
+    pods = pods_of(trace)
+    assert pods[0].demand == Demand(1, 250, 4000, 1024)
+    assert pods[0].models == {"V100M16", "V100M32"}
+    assert pods_of(trace, host=False)[1].demand == Demand(8, UNIT)
+
+
+def test_openb_node_list() -> None:
+    nodes = read_openb_nodes(DATA / "openb_nodes_sample.csv")
+    assert nodes[0] == HostNode("openb-node-0000", 2, "P100", 64000, 262144)
+    assert sum(n.gpus for n in nodes) == 201
+
+
+# -- the fragmentation measure, by hand --------------------------------------------
+
+
+def test_fragment_follows_the_paper() -> None:
+    node = Node((1000, 600, 100), cpu=8000, memory=None)
+    # a half share fits: only the 100 units of the third device are lost to it
+    assert fragment(node, Demand(1, 500)) == 100
+    # a whole device fits on the first: the partly used ones are fragment
+    assert fragment(node, Demand(1, UNIT)) == 700
+    # two whole devices do not fit at all: everything free is fragment
+    assert fragment(node, Demand(2, UNIT)) == 1700
+    # nor does a share wanting more CPU than is left
+    assert fragment(node, Demand(1, 100, cpu=9000)) == 1700
+    mix = [(Demand(1, 500), 3.0), (Demand(1, UNIT), 1.0)]
+    assert fragmentation(node, mix) == pytest.approx((3 * 100 + 700) / 4)
+
+
+def test_options_offer_each_distinct_room_once() -> None:
+    node = Node((1000, 600, 600, 100))
+    assert options(node, Demand(1, 500)) == [(1,), (0,)]
+    assert options(node, Demand(1, UNIT)) == [(0,)]
+    assert options(node, Demand(2, 500)) == [(1, 2)]
+    assert options(Node((1000,), cpu=10), Demand(1, 100, cpu=20)) == []
+    assert not fits(node, Demand(2, UNIT))
+
+
+def test_unknown_strategy_is_refused() -> None:
+    with pytest.raises(ValueError, match="strategy 'tetris'"):
+        Scorer("tetris")
+    with pytest.raises(PackingError, match="strategy 'tetris'"):
+        run_one([HostNode("n", 1, "T4")], [pod(100)], "tetris", 0)
+
+
+# -- a hand-worked case: best fit fragments, packing does not ---------------------------
+
+
+def _placed(strategy: str, arrivals: list[Pod]) -> list[bool]:
+    nodes = [HostNode("a", 1, "T4"), HostNode("b", 1, "T4")]
+    mix = [(Demand(1, 400), 2.0), (Demand(1, 600), 2.0)]
+    packer = Packer(nodes, Scorer(strategy, mix))
+    return [packer.place(p) for p in arrivals]
+
+
+def test_best_fit_strands_a_share_that_packing_places() -> None:
+    # 0.4 lands on a (both empty: the first node). The second 0.4 goes, under
+    # best fit, to a too (fewest units left: 200), so the two 0.6 that follow
+    # find 200 and 1000: one fails. Packing sees that 200 left on a is lost
+    # to both sizes of the mix and puts the second 0.4 on b: both 0.6 fit.
+    arrivals = [pod(400), pod(400), pod(600), pod(600)]
+    assert _placed("best-fit", arrivals) == [True, True, True, False]
+    assert _placed("packing", arrivals) == [True, True, True, True]
+    assert _placed("fgd", arrivals) == [True, True, True, True]
+
+
+def test_packing_keeps_the_cpu_rich_node_for_cpu_heavy_requests() -> None:
+    # rich: 1 GPU, 64 cores (first in order); poor: 1 GPU, 8 cores. A light
+    # pod (2 cores) fits both; best fit ties on GPU and takes the first, rich,
+    # so the heavy pod (30 cores) that follows fits nowhere. Packing sees the
+    # poor node's GPU stranded for the heavy half of the mix and fills it.
+    nodes = [HostNode("rich", 1, "T4", 64000, 10**6), HostNode("poor", 1, "T4", 8000, 10**6)]
+    mix = [(Demand(1, UNIT, 4000), 1.0), (Demand(1, UNIT, 30000), 1.0)]
+    light, heavy = Pod("light", Demand(1, UNIT, 2000)), Pod("heavy", Demand(1, UNIT, 30000))
+    for strategy, outcome in (("best-fit", [True, False]), ("packing", [True, True])):
+        packer = Packer(nodes, Scorer(strategy, mix))
+        assert [packer.place(light), packer.place(heavy)] == outcome, strategy
+
+
+# -- the experiment ----------------------------------------------------------------------
+
+
+def _sample() -> tuple[list[HostNode], list[Pod]]:
+    nodes = read_openb_nodes(DATA / "openb_nodes_sample.csv")
+    pods = pods_of(read_openb_pods(DATA / "openb_default_first400.csv"))
+    return nodes, pods
+
+
+def test_experiment_is_deterministic_per_seed() -> None:
+    nodes, pods = _sample()
+    one = run_one(nodes, pods, "random", 3)
+    two = run_one(nodes, pods, "random", 3)
+    other = run_one(nodes, pods, "random", 4)
+    assert (one.allocated, one.failed, one.placed) == (two.allocated, two.failed, two.placed)
+    assert (one.allocated, one.placed) != (other.allocated, other.placed)
+    assert 0 < one.allocated[1.0] <= one.allocated[1.3] <= 1
+
+
+def test_experiment_summary_names_every_strategy_and_ratio() -> None:
+    nodes, pods = _sample()
+    runs = experiment(nodes, pods, STRATEGIES, seeds=(0, 1, 2))
+    summary = summarise(runs)
+    assert set(summary) == set(STRATEGIES)
+    for row in summary.values():
+        figures = row["allocated"]["1.3"]
+        assert figures["min"] <= figures["median"] <= figures["max"] <= 1
+        assert figures["ratio_to_best-fit"] > 0
+    assert summary["best-fit"]["allocated"]["1.3"]["ratio_to_best-fit"] == 1
+    assert (
+        summary["packing"]["allocated"]["1.3"]["median"]
+        >= (summary["random"]["allocated"]["1.3"]["median"])
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    strategy=st.sampled_from(STRATEGIES),
+    gpus=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    arrivals=st.lists(
+        st.tuples(st.integers(1, 3), st.sampled_from([100, 250, 500, 700, UNIT])),
+        min_size=1,
+        max_size=40,
+    ),
+)
+def test_shares_never_exceed_a_device(
+    strategy: str, gpus: list[int], arrivals: list[tuple[int, int]]
+) -> None:
+    nodes = [HostNode(f"n{i}", g, "T4", 16000, 64000) for i, g in enumerate(gpus)]
+    pods = [
+        Pod(f"p{i}", Demand(1 if u < UNIT else c, u, 2000, 4000))
+        for i, (c, u) in enumerate(arrivals)
+    ]
+    packer = Packer(nodes, Scorer(strategy, [(p.demand, 1.0) for p in pods]), seed=1)
+    placed = [p for p in pods if packer.place(p)]  # apply() raises on an overfull device
+    held = sum(p.demand.size for p in placed)
+    free = sum(sum(s.free) for s in packer.state)
+    assert held + free == UNIT * sum(gpus)
+    for node, state in zip(nodes, packer.state, strict=True):
+        assert all(0 <= f <= UNIT for f in state.free)
+        assert state.cpu is not None and state.cpu >= 0
+        assert len(state.free) == node.gpus
+    # a pod that failed fits nowhere in the final state's predecessors' terms:
+    # at least it does not fit now (nothing was freed since)
+    for p in pods:
+        if p not in placed:
+            assert not any(fits(s, p.demand) for s in packer.state)
+
+
+# -- the live broker places as the experiment does ---------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    gpus=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    held=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 3), st.sampled_from([100, 250, 300, 500])),
+        max_size=12,
+    ),
+    want=st.sampled_from([100, 200, 250, 400, 500, 700, UNIT]),
+)
+def test_the_broker_places_a_share_where_the_experiment_does(
+    gpus: list[int], held: list[tuple[int, int, int]], want: int
+) -> None:
+    """Same state, same mix: the scheduler's pass (the live broker's code
+    path) and the experiment's packer pick the same device."""
+    import datetime as dt
+
+    from gpubroker.scheduler import Request, Running, SchedulerState, schedule
+    from gpubroker.scheduler.sharing import share_mix
+
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    nodes = [HostNode(f"n{i}", g, "T4") for i, g in enumerate(gpus)]
+    scorer = Scorer("packing")  # replaced below, once the mix is known
+    packer = Packer(nodes, scorer)
+    running: list[Running] = []
+    for lease_id, (n, d, units) in enumerate(held, 1):
+        node, index = n % len(nodes), d % nodes[n % len(nodes)].gpus
+        if packer.state[node].free[index] < units:
+            continue
+        part = Part(f"n{node}/{index}", "share", units / UNIT, memory_mib=units)
+        lease = Running(lease_id, "u", (), t0, parts=(part,))
+        packer.hold(node, lease, Demand(1, units))
+        running.append(lease)
+    request = Request(100, "ana", 1, t0, kind="share", memory_mib=want, pool="packing")
+    packer.scorer = Scorer("packing", share_mix(running, [request]))
+    expected = packer.choose(Pod("ana", Demand(1, want)))
+    slots = tuple(s for row in packer.slots for s in row)
+    decisions = schedule(SchedulerState(slots, tuple(running), (request,)), t0)
+    if expected is None:
+        assert decisions.grants == ()
+        return
+    node, devices = expected
+    (grant,) = decisions.grants
+    assert [p.device for p in grant.parts] == [f"n{node}/{i}" for i in devices]
