@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from traitlets import Any as AnyTrait
-from traitlets import Bool, Enum, Float, Instance, Integer, default
+from traitlets import Bool, Enum, Float, Instance, Integer, List, TraitError, default, validate
 from traitlets.config import LoggingConfigurable
 
 from . import scheduler, state_check
@@ -145,6 +145,32 @@ class Broker(
         profiles placeable) or "first-fit" (the first device and the lowest
         start slot, as a baseline).""",
     ).tag(config=True)
+
+    share_placement = Enum(
+        ["packing", "fgd", "best-fit", "first-fit"],
+        default_value="packing",
+        help="""Where a time-sliced share goes (see docs/sharing.md):
+        "packing" (where expected fragmentation under the share mix rises
+        least, then best fit), "fgd" (the same gradient, ties in node order),
+        "best-fit" (the least room left) or "first-fit" (the first node and
+        device with room), the last three as baselines.""",
+    ).tag(config=True)
+
+    share_mix_gib = List(
+        Float(),
+        help="""Share sizes, GiB, counted once each in the share mix that
+        placement weighs, besides the shares held and the requests waiting
+        (e.g. the sizes the spawn form offers, so that room for them is
+        kept before anyone has asked). Each must be > 0.""",
+    ).tag(config=True)
+
+    @validate("share_mix_gib")
+    def _valid_share_mix(self, proposal: Any) -> list[float]:
+        sizes = list(proposal["value"])
+        bad = [s for s in sizes if not s > 0]
+        if bad:
+            raise TraitError(f"Broker.share_mix_gib: each size must be > 0 GiB, got {bad[0]}")
+        return sizes
 
     framework_caps = Bool(
         True,
@@ -937,6 +963,8 @@ class Broker(
             instances,
             self.mig_placement,
             skip=self._preparing,
+            share_placement=self.share_placement,
+            share_sizes=tuple(round(s * 1024) for s in self.share_mix_gib),
         )
 
     def _evict(self, lease: Lease, reason: str, now: dt.datetime) -> bool:

@@ -74,6 +74,8 @@ def build_state(
     mig_instances: MigInventory | None = None,
     sharing_strategy: str = "least-fragmentation",
     skip: Collection[int] = (),
+    share_placement: str = "packing",
+    share_sizes: tuple[int, ...] = (),
 ) -> tuple[SchedulerState, Mapping[int, Lease]]:
     """The scheduler's view of the broker's memory (no database read), and
     the active leases by id. The leases' values are kept between passes
@@ -87,6 +89,8 @@ def build_state(
             and those being made (they occupy their slices).
         skip: pending leases the scheduler is not to see (their grant is
             being made off the event loop).
+        share_placement, share_sizes: where shares go and the sizes (MiB)
+            always counted in the share mix (``SchedulerState``).
     """
     devices = world.present_devices()
     inputs = world.refresh_inputs()
@@ -103,6 +107,8 @@ def build_state(
         usage=dict(world.usage),
         topology=topology,
         sharing_strategy=sharing_strategy,
+        share_placement=share_placement,
+        share_sizes=share_sizes,
     )
     return state, world.leases
 

@@ -290,7 +290,14 @@ def _start(state: SchedulerState, now: dt.datetime) -> _Pass:
     earmarked = [d for r in state.pending if r.earmarked for d in r.earmarked]
     exclusive = [s for s in state.slots if s.mode == "exclusive"]  # PoolMode.exclusive
     pool = Pool.build(exclusive, busy_until, earmarked, state.topology, now)
-    sharing = SharingPool.build(state.slots, running, state.sharing_strategy, state.pending)
+    sharing = SharingPool.build(
+        state.slots,
+        running,
+        state.sharing_strategy,
+        state.pending,
+        state.share_placement,
+        state.share_sizes,
+    )
     acct = Accounting.of(state.policy, state.running)
     return _Pass(state, now, acct, pool, running, sharing, explain=state.explain)
 

@@ -180,12 +180,18 @@ class _Device:
         return self._free
 
 
-def share_mix(running: Iterable[Running], pending: Iterable[Request] = ()) -> packing.Mix:
+def share_mix(
+    running: Iterable[Running], pending: Iterable[Request] = (), sizes: Iterable[int] = ()
+) -> packing.Mix:
     """The share sizes held and asked for: one :class:`~gpubroker.scheduler.packing.Demand`
     (count, MiB per share) per distinct size, weighted by how many leases
     hold it and requests wait for it (the broker's online estimate of what
-    comes next, for :mod:`~gpubroker.scheduler.packing`)."""
+    comes next, for :mod:`~gpubroker.scheduler.packing`), plus each of
+    ``sizes`` (MiB, one share) once."""
     counts: dict[packing.Demand, int] = {}
+    for size in sizes:
+        demand = packing.Demand(1, size)
+        counts[demand] = counts.get(demand, 0) + 1
     for lease in running:
         shares = [p for p in lease.parts if p.kind == "share"]  # SlotKind.share.value
         if shares:
@@ -250,12 +256,19 @@ class SharingPool:
         running: Iterable[Running],
         strategy: str = "least-fragmentation",
         pending: Iterable[Request] = (),
+        share_placement: str = "packing",
+        share_sizes: Iterable[int] = (),
     ) -> SharingPool:
         """The fractional devices of ``slots`` with the parts ``running`` holds.
 
         Devices held whole by a lease (e.g. moved into a sharing pool while
-        a lease held them) are left out until released. The share mix
-        (:func:`share_mix`) comes from ``running`` and ``pending``.
+        a lease held them) are left out until released. Shares are placed
+        with ``share_placement`` (a :mod:`~gpubroker.scheduler.packing`
+        strategy other than ``random``) under the share mix of ``running``,
+        ``pending`` and ``share_sizes`` (:func:`share_mix`).
+
+        Raises:
+            ValueError: an unknown MIG strategy or share placement.
         """
         running = list(running)
         whole = {d for lease in running if lease.devices for d in lease.devices}
@@ -275,7 +288,7 @@ class SharingPool:
             dev.free_static = list(slot.static)
             devices[slot.uuid] = dev
         pool = cls(devices, strategy)
-        pool.set_share_mix(share_mix(running, pending))
+        pool.set_share_mix(share_mix(running, pending, share_sizes), share_placement)
         for lease in running:  # nothing is indexed yet: record without invalidating
             for part in lease.parts:
                 held = devices.get(part.device)
@@ -283,10 +296,17 @@ class SharingPool:
                     _record(held, lease.lease_id, part)
         return pool
 
-    def set_share_mix(self, mix: packing.Mix) -> None:
-        """Score share placements under ``mix`` (demands in MiB of share
-        room, see :func:`share_mix`); forgets the answers kept so far."""
-        self.scorer = packing.Scorer("packing", mix)
+    def set_share_mix(self, mix: packing.Mix, placement: str = "packing") -> None:
+        """Score share placements with strategy ``placement`` under ``mix``
+        (demands in MiB of share room, see :func:`share_mix`); forgets the
+        answers kept so far.
+
+        Raises:
+            ValueError: ``placement`` is ``random`` (it needs draws) or unknown.
+        """
+        if placement == "random":
+            raise ValueError("share placement: random is for the packing experiment only")
+        self.scorer = packing.Scorer(placement, mix)
         self._share_best.clear()
 
     # -- bookkeeping ---------------------------------------------------------------
@@ -538,8 +558,8 @@ class SharingPool:
         """The best ``count`` devices of one node for shares of ``need`` MiB
         and their key (lower wins), or ``None`` when fewer have room.
         ``lightest``: the largest devices (where the share weighs least),
-        then best fit; otherwise :mod:`~gpubroker.scheduler.packing`'s
-        ``packing`` score of the node's share room."""
+        then best fit; otherwise the scorer's (:meth:`set_share_mix`) score
+        of the node's share room."""
         if not lightest:
             node = packing.Node(tuple(d.share_room for d in devs))
             demand = packing.Demand(count, need)

@@ -366,6 +366,11 @@ class SchedulerState:
             prefix passes). They count among the active users whose shares
             normalise fair share, so every factor is the one the whole queue
             gives; their left-out requests get no decisions.
+        share_placement: where shares go: a strategy of
+            :mod:`gpubroker.scheduler.packing` other than ``random``
+            (``packing``, the broker's; ``fgd``, ``best-fit``, ``first-fit``).
+        share_sizes: share sizes (MiB) counted once each in the share mix
+            besides those held and waiting (:func:`gpubroker.scheduler.sharing.share_mix`).
     """
 
     slots: tuple[Slot, ...]
@@ -377,6 +382,8 @@ class SchedulerState:
     sharing_strategy: str = "least-fragmentation"
     explain: bool = field(default=True, repr=False)  # repr: as before (golden data)
     also_waiting: frozenset[str] = field(default=frozenset(), repr=False)
+    share_placement: str = field(default="packing", repr=False)
+    share_sizes: tuple[int, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)

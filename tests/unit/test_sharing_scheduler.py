@@ -354,6 +354,25 @@ def test_the_shares_of_one_request_go_to_distinct_devices_of_one_node() -> None:
     assert lease.gpus == pytest.approx(2 * 10 * GIB / H100_MIB)
 
 
+def test_share_sizes_and_placement_are_configurable() -> None:
+    slots = [ts_slot("GPU-0", index=0, reserve_gib=0), ts_slot("GPU-1", index=1, reserve_gib=0)]
+    held = Running(1, "zoe", (), T0, parts=(Part("GPU-0", "share", 0.38, memory_mib=30 * GIB),))
+    request = share_request(10, 30)
+
+    def device(**extra: object) -> str:
+        state = SchedulerState(tuple(slots), (held,), (request,), Policy(), **extra)  # type: ignore[arg-type]
+        return schedule(state, T0).grants[0].parts[0].device
+
+    # the mix is two 30 GiB shares: a second one on GPU-1 strands nothing
+    assert device() == "GPU-1"
+    # with a 50 GiB size counted too, stacking keeps GPU-1's 80 GB for it
+    assert device(share_sizes=(50 * GIB,)) == "GPU-0"
+    assert device(share_placement="best-fit") == "GPU-0"
+    assert device(share_placement="first-fit") == "GPU-0"
+    with pytest.raises(ValueError, match="random is for the packing experiment"):
+        device(share_placement="random")
+
+
 def test_a_share_too_big_for_any_device_waits_pool_drained() -> None:
     slots = [ts_slot("GPU-0", index=0), ts_slot("GPU-1", index=1)]
     d = run(slots, [share_request(10, 77), share_request(11, 78), share_request(12, 1, count=3)])
