@@ -929,6 +929,7 @@ class Broker(
             self._prepare,
             self._rec(session, now, "scheduler"),
             self._world.inputs,
+            state,
         )
         for grant in decisions.grants:
             what = grant.devices or tuple(f"{p.kind}:{p.device}" for p in grant.parts)

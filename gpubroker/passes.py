@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import inspect
@@ -17,12 +18,14 @@ from .broker.world import World
 from .pools import PoolSpec
 from .scheduler import (
     Decisions,
+    Grant,
     Instance,
     Part,
     Policy,
     PoolMode,
     SchedulerState,
 )
+from .scheduler.apply import apply
 from .store.models import Allocation, Device, Lease, LeaseState
 from .transitions import Recorder
 
@@ -143,8 +146,20 @@ def apply_decisions(
     realize: Realize | None = None,
     rec: Recorder | None = None,
     inputs: SchedulerInputs | None = None,
+    state: SchedulerState | None = None,
 ) -> list[Lease]:
     """Write ``decisions`` to the rows; return the leases ended by eviction.
+
+    ``state``: the state the decisions were made from. With it (the
+    broker's use), the decisions are first applied to it with the pure
+    :func:`gpubroker.scheduler.apply`, the code the trace simulator and the
+    packing experiment apply theirs with: a decision that does not fit the
+    state (a grant of a busy slot or of more than was asked, an eviction of
+    a lease that is not running) raises :class:`~gpubroker.scheduler.apply.ApplyError`
+    before any row changes. The rows then get the grants as it applied them
+    (their slots), its waits and the reclaimable set it kept (granted
+    whole-device leases only); evictions, withdrawals and preemptions, which
+    it checked, are written as decided (reasons worded from the rows).
 
     ``inputs``: the scheduler values the decisions were made from (the
     broker's); with them, a wait equal to the one the lease holds is passed
@@ -162,6 +177,16 @@ def apply_decisions(
     simulator's own use) nothing is logged.
     """
     rec = rec or _Silent()
+    reclaimable: frozenset[int] | None = None
+    if state is not None:
+        applied = apply(state, decisions, now)
+        # the slots apply() granted (the same leases, in the same order)
+        grants = tuple(
+            Grant(g.lease_id, lease.devices, lease.parts)
+            for g, lease in zip(decisions.grants, applied.granted, strict=True)
+        )
+        decisions = replace(decisions, grants=grants, waits=applied.waits)
+        reclaimable = applied.reclaimable
     evicted = []
     for eviction in decisions.evictions:
         lease = leases[eviction.lease_id]
@@ -226,7 +251,10 @@ def apply_decisions(
     for lease in granted:
         if lease.state == LeaseState.granted.value:
             # only whole devices are ever reclaimed (fractional leases are not victims)
-            flag = lease.id in decisions.reclaimable and lease.kind == "gpus"
+            if reclaimable is not None:
+                flag = lease.id in reclaimable
+            else:
+                flag = lease.id in decisions.reclaimable and lease.kind == "gpus"
             if lease.reclaimable != flag:
                 lease.reclaimable = flag
                 _bump(lease)

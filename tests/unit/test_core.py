@@ -423,3 +423,30 @@ def test_policy_config_is_checked_when_set() -> None:
         SchedulingPolicy(default_user_quota={"guaranteed": 2, "limit": 1})
     with pytest.raises(TraitError, match="group_quotas"):
         SchedulingPolicy(group_quotas={"g": {"limit": -1}})
+
+
+def test_a_decision_that_does_not_fit_is_refused_before_any_row_changes(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker applies decisions with the pure scheduler.apply first: a
+    grant of a device another lease holds raises ApplyError, and the
+    transaction rolls back (nothing is granted twice)."""
+    from gpubroker import core, scheduler
+    from gpubroker.scheduler.apply import ApplyError
+
+    holder = broker.request_lease("ann", "", 8)
+    waiting = broker.request_lease("bob", "", 1)
+    assert (holder["state"], waiting["state"]) == ("granted", "pending")
+    busy = uuids(holder)[0]
+
+    def bad(state: scheduler.SchedulerState, now: dt.datetime) -> scheduler.Decisions:
+        return scheduler.Decisions(grants=(scheduler.Grant(waiting["id"], (busy,)),))
+
+    monkeypatch.setattr(core.scheduler, "schedule", bad)
+    with pytest.raises(ApplyError, match=f"device {busy}"):
+        broker.schedule_now()
+    monkeypatch.undo()
+    assert broker.get_lease(waiting["id"])["state"] == "pending"
+    with broker._read() as session:
+        rows = session.scalars(select(Allocation).where(Allocation.device_uuid == busy)).all()
+    assert [(a.lease_id, a.active) for a in rows] == [(holder["id"], True)]
