@@ -161,15 +161,18 @@ class Broker(
         help="""Share sizes, GiB, counted once each in the share mix that
         placement weighs, besides the shares held and the requests waiting
         (e.g. the sizes the spawn form offers, so that room for them is
-        kept before anyone has asked). Each must be > 0.""",
+        kept before anyone has asked). Each must be at least 1 MiB
+        (1/1024 GiB) and at most 1,024 GiB.""",
     ).tag(config=True)
 
     @validate("share_mix_gib")
     def _valid_share_mix(self, proposal: Any) -> list[float]:
         sizes = list(proposal["value"])
-        bad = [s for s in sizes if not s > 0]
+        bad = [s for s in sizes if not 1 / 1024 <= s <= 1024]  # nan fails both
         if bad:
-            raise TraitError(f"Broker.share_mix_gib: each size must be > 0 GiB, got {bad[0]}")
+            raise TraitError(
+                f"Broker.share_mix_gib: each size must be 1/1024..1024 GiB, got {bad[0]}"
+            )
         return sizes
 
     framework_caps = Bool(

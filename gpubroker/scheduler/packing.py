@@ -23,15 +23,15 @@ the node's expected fragmentation is the weighted sum
 Strategies, for one demand over candidate nodes (:func:`score`, lower wins):
 
 - ``first-fit``: the first node (by the caller's order) where it fits, the
-  lowest device indices;
-- ``best-fit``: the node, then the device, with the fewest units left after;
+  lowest device indices with room;
+- ``best-fit``: the node, then the devices, with the fewest units left after;
 - ``fgd``: the paper's fragmentation gradient descent: the placement that
   raises the node's expected fragmentation least (ties: the caller's order);
 - ``packing`` (the broker's): FGD's gradient plus the gradient of the
   node's *stranded* capacity (:meth:`Scorer.stranded`: the free units its
   free CPU or memory cannot feed at the mix's CPU and memory per unit),
   weighted :data:`STRAND_WEIGHT`, then best fit among equal keys (fewest
-  units left on the device, then on the node). FGD sees host resources only
+  units left on the devices taken, then on the node). FGD sees host resources only
   at the edge (a demand fits or not); the stranding term steers CPU-heavy
   requests to CPU-rich nodes before that edge is reached, and the best-fit
   ties keep small parts off empty devices;
@@ -137,24 +137,44 @@ def fragmentation(node: Node, mix: Mix) -> float:
 
 
 def options(node: Node, demand: Demand) -> list[tuple[int, ...]]:
-    """The distinct ways to place ``demand`` on ``node``: tuples of device
-    indices, ascending. Devices with the same free units are alike, so one
-    of each is offered (the lowest index): each distinct amount of room that
-    holds ``units`` (``count`` > 1: one option, the ``count`` fullest that
-    hold them, best fit). A whole-device part fits only empty devices, all
-    alike: one option."""
+    """The distinct ways to place ``demand`` on ``node``: tuples of
+    ``count`` device indices, ascending. Devices with the same free units
+    are alike, so each distinct combination of amounts of room that hold
+    ``units`` is offered once, on the lowest indices with those amounts (a
+    whole-device part fits only empty devices, all alike: one option)."""
     if not host_fits(node, demand):
         return []
-    need = demand.units
-    room = sorted((f, i) for i, f in enumerate(node.free) if f >= need)
-    if len(room) < demand.count:
+    need, count = demand.units, demand.count
+    by_amount: dict[int, list[int]] = {}
+    for i, f in enumerate(node.free):
+        if f >= need:
+            by_amount.setdefault(f, []).append(i)
+    if sum(len(v) for v in by_amount.values()) < count:
         return []
-    if demand.count > 1:
-        return [tuple(sorted(i for _, i in room[: demand.count]))]
-    seen: dict[int, int] = {}
-    for f, i in room:
-        seen.setdefault(f, i)
-    return [(i,) for i in seen.values()]
+    amounts = sorted(by_amount)
+    out: list[tuple[int, ...]] = []
+
+    def pick(j: int, left: int, chosen: list[int]) -> None:
+        if not left:
+            out.append(tuple(sorted(chosen)))
+            return
+        if j == len(amounts):
+            return
+        devices = by_amount[amounts[j]]
+        for k in range(min(left, len(devices)), -1, -1):
+            pick(j + 1, left - k, chosen + devices[:k])
+
+    pick(0, count, [])
+    return out
+
+
+def first_fit(node: Node, demand: Demand) -> tuple[int, ...] | None:
+    """The ``count`` lowest device indices with room for ``demand``, or
+    ``None`` (host CPU or memory short, or too few devices)."""
+    if not host_fits(node, demand):
+        return None
+    room = [i for i, f in enumerate(node.free) if f >= demand.units]
+    return tuple(room[: demand.count]) if len(room) >= demand.count else None
 
 
 def after(node: Node, demand: Demand, devices: Iterable[int]) -> Node:
@@ -236,19 +256,21 @@ class Scorer:
     def _score(
         self, node: Node, demand: Demand
     ) -> tuple[tuple[float, ...], tuple[int, ...]] | None:
+        strategy = self.strategy
+        if strategy in ("first-fit", "random"):
+            lowest = first_fit(node, demand)
+            return None if lowest is None else ((0.0,), lowest)
         choices = options(node, demand)
         if not choices:
             return None
-        strategy = self.strategy
-        if strategy in ("first-fit", "random"):
-            return (0.0,), choices[0]
         left_node = sum(node.free) - demand.size
         best: tuple[tuple[float, ...], tuple[int, ...]] | None = None
         before = self.expected(node) if strategy in ("fgd", "packing") else 0.0
         if strategy == "packing":
             before += STRAND_WEIGHT * self.stranded(node)
         for devices in choices:
-            left_device = min(node.free[i] for i in devices) - demand.units
+            # room left on the devices it takes (one device: that device's)
+            left_device = sum(node.free[i] for i in devices) - demand.size
             if strategy == "best-fit":
                 key: tuple[float, ...] = (float(left_node), float(left_device))
             else:

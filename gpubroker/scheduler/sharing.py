@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,18 +190,44 @@ def share_mix(
     ``sizes`` (MiB, one share) once."""
     counts: dict[packing.Demand, int] = {}
     for size in sizes:
-        demand = packing.Demand(1, size)
-        counts[demand] = counts.get(demand, 0) + 1
+        _count(counts, packing.Demand(1, size))
     for lease in running:
         shares = [p for p in lease.parts if p.kind == "share"]  # SlotKind.share.value
         if shares:
-            demand = packing.Demand(len(shares), shares[0].memory_mib)
-            counts[demand] = counts.get(demand, 0) + 1
+            _count(counts, packing.Demand(len(shares), shares[0].memory_mib))
     for request in pending:
         if request.kind == "share" and request.memory_mib > 0:
-            demand = packing.Demand(request.gpus, request.memory_mib)
-            counts[demand] = counts.get(demand, 0) + 1
+            _count(counts, packing.Demand(request.gpus, request.memory_mib))
     return [(d, float(n)) for d, n in counts.items()]
+
+
+def pool_mixes(
+    pools: Iterable[str],
+    pool_of: Mapping[str, str],
+    running: Iterable[Running],
+    pending: Iterable[Request] = (),
+    sizes: Iterable[int] = (),
+) -> dict[str, packing.Mix]:
+    """:func:`share_mix` per time-sliced pool: a lease counts in the pool of
+    its devices (``pool_of``: device UUID -> pool), a request in the pool it
+    names (every pool when it names none), ``sizes`` in every pool."""
+    names = list(pools)
+    held: dict[str, list[Running]] = {name: [] for name in names}
+    for lease in running:
+        shares = [p for p in lease.parts if p.kind == "share"]  # SlotKind.share.value
+        pool = pool_of.get(shares[0].device) if shares else None
+        if pool in held:
+            held[pool].append(lease)
+    sizes = list(sizes)
+    waiting = [r for r in pending if r.kind == "share"]
+    return {
+        name: share_mix(held[name], [r for r in waiting if r.pool in (None, name)], sizes)
+        for name in names
+    }
+
+
+def _count(counts: dict[packing.Demand, int], demand: packing.Demand) -> None:
+    counts[demand] = counts.get(demand, 0) + 1
 
 
 def _record(dev: _Device, lease_id: int, part: Part) -> None:
@@ -244,8 +270,11 @@ class SharingPool:
         self._share_misses: dict[tuple[int, int, str | None], Miss] = {}
         self._static_misses: dict[tuple[Any, ...], Miss | None] = {}
         self._share_able: dict[tuple[int, str | None], dict[str, list[_Device]]] = {}
-        #: scores share placements (:meth:`set_share_mix`)
-        self.scorer = packing.Scorer("packing")
+        #: scores share placements (:meth:`set_share_mix`), per pool
+        self.scorers: dict[str, packing.Scorer] = {}
+        self._placement = "packing"
+        #: per pool asked for (None: any), the in-service time-sliced devices by node
+        self._share_full: dict[str | None, dict[str, list[_Device]]] = {}
         #: counts :meth:`take` calls that changed a device: answers stay valid while unchanged
         self.version = 0
 
@@ -288,7 +317,9 @@ class SharingPool:
             dev.free_static = list(slot.static)
             devices[slot.uuid] = dev
         pool = cls(devices, strategy)
-        pool.set_share_mix(share_mix(running, pending, share_sizes), share_placement)
+        shared = {d.slot.uuid: d.slot.pool for d in devices.values() if d.slot.mode == "timeslice"}
+        mixes = pool_mixes(sorted(set(shared.values())), shared, running, pending, share_sizes)
+        pool.set_share_mix(mixes, share_placement)
         for lease in running:  # nothing is indexed yet: record without invalidating
             for part in lease.parts:
                 held = devices.get(part.device)
@@ -296,18 +327,26 @@ class SharingPool:
                     _record(held, lease.lease_id, part)
         return pool
 
-    def set_share_mix(self, mix: packing.Mix, placement: str = "packing") -> None:
-        """Score share placements with strategy ``placement`` under ``mix``
-        (demands in MiB of share room, see :func:`share_mix`); forgets the
-        answers kept so far.
+    def set_share_mix(self, mixes: Mapping[str, packing.Mix], placement: str = "packing") -> None:
+        """Score share placements with strategy ``placement``, on each pool's
+        devices under that pool's mix (demands in MiB of share room, see
+        :func:`pool_mixes`); forgets the answers kept so far.
 
         Raises:
             ValueError: ``placement`` is ``random`` (it needs draws) or unknown.
         """
         if placement == "random":
             raise ValueError("share placement: random is for the packing experiment only")
-        self.scorer = packing.Scorer(placement, mix)
+        self._placement = placement
+        self.scorers = {name: packing.Scorer(placement, mix) for name, mix in mixes.items()}
+        packing.Scorer(placement)  # an unknown strategy raises even with no pool
         self._share_best.clear()
+
+    def _scorer(self, pool: str) -> packing.Scorer:
+        scorer = self.scorers.get(pool)
+        if scorer is None:
+            scorer = self.scorers[pool] = packing.Scorer(self._placement)
+        return scorer
 
     # -- bookkeeping ---------------------------------------------------------------
 
@@ -497,7 +536,8 @@ class SharingPool:
         best = self._share_best.get(shape)
         if best is None:
             best = Best(
-                by_node, lambda node: self._share_score(by_node[node], need, count, lightest)
+                by_node,
+                lambda node: self._share_score(by_node[node], need, count, lightest, pool),
             )
             self._share_best[shape] = best
         found = best.best()
@@ -553,22 +593,26 @@ class SharingPool:
         return by_node, self._static_misses[key]
 
     def _share_score(
-        self, devs: list[_Device], need: int, count: int, lightest: bool
+        self, devs: list[_Device], need: int, count: int, lightest: bool, pool: str | None
     ) -> tuple[tuple[Any, ...], list[_Device]] | None:
         """The best ``count`` devices of one node for shares of ``need`` MiB
         and their key (lower wins), or ``None`` when fewer have room.
         ``lightest``: the largest devices (where the share weighs least),
-        then best fit; otherwise the scorer's (:meth:`set_share_mix`) score
-        of the node's share room."""
+        then best fit; otherwise the score of the node's pool's scorer
+        (:meth:`set_share_mix`) over the share room of all the node's
+        in-service devices of the pools asked for (``pool``; None: all)."""
         if not lightest:
-            node = packing.Node(tuple(d.share_room for d in devs))
+            node_name = devs[0].slot.node
+            full = self._full(pool)[node_name]
+            node = packing.Node(tuple(d.share_room for d in full))
             demand = packing.Demand(count, need)
-            found = self.scorer.score(node, demand)
+            scorer = self._scorer(devs[0].slot.pool)
+            found = scorer.score(node, demand)
             if found is None:
                 return None
-            indices = self.scorer.place(node, demand)
+            indices = scorer.place(node, demand)
             assert indices is not None
-            return (found[0], devs[0].slot.node), [devs[i] for i in indices]
+            return (found[0], node_name), [full[i] for i in indices]
         fits = sorted(
             (d for d in devs if d.share_room >= need),
             key=lambda d: (-d.slot.memory_mib, d.share_room),
@@ -578,6 +622,17 @@ class SharingPool:
         chosen = fits[:count]
         weight = sum(share_weight(need, d.slot.memory_mib) for d in chosen)
         return (round(weight, 9), sum(d.share_room for d in chosen), chosen[0].slot.node), chosen
+
+    def _full(self, pool: str | None) -> dict[str, list[_Device]]:
+        """The in-service time-sliced devices (of ``pool`` when named) by node,
+        by index (fixed for a pass)."""
+        found = self._share_full.get(pool)
+        if found is None:
+            found = defaultdict(list)
+            for dev in self._group("timeslice", pool):
+                found[dev.slot.node].append(dev)
+            self._share_full[pool] = found
+        return found
 
     def _most_room(self, pool: str | None) -> int:
         """Most MiB free for shares on one device in service (of ``pool`` when named)."""

@@ -106,19 +106,28 @@ def read_openb_nodes(path: str | Path) -> list[HostNode]:
         text = Path(path).read_text(encoding="utf-8-sig")
     except OSError as err:
         raise TraceError(f"cannot read node list {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise TraceError(f"node list {path} is not UTF-8 text ({err.reason})") from None
     reader = csv.DictReader(text.splitlines())
     need = {"sn", "cpu_milli", "memory_mib", "gpu", "model"}
     if not need <= set(reader.fieldnames or ()):
         raise TraceError(f"{path}: not an openb node list (needs {', '.join(sorted(need))})")
     nodes = []
+    names: set[str] = set()
     for row in reader:
+        where = f"{path}, line {reader.line_num}"
         try:
             gpus = int(row["gpu"])
             node = HostNode(
                 row["sn"], gpus, row["model"], int(row["cpu_milli"]), int(row["memory_mib"])
             )
         except (TypeError, ValueError):
-            raise TraceError(f"{path}, line {reader.line_num}: not numbers: {row}") from None
+            raise TraceError(f"{where}: not numbers: {row}") from None
+        if min(gpus, node.cpu_milli or 0, node.memory_mib or 0) < 0:
+            raise TraceError(f"{where}: gpu, cpu_milli and memory_mib must be >= 0: {row}")
+        if node.name in names:
+            raise TraceError(f"{where}: node {node.name} is listed twice")
+        names.add(node.name)
         if gpus > 0:
             nodes.append(node)
     if not nodes:

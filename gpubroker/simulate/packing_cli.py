@@ -29,7 +29,9 @@ def load_nodes(spec: str) -> list[HostNode]:
     Raises:
         TraceError, ClusterError: the list or spec cannot be read.
     """
-    if spec.endswith(".csv") and Path(spec).is_file():
+    if spec.endswith(".csv"):
+        if not Path(spec).is_file():
+            raise PackingError(f"--cluster {spec}: no such file")
         return read_openb_nodes(spec)
     return [HostNode(n.name, n.gpus, n.model) for n in load_cluster(spec).nodes]
 
@@ -49,18 +51,25 @@ def parse_strategies(text: str) -> list[str]:
     return names
 
 
+#: the largest share of capacity the experiment draws pods for
+MAX_CHECKPOINT = 10.0
+
+
 def parse_checkpoints(text: str) -> list[float]:
-    """Comma-separated shares of capacity (``1.0,1.3``), each > 0.
+    """Comma-separated shares of capacity (``1.0,1.3``), each > 0 and at most
+    :data:`MAX_CHECKPOINT`.
 
     Raises:
-        PackingError: not numbers, or one <= 0.
+        PackingError: not numbers, or one out of range.
     """
     try:
         marks = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise PackingError(f"--packing {text!r}: give shares of capacity, e.g. 1.0,1.3") from None
-    if not marks or min(marks) <= 0:
-        raise PackingError(f"--packing {text!r}: each share of capacity must be > 0")
+    if not marks or not all(0 < m <= MAX_CHECKPOINT for m in marks):
+        raise PackingError(
+            f"--packing {text!r}: each share of capacity must be > 0 and at most {MAX_CHECKPOINT:g}"
+        )
     return marks
 
 

@@ -216,6 +216,8 @@ def _open(source: str | Path | TextIO) -> tuple[str, TextIO]:
             return str(path), io.StringIO(path.read_text(encoding="utf-8-sig"))
         except OSError as err:
             raise TraceError(f"cannot read trace {path}: {err.strerror or err}") from None
+        except UnicodeDecodeError as err:
+            raise TraceError(f"trace {path} is not UTF-8 text ({err.reason})") from None
     return getattr(source, "name", "<stream>"), source
 
 

@@ -450,3 +450,15 @@ def test_a_decision_that_does_not_fit_is_refused_before_any_row_changes(
     with broker._read() as session:
         rows = session.scalars(select(Allocation).where(Allocation.device_uuid == busy)).all()
     assert [(a.lease_id, a.active) for a in rows] == [(holder["id"], True)]
+
+
+def test_share_mix_sizes_are_checked(broker: Broker) -> None:
+    from traitlets import TraitError
+
+    for bad in (0.0, 1e-4, float("inf"), float("nan"), 2048.0):
+        with pytest.raises(
+            TraitError, match=r"share_mix_gib: each size must be 1/1024\.\.1024 GiB"
+        ):
+            broker.share_mix_gib = [10.0, bad]
+    broker.share_mix_gib = [10.0, 0.5]
+    assert broker.share_mix_gib == [10.0, 0.5]

@@ -81,6 +81,27 @@ def test_openb_node_list() -> None:
     assert sum(n.gpus for n in nodes) == 201
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"sn,cpu_milli,memory_mib,gpu,model\na,-1,10,1,T4\n", "must be >= 0"),
+        (b"sn,cpu_milli,memory_mib,gpu,model\na,1,10,1,T4\na,1,10,1,T4\n", "listed twice"),
+        (b"sn,cpu_milli,memory_mib,gpu,model\na,x,10,1,T4\n", "not numbers"),
+        (b"sn,cpu_milli,memory_mib,gpu,model\n\xff,1,10,1,T4\n", "not UTF-8"),
+        (b"sn,gpu\na,1\n", "not an openb node list"),
+    ],
+)
+def test_bad_node_lists_are_refused_with_the_line(
+    tmp_path: Path, body: bytes, message: str
+) -> None:
+    from gpubroker.simulate.readers import TraceError
+
+    path = tmp_path / "nodes.csv"
+    path.write_bytes(body)
+    with pytest.raises(TraceError, match=message):
+        read_openb_nodes(path)
+
+
 # -- the fragmentation measure, by hand --------------------------------------------
 
 
@@ -102,7 +123,7 @@ def test_options_offer_each_distinct_room_once() -> None:
     node = Node((1000, 600, 600, 100))
     assert options(node, Demand(1, 500)) == [(1,), (0,)]
     assert options(node, Demand(1, UNIT)) == [(0,)]
-    assert options(node, Demand(2, 500)) == [(1, 2)]
+    assert options(node, Demand(2, 500)) == [(1, 2), (0, 1)]
     assert options(Node((1000,), cpu=10), Demand(1, 100, cpu=20)) == []
     assert not fits(node, Demand(2, UNIT))
 
@@ -263,3 +284,147 @@ def test_the_broker_places_a_share_where_the_experiment_does(
     node, devices = expected
     (grant,) = decisions.grants
     assert [p.device for p in grant.parts] == [f"n{node}/{i}" for i in devices]
+
+
+def _ts(uuid: str, node: str, index: int, mib: int, reserve: int = 0, pool: str = "p"):  # type: ignore[no-untyped-def]
+    from gpubroker.scheduler import Slot
+
+    return Slot(
+        uuid,
+        node,
+        index,
+        pool=pool,
+        mode="timeslice",
+        model="T4",
+        memory_mib=mib,
+        reserve_mib=reserve,
+    )
+
+
+def _share(lease_id: int, mib: int, count: int = 1, pool: str | None = "p"):  # type: ignore[no-untyped-def]
+    import datetime as dt
+
+    from gpubroker.scheduler import Request
+
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    return Request(
+        lease_id,
+        "ana",
+        count,
+        t0 + dt.timedelta(seconds=lease_id),
+        kind="share",
+        memory_mib=mib,
+        pool=pool,
+    )
+
+
+def _held(lease_id: int, device: str, mib: int):  # type: ignore[no-untyped-def]
+    import datetime as dt
+
+    from gpubroker.scheduler import Running
+
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    return Running(lease_id, "zoe", (), t0, parts=(Part(device, "share", 0.1, memory_mib=mib),))
+
+
+def _grants(slots, running, pending, **extra):  # type: ignore[no-untyped-def]
+    import datetime as dt
+
+    from gpubroker.scheduler import SchedulerState, schedule
+
+    t0 = dt.datetime(2026, 1, 1, 1, tzinfo=dt.timezone.utc)
+    state = SchedulerState(tuple(slots), tuple(running), tuple(pending), **extra)
+    return {g.lease_id: [p.device for p in g.parts] for g in schedule(state, t0).grants}
+
+
+def test_the_broker_scores_every_device_of_a_node_whatever_the_size_asked() -> None:
+    # B's small device has 700 MiB free: too small for 1,500, but part of B's
+    # fragmentation for the 800 MiB shares that follow
+    slots = [
+        _ts("A-big", "A", 0, 2000),
+        _ts("A-small", "A", 1, 1000),
+        _ts("B-big", "B", 0, 2000),
+        _ts("B-small", "B", 1, 1000),
+    ]
+    grants = _grants(slots, [_held(1, "B-small", 300)], [_share(10, 1500), _share(11, 800, 2)])
+    assert set(grants) == {10, 11}
+
+
+def test_each_pool_places_under_its_own_mix() -> None:
+    mib = 81559
+    slots = [
+        _ts("a0", "n", 0, mib, pool="a"),
+        _ts("a1", "n", 1, mib, pool="a"),
+        _ts("b0", "m", 0, mib, pool="b"),
+    ]
+    held = [_held(1, "a0", 30 * 1024), _held(2, "b0", 60 * 1024)]
+    alone = _grants(slots, held, [_share(10, 30 * 1024, pool="a")])
+    # a 50 GiB request waiting in pool b (it does not fit there) leaves pool a's choice alone
+    with_b = _grants(
+        slots, held, [_share(10, 30 * 1024, pool="a"), _share(11, 50 * 1024, pool="b")]
+    )
+    assert alone[10] == with_b[10] == ["a1"]
+
+
+def test_first_fit_takes_the_lowest_device_with_room() -> None:
+    slots = [_ts("GPU-0", "n", 0, 2000), _ts("GPU-1", "n", 1, 2000)]
+    grants = _grants(
+        slots, [_held(1, "GPU-1", 500)], [_share(10, 200)], share_placement="first-fit"
+    )
+    assert grants[10] == ["GPU-0"]
+    assert _grants(slots, [_held(1, "GPU-1", 500)], [_share(10, 200)], share_placement="best-fit")[
+        10
+    ] == ["GPU-1"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    layout=st.lists(
+        st.lists(
+            st.tuples(st.sampled_from([1000, 2000]), st.sampled_from([0, 100])),
+            min_size=1,
+            max_size=3,
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    held=st.lists(st.tuples(st.integers(0, 8), st.sampled_from([100, 300, 500, 800])), max_size=8),
+    want=st.tuples(st.sampled_from([1, 2]), st.sampled_from([200, 400, 700, 900, 1500])),
+    placement=st.sampled_from(["packing", "fgd", "best-fit", "first-fit"]),
+)
+def test_the_broker_places_as_a_scan_of_every_node_would(
+    layout: list[list[tuple[int, int]]],
+    held: list[tuple[int, int]],
+    want: tuple[int, int],
+    placement: str,
+) -> None:
+    """Devices of mixed sizes and reserves, one or two shares: the pass picks
+    what :func:`gpubroker.scheduler.packing.choose` picks over every node."""
+    from gpubroker.scheduler.packing import choose
+    from gpubroker.scheduler.sharing import share_mix
+
+    slots = [
+        _ts(f"n{n}/{i}", f"n{n}", i, mib, reserve)
+        for n, devices in enumerate(layout)
+        for i, (mib, reserve) in enumerate(devices)
+    ]
+    room = {s.uuid: s.memory_mib - s.reserve_mib for s in slots}
+    running = []
+    for lease_id, (k, mib) in enumerate(held, 1):
+        slot = slots[k % len(slots)]
+        if room[slot.uuid] >= mib:
+            room[slot.uuid] -= mib
+            running.append(_held(lease_id, slot.uuid, mib))
+    request = _share(100, want[1], want[0])
+    nodes = {
+        f"n{n}": Node(tuple(room[f"n{n}/{i}"] for i in range(len(devices))))
+        for n, devices in enumerate(layout)
+    }
+    scorer = Scorer(placement, share_mix(running, [request]))
+    expected = choose(nodes, Demand(want[0], want[1]), scorer)
+    grants = _grants(slots, running, [request], share_placement=placement)
+    if expected is None:
+        assert grants == {}
+    else:
+        node, devices = expected
+        assert grants[100] == [f"{node}/{i}" for i in devices]
