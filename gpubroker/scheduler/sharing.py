@@ -17,12 +17,13 @@ Shares: a ``timeslice`` device hands out at most ``memory_mib - reserve_mib``
 MiB in shares; the shares of one request go to distinct devices of one node,
 placed by :mod:`gpubroker.scheduler.packing`'s ``packing`` strategy (the
 one the packing experiment measures): the node and devices whose expected
-fragmentation rises least under the pass's *share mix* (the share sizes
+fragmentation rises least under its pool's *share mix* (the share sizes
 the pool's leases hold and its requests wait for, each lease or request
-counted once), then best fit (the least room left on the device, then on
-the node). Units are MiB of share room; host CPU and memory are not
-modelled. With no share mix (nothing held or waiting) every gradient is 0
-and best fit decides.
+counted once, plus ``SchedulerState.share_sizes``: :func:`pool_mixes`),
+then best fit (the least room left on the devices taken, then on the
+node). ``SchedulerState.share_placement`` picks a baseline instead. Units
+are MiB of share room; host CPU and memory are not modelled. With no share
+mix (nothing held or waiting) every gradient is 0 and best fit decides.
 
 Weights (quotas and usage, in device units): a MIG instance counts its
 compute slices / the device's compute slices; a share its memory / the
