@@ -33,6 +33,8 @@ from tornado.httpclient import AsyncHTTPClient
 
 from tests.hubutil import RunningHub, free_port
 
+from . import figure
+
 PAIRS = 1000
 QUEUE_PAIRS = 500
 WAITING = 1000
@@ -223,16 +225,6 @@ def sql_per_pair(waiting: int) -> float:
     return count[0] / SQL_PAIRS
 
 
-def _figure(value: float, unit: str, baseline: float, name: str) -> dict[str, Any]:
-    return {
-        "value": round(value, 3),
-        "unit": unit,
-        "baseline": round(baseline, 3),
-        "baseline_name": name,
-        "ratio": round(value / baseline, 3) if baseline else 0.0,
-    }
-
-
 def run() -> dict[str, dict[str, Any]]:
     """Run them all and return figures: name -> {value, unit, baseline, ratio}."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -246,19 +238,19 @@ def run() -> dict[str, dict[str, Any]]:
     one = broker["one_async"]
     results = {}
     for key, unit in (("rps", "requests/s"), ("p50_ms", "ms"), ("p99_ms", "ms")):
-        results[f"api.lease_pair.{key}"] = _figure(
+        results[f"api.lease_pair.{key}"] = figure(
             empty[key], unit, bare[key], "bare Tornado handler"
         )
     for key, unit in (("rps", "requests/s"), ("p50_ms", "ms"), ("p99_ms", "ms")):
-        results[f"api.lease_pair.queue_{WAITING}.{key}"] = _figure(
+        results[f"api.lease_pair.queue_{WAITING}.{key}"] = figure(
             queue[key], unit, empty[key], "same pairs, empty queue"
         )
     for key, unit in (("rps", "requests/s"), ("p50_ms", "ms"), ("p99_ms", "ms")):
-        results[f"api.lease_pair.clients_{CLIENTS}.{key}"] = _figure(
+        results[f"api.lease_pair.clients_{CLIENTS}.{key}"] = figure(
             many[key], unit, one[key], "one client (same asynchronous HTTP client)"
         )
     for waiting in (0, WAITING):
-        results[f"core.lease_pair.sql_statements.queue_{waiting}"] = _figure(
+        results[f"core.lease_pair.sql_statements.queue_{waiting}"] = figure(
             sql_per_pair(waiting), "statements", 6, "target of the core v2 issue (today ~25)"
         )
     return results

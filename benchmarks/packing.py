@@ -20,6 +20,8 @@ from gpubroker.scheduler.packing import STRATEGIES
 from gpubroker.simulate.packing import experiment, pods_of, read_openb_nodes, summarise
 from gpubroker.simulate.readers import read_openb_pods
 
+from . import figure
+
 TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "traces" / "openb"
 NODES = TRACE_DIR / "openb_node_list_gpu_node.csv"
 #: (pod list, strategies)
@@ -38,16 +40,6 @@ def describe() -> str:
         "Packing: openb pod lists on 6,212 GPUs, arrivals to 100 % and 130 % of capacity, "
         f"median of {len(SEEDS)} seeds; figures relative to best fit (and FGD)"
     )
-
-
-def _figure(value: float, unit: str, baseline: float, name: str) -> dict[str, Any]:
-    return {
-        "value": value,
-        "unit": unit,
-        "baseline": baseline,
-        "baseline_name": name,
-        "ratio": value / baseline if baseline else 0.0,
-    }
 
 
 def run() -> dict[str, dict[str, Any]]:
@@ -70,19 +62,21 @@ def run() -> dict[str, dict[str, Any]]:
             for strategy in strategies:
                 value = summary[strategy]["allocated"][label]["median"]
                 key = f"packing.openb_{name}.{round(mark * 100)}pct.{strategy}"
-                results[key] = _figure(value, "fraction of GPU capacity", best, "best-fit")
+                results[key] = figure(value, "fraction of GPU capacity", best, "best-fit", None)
             fgd = summary["fgd"]["allocated"][label]["median"]
-            results[f"packing.openb_{name}.{round(mark * 100)}pct.packing_vs_fgd"] = _figure(
+            results[f"packing.openb_{name}.{round(mark * 100)}pct.packing_vs_fgd"] = figure(
                 summary["packing"]["allocated"][label]["median"],
                 "fraction of GPU capacity",
                 fgd,
                 "fgd",
+                None,
             )
-        results[f"packing.openb_{name}.place_us.packing"] = _figure(
+        results[f"packing.openb_{name}.place_us.packing"] = figure(
             summary["packing"]["place_us_median"],
             "us per pod (median)",
             summary["best-fit"]["place_us_median"],
             "best-fit",
+            None,
         )
         for strategy in strategies:
             row = summary[strategy]

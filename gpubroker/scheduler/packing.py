@@ -287,6 +287,9 @@ class Scorer:
     def place(self, node: Node, demand: Demand) -> tuple[int, ...] | None:
         """The devices of ``node`` that ``demand`` takes under the strategy,
         or ``None`` when it does not fit."""
+        if self.strategy in ("first-fit", "random"):
+            # by index, which the memo (keyed by the sorted room) does not keep
+            return first_fit(node, demand)
         found = self.score(node, demand)
         if found is None:
             return None

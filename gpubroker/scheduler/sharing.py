@@ -340,7 +340,8 @@ class SharingPool:
             raise ValueError("share placement: random is for the packing experiment only")
         self._placement = placement
         self.scorers = {name: packing.Scorer(placement, mix) for name, mix in mixes.items()}
-        packing.Scorer(placement)  # an unknown strategy raises even with no pool
+        if not self.scorers:
+            packing.Scorer(placement)  # checks the name when there is no pool
         self._share_best.clear()
 
     def _scorer(self, pool: str) -> packing.Scorer:

@@ -91,7 +91,8 @@ def run(
         raise PackingError(f"seeds {seeds}: need at least 1")
     nodes = load_nodes(cluster)
     read = read_openb_pods(trace)
-    pods = pods_of(read, host=host and all(n.cpu_milli is not None for n in nodes))
+    host = host and all(n.cpu_milli is not None for n in nodes)
+    pods = pods_of(read, host=host)
     runs = experiment(nodes, pods, strategies, range(seeds), checkpoints)
     return {
         "trace": read.source,
@@ -100,7 +101,7 @@ def run(
         "notes": read.notes,
         "nodes": len(nodes),
         "gpus": sum(n.gpus for n in nodes),
-        "host_modelled": host and all(n.cpu_milli is not None for n in nodes),
+        "host_modelled": host,
         "checkpoints": list(checkpoints),
         "strategies": summarise(runs),
     }

@@ -428,3 +428,11 @@ def test_the_broker_places_as_a_scan_of_every_node_would(
     else:
         node, devices = expected
         assert grants[100] == [f"{node}/{i}" for i in devices]
+
+
+def test_first_fit_takes_the_lowest_index_whatever_a_like_node_was_scored_with() -> None:
+    # both nodes have the same room, in another order: the memo of the first
+    # must not send the second's pod to its fuller device
+    scorer = Scorer("first-fit")
+    assert scorer.place(Node((500, 1000)), Demand(1, 300)) == (0,)
+    assert scorer.place(Node((1000, 500)), Demand(1, 300)) == (0,)
