@@ -18,7 +18,7 @@ help:
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,docs,sim]'
+	$(BIN)/python -m pip install --quiet -e '.[test,docs,sim,report]'
 	touch $@
 
 $(PROXY): package.json package-lock.json

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import api, packing, scheduler, sharing, simulate
+from . import api, packing, scheduler, sharing, simulate, usage
 
 
 def main() -> None:
@@ -18,6 +18,8 @@ def main() -> None:
     results.update(packing.run())
     print(sharing.describe())
     results.update(sharing.run())
+    print(usage.describe())
+    results.update(usage.run())
     print(f"API: {api.PAIRS} lease request/release pairs on loopback vs a bare Tornado handler")
     results.update(api.run())
     width = max(len(name) for name in results)

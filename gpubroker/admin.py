@@ -12,6 +12,7 @@ from typing import Any
 from . import scheduler
 from .commands import command
 from .errors import BadRequest, Conflict, NotFound
+from .store import audit_repo
 from .store.models import Device, LeaseState, QuotaRow
 from .views import device_view, lease_view
 
@@ -42,6 +43,9 @@ class AdminMixin:
             row = session.get(QuotaRow, (kind, name)) or QuotaRow(kind=kind, name=name)
             row.guaranteed, row.limit = guaranteed, limit
             session.add(row)
+            self._audit(
+                session, "quota-set", f"{kind}:{name}", {"guaranteed": guaranteed, "limit": limit}
+            )
             session.flush()
             self._schedule(session, dt.datetime.now(dt.timezone.utc))
         self.log.info("Quota of %s %s: guaranteed %s, limit %s", kind, name, guaranteed, limit)
@@ -59,6 +63,7 @@ class AdminMixin:
             if row is None:
                 raise NotFound(f"quota: no stored quota for {kind} {name!r}")
             session.delete(row)
+            self._audit(session, "quota-deleted", f"{kind}:{name}", {})
             session.flush()
             self._schedule(session, dt.datetime.now(dt.timezone.utc))
         self._notify()
@@ -104,12 +109,23 @@ class AdminMixin:
             if device is None:
                 raise NotFound(f"device {uuid}: no such device")
             device.drained = drained
+            action = "device-drained" if drained else "device-undrained"
+            self._audit(session, action, uuid, {"node": device.node, "index": device.index})
             session.flush()
             self._schedule(session, dt.datetime.now(dt.timezone.utc))
             view = device_view(device) | {"drained": device.drained}
         self.log.info("Device %s %s", uuid, "drained" if drained else "back in service")
         self._notify()
         return view
+
+    def _audit(self, session: Any, action: str, target: str, detail: dict[str, Any]) -> None:
+        """Record an admin action in the audit log, in ``session``'s transaction."""
+        stimulus = self._stimulus  # type: ignore[attr-defined]
+        actor = stimulus.actor if stimulus is not None else "admin"
+        now = dt.datetime.now(dt.timezone.utc)
+        audit_repo.record(
+            session, now, actor, action, target, detail, stimulus.id if stimulus else ""
+        )
 
     def queue(self) -> list[dict[str, Any]]:
         """Pending leases in queue order (position 1 first)."""

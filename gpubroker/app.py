@@ -28,6 +28,7 @@ from .hub import HubClient
 from .policy_config import SchedulingPolicy
 from .pools import Pools
 from .share_guard import ShareGuard
+from .usage.ledger import Ledger
 
 
 class GPUBrokerApp(Application):
@@ -48,6 +49,7 @@ class GPUBrokerApp(Application):
         SchedulingPolicy,
         Pools,
         Culler,
+        Ledger,
         ShareGuard,
         ShareWatchdog,
         MPSControl,
@@ -71,6 +73,14 @@ class GPUBrokerApp(Application):
     subcommands = {
         "serve": ("gpubroker.app.ServeCommand", "Run the broker service."),
         "upgrade-db": ("gpubroker.app.UpgradeDBCommand", "Migrate the store to the newest schema."),
+        "report": (
+            "gpubroker.usage.cli.ReportCommand",
+            "Usage report: GPU-hours allocated and used per user, group, pool, model or day.",
+        ),
+        "audit": (
+            "gpubroker.observe.cli.AuditCommand",
+            "The audit log of admin and policy actions.",
+        ),
         "simulate": (
             "gpubroker.simulate.cli.SimulateCommand",
             "Replay a trace through the scheduler.",
@@ -142,6 +152,14 @@ class GPUBrokerApp(Application):
 
     groups_ttl = Float(
         60, help="Seconds a user's JupyterHub groups (read from the hub API) are cached."
+    ).tag(config=True)
+
+    metrics_scope = Unicode(
+        "custom:gpubroker:metrics",
+        help="The JupyterHub scope a token needs to read {base_url}metrics (Prometheus "
+        "text format); holders of custom:gpubroker:admin may read them too. Define a "
+        "custom scope in the hub's c.JupyterHub.custom_scopes and give it to the role "
+        "of the token Prometheus scrapes with (with access to this service).",
     ).tag(config=True)
 
     max_body_bytes = Integer(

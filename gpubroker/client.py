@@ -180,6 +180,24 @@ class BrokerClient:
         body = {"reason": reason} if reason else {}
         return await self._call("DELETE", f"/leases/{lease_id}", body)  # type: ignore[no-any-return]
 
+    async def usage(
+        self,
+        start: str | None = None,
+        end: str | None = None,
+        by: str = "user",
+        tz: str = "UTC",
+        user: str | None = None,
+    ) -> dict[str, Any]:
+        """``GET /usage``: the usage report as JSON (your own rows; an admin's
+        token: everyone's, or ``user``'s). ``start``/``end``: ``YYYY-MM-DD``
+        or ISO 8601 (default: this month so far); ``by``: user, group, pool,
+        model or day; ``tz``: an IANA time zone."""
+        params = {"by": by, "tz": tz, "format": "json"}
+        for name, value in (("from", start), ("to", end), ("user", user)):
+            if value:
+                params[name] = value
+        return await self._call("GET", "/usage", params=params)  # type: ignore[no-any-return]
+
 
 def _message(err: HTTPClientError) -> str:
     body = err.response.body if err.response is not None else b""

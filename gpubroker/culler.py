@@ -429,9 +429,9 @@ class Culler(LoggingConfigurable):
             return False
         if now < track.warned_until:
             return False
-        return await self._cull(lease, track, verdict.reason)
+        return await self._cull(lease, track, verdict.reason, verdict.idle)
 
-    async def _cull(self, lease: Lease, track: Track, reason: str) -> bool:
+    async def _cull(self, lease: Lease, track: Track, reason: str, idle: float) -> bool:
         why = f"culled: {reason}"
         if self.dry_run:
             self.broker.add_notice(lease, "cull-dry-run", f"would be {why}")
@@ -447,7 +447,7 @@ class Culler(LoggingConfigurable):
             )
             return False
         track.culled = True
-        self.broker.add_notice(lease, "culled", why)
+        self.broker.add_notice(lease, "culled", why, detail={"idle_seconds": round(idle, 3)})
         self.broker.stop_lease(lease.id, why)
         self.log.warning("Culled lease %s of %s: %s", lease.id, lease.user, why)
         return True

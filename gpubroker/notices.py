@@ -22,12 +22,17 @@ class NoticesMixin:
         kind: str,
         message: str,
         deadline: dt.datetime | None = None,
+        detail: dict[str, Any] | None = None,
     ) -> None:
         """Record a notice for ``lease``'s holder (see :class:`Notice`), and
-        the notice in the lease's transition log (kind: the notice's kind)."""
+        the notice in the lease's transition log (kind: the notice's kind;
+        ``detail`` and the deadline in its detail: a ``culled`` notice says
+        ``idle_seconds``, which the usage ledger reads)."""
         now = dt.datetime.now(dt.timezone.utc)
         with self._write() as session:  # type: ignore[attr-defined]
-            detail = {"deadline": isoformat(deadline)} if deadline else {}
+            detail = dict(detail or {})
+            if deadline:
+                detail["deadline"] = isoformat(deadline)
             self._rec(session, now).note(lease, kind, message, detail)  # type: ignore[attr-defined]
             session.add(
                 Notice(

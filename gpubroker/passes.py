@@ -278,7 +278,9 @@ def _grant(
             )
         )
     slots = [a.instance_uuid or a.device_uuid for a in lease.allocations if a.active]
-    rec.transition(lease, LeaseState.granted.value, "granted", {"slots": slots})
+    waited = round(max((now - lease.created).total_seconds(), 0.0), 3)
+    detail = {"slots": slots, "waited_s": waited, "priority_class": lease.priority_class}
+    rec.transition(lease, LeaseState.granted.value, "granted", detail)
 
 
 def grant_parts(

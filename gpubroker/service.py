@@ -25,9 +25,11 @@ from .core import Broker, utcnow
 from .culler import Culler
 from .devices import load_backend
 from .hub import HubClient
+from .observe.metrics import BrokerMetrics
 from .share_guard import ShareGuard
 from .store.db import make_engine, make_session_factory, upgrade
 from .store.lock import DatabaseLocked, WriterLock, describe_self
+from .usage.ledger import Ledger
 
 if TYPE_CHECKING:
     from .app import GPUBrokerApp
@@ -92,9 +94,26 @@ class BrokerService:
         )
         self.broker.actuator = Actuator(self.log)
         self.culler = Culler(self.broker, self.hub, parent=app)
+        self.ledger = Ledger(
+            self.broker.session_factory,
+            self.backend,
+            pool_of=lambda uuid: self.broker.pool_spec(uuid).name,
+            inventory=self._inventory,
+            parent=app,
+        )
+        self.metrics = BrokerMetrics(self.broker, self.ledger if self.ledger.enabled else None)
+        self.broker.bus.subscribe(self.metrics.on_event)
         self.share_guard = ShareGuard(self.broker, parent=app)
         self._groups: dict[str, tuple[float, list[str] | None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _inventory(self) -> list[tuple[str, int, str, str, bool]]:
+        """The present devices, for the ledger's telemetry."""
+        return [
+            (d.uuid, d.index, d.name, d.node, d.mig_enabled)
+            for d, _ in self.broker.device_rows()
+            if d.present
+        ]
 
     def _evicted(self, lease: dict[str, Any]) -> None:
         task = asyncio.ensure_future(self._stop_server(lease))
@@ -154,6 +173,7 @@ class BrokerService:
                 nothing was changed.
         """
         self._parent = os.getppid()
+        booted = time.time()
         await self._take_lock()
         self._build()
         loop = asyncio.get_running_loop()
@@ -162,6 +182,8 @@ class BrokerService:
             loop.add_signal_handler(sig, self._stop.set)
         self.broker.sync_inventory()
         self.broker.adopt()
+        if self.ledger.enabled:
+            self.ledger.start(booted)
         web_app = make_app(
             self.broker,
             base_url=self.app.base_url,
@@ -171,6 +193,10 @@ class BrokerService:
             server_running=self.hub.server_running,
             max_body_bytes=self.app.max_body_bytes,
             max_long_polls=self.app.max_long_polls_per_user,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            metrics_scope=self.app.metrics_scope,
+            service_name=os.environ.get("JUPYTERHUB_SERVICE_NAME", "gpubroker"),
         )
         server = HTTPServer(web_app, xheaders=True, max_body_size=self.app.max_body_bytes)
         server.listen(self.app.port, self.app.ip)
@@ -194,6 +220,8 @@ class BrokerService:
             tasks.append(asyncio.create_task(self.culler.run()))
         if self.share_guard.enabled:
             tasks.append(asyncio.create_task(self.share_guard.run()))
+        if self.ledger.enabled:
+            tasks.append(asyncio.create_task(self.ledger.run()))
         await self._stop.wait()
         self.log.info("Shutting down")
         server.stop()
@@ -205,6 +233,8 @@ class BrokerService:
             self.broker.write_usage()
         except Exception:
             self.log.exception("Writing the usage records at shutdown failed")
+        if self.ledger.enabled:
+            self.ledger.stop()
         if self.broker.mps.enabled:
             self.broker.mps.stop_all()
         self.backend.close()

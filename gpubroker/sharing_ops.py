@@ -424,6 +424,7 @@ class SharingOpsMixin:
             if enabled and model is not None and not model.mig_capable:
                 raise BadRequest(f"mig_mode: {device.name} does not support MIG")
             device.mig_target = None if device.mig_enabled == enabled else enabled
+            self._audit(session, "device-mig", uuid, {"mig_mode": enabled})  # type: ignore[attr-defined]
         if self.apply_mig_modes():
             self.schedule_now()  # type: ignore[attr-defined]
         with self._read() as session:  # type: ignore[attr-defined]

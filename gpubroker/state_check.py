@@ -26,7 +26,7 @@ from .model.lifecycle import IllegalTransition, replay
 from .scheduler import UsageRecord
 from .store.models import ACTIVE_STATES, Allocation, Device, HolderKind, Lease, LeaseEvent
 from .transitions import as_events
-from .usage import load_usage
+from .usage.decayed import load_usage
 
 
 class StateInvalid(AssertionError):

@@ -20,6 +20,9 @@ config on free ports):
   ``raise``: the broker's ``Broker.check_state`` (the tests use ``raise``).
 - ``GPUBROKER_DEMO_HUB_GONE_TIMEOUT``: seconds after which the broker exits
   when its hub is gone (default: the broker's, 60).
+- ``GPUBROKER_DEMO_LEDGER_INTERVAL``: seconds between the usage ledger's
+  writes (``Ledger.flush_interval``, default 10); its GPU-use samples come at
+  three times that (the tests use short ones).
 - ``GPUBROKER_DEMO_API_TOKEN``: if set, a service ``demo-admin`` with this
   token and admin scopes (hub and broker) is registered, for scripted use.
 - ``GPUBROKER_DEMO_EXTRA_CONFIG``: a hub config file loaded after this one.
@@ -103,6 +106,12 @@ if os.environ.get("GPUBROKER_DEMO_HUB_GONE_TIMEOUT"):
     extra_broker_args.append(
         f"--GPUBrokerApp.hub_gone_timeout={os.environ['GPUBROKER_DEMO_HUB_GONE_TIMEOUT']}"
     )
+if os.environ.get("GPUBROKER_DEMO_LEDGER_INTERVAL"):
+    interval = float(os.environ["GPUBROKER_DEMO_LEDGER_INTERVAL"])
+    extra_broker_args += [
+        f"--Ledger.flush_interval={interval}",
+        f"--Ledger.sample_interval={3 * interval}",
+    ]
 c.JupyterHub.services = [
     {
         "name": "gpubroker",

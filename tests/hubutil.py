@@ -73,6 +73,7 @@ class RunningHub:
             "GPUBROKER_DEMO_API_TOKEN": self.token,
             "GPUBROKER_DEMO_SHARING": "0",
             "GPUBROKER_DEMO_CHECK_STATE": "raise",
+            "GPUBROKER_DEMO_LEDGER_INTERVAL": "0.5",
             **env,
         }
         self.proc: subprocess.Popen[bytes] | None = None

@@ -38,6 +38,8 @@ ROUTES: list[tuple[str, type[web.RequestHandler]]] = [
     ("/notices", handlers.NoticesHandler),
     ("/quotas", handlers.QuotasHandler),
     ("/quotas/{kind}/{name}", handlers.QuotaHandler),
+    ("/usage", handlers.UsageHandler),
+    ("/audit", handlers.AuditHandler),
     ("/openapi.json", handlers.OpenAPIHandler),
 ]
 
@@ -60,6 +62,9 @@ def make_app(
     server_running: Any = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_long_polls: int = MAX_LONG_POLLS,
+    ledger: Any = None,
+    metrics: Any = None,
+    metrics_scope: str = "custom:gpubroker:metrics",
     **settings: Any,
 ) -> web.Application:
     """Build the API application.
@@ -80,12 +85,20 @@ def make_app(
             which also bounds chunked bodies). 0: no check here.
         max_long_polls: most open long-polls per caller; one more ends the
             caller's oldest (see :class:`~gpubroker.api.longpoll.LongPollRegistry`).
+        ledger: the usage ledger (:class:`~gpubroker.usage.ledger.Ledger`):
+            flushed before a usage report, and its prices; ``None``: reports
+            read the store as it is.
+        metrics: the :class:`~gpubroker.observe.metrics.BrokerMetrics` served
+            at ``{base_url}metrics``; ``None``: that route answers 404.
+        metrics_scope: the scope a caller needs to read the metrics.
 
     Returns:
-        the application; routes are ``{base_url}api/v1{path}`` for ROUTES.
+        the application; routes are ``{base_url}api/v1{path}`` for ROUTES,
+        and ``{base_url}metrics``.
     """
     prefix = base_url.rstrip("/") + "/api/v1"
     routes = [(prefix + _pattern(path), handler) for path, handler in ROUTES]
+    routes.append((base_url.rstrip("/") + "/metrics", handlers.MetricsHandler))
     log = log or logging.getLogger("gpubroker")
     settings.setdefault("log_function", make_log_function(log))
     settings.setdefault("default_handler_class", handlers.NotFoundHandler)
@@ -98,6 +111,9 @@ def make_app(
         server_running=server_running or _no_server,
         max_body_bytes=max_body_bytes,
         long_polls=LongPollRegistry(max_long_polls, log),
+        ledger=ledger,
+        metrics=metrics,
+        metrics_scope=metrics_scope,
         **settings,
     )
 

@@ -40,12 +40,29 @@ ADMIN_SCOPE = "custom:gpubroker:admin"
 #: (``access_scopes``) holds its exact form, ``access:services!service=NAME``
 ACCESS_SCOPE = "access:services"
 
+#: custom scope for reading the broker's Prometheus metrics (the default of
+#: ``GPUBrokerApp.metrics_scope``; admins may read them too)
+METRICS_SCOPE = "custom:gpubroker:metrics"
+
 #: what to put in ``c.JupyterHub.custom_scopes``
 CUSTOM_SCOPES = {
     ADMIN_SCOPE: {
         "description": "Administer the GPU broker: every lease, device and queue entry.",
     },
+    METRICS_SCOPE: {
+        "description": "Read the GPU broker's Prometheus metrics (no user names in them).",
+    },
 }
+
+#: a declared scope that names an application setting holding the scope
+SETTING = "setting:"
+
+
+def setting_scope(name: str) -> str:
+    """Declare the scope held in the application setting ``name`` (e.g. the
+    configurable ``metrics_scope``); holders of :data:`ADMIN_SCOPE` pass too."""
+    return SETTING + name
+
 
 #: ``(handler, *path_args) -> user or None``: how a handler finds the user
 #: a request acts on (None: it names none, i.e. the caller's own)
@@ -195,6 +212,10 @@ def check(need: Need, model: dict[str, Any], handler: Any, *args: Any) -> str | 
     scope = need.scope
     if scope is None or scope == ACCESS_SCOPE:
         return None
+    if scope.startswith(SETTING):
+        if has_scope(model, ADMIN_SCOPE):
+            return None
+        scope = str(handler.settings.get(scope[len(SETTING) :]) or ADMIN_SCOPE)
     held = has_scope(model, scope)
     if need.unless_owner is None:
         if not held:

@@ -11,6 +11,7 @@ runs. A method without a declaration is refused (500).
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 from importlib import resources
 from typing import Any
@@ -20,7 +21,7 @@ from jupyterhub.services.auth import HubAuthenticated, UserNotAllowed
 from tornado import web
 
 from .. import __version__
-from ..core import Broker
+from ..core import Broker, utcnow
 from ..errors import BrokerError, NotFound
 from ..store.models import HolderKind
 from ..views import device_view
@@ -562,6 +563,109 @@ class PoolsHandler(APIHandler):
     @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.named_user)
     def get(self) -> None:
         self.write_json(self.broker.availability(self.owner or self.me))
+
+
+class UsageHandler(APIHandler):
+    """``GET /api/v1/usage?from=&to=&by=&tz=&format=[&user=]``: the usage
+    report (:mod:`gpubroker.usage.report`); users get their own rows,
+    admins everyone's (or one user's with ``?user=``). ``format``: ``json``
+    (default), ``csv``, ``table`` or ``html``."""
+
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.named_user)
+    async def get(self) -> None:
+        from ..usage import query, render
+        from ..usage.report import ReportError, parse_request
+
+        arg = self.get_argument
+        now = utcnow()
+        try:
+            request = parse_request(
+                arg("from", None),
+                arg("to", None),
+                arg("by", None),
+                arg("tz", None),
+                arg("format", None) or "json",
+                now,
+            )
+        except ReportError as err:
+            raise validation.BadRequest(str(err)) from None
+        problem = render.html_problem(request.format)
+        if problem:
+            raise validation.BadRequest(problem)
+        ledger = self.settings.get("ledger")
+        if ledger is not None and ledger.enabled:
+            ledger.flush()  # the newest events are in the report
+        prices = ledger.price_per_gpu_hour if ledger is not None else {}
+        factory = self.broker.session_factory
+
+        def build() -> str:
+            rows = query.build_report(factory, request, now, prices, user=self.owner)
+            plots = (
+                query.series(factory, request, now, self.owner)
+                if request.format == "html"
+                else None
+            )
+            return render.render(request, rows, plots)
+
+        text = await asyncio.get_running_loop().run_in_executor(None, build)
+        if request.format == "json":
+            self.set_header("Content-Type", "application/json; charset=utf-8")
+        else:
+            kinds = {"csv": "text/csv", "table": "text/plain", "html": "text/html"}
+            self.set_header("Content-Type", f"{kinds[request.format]}; charset=utf-8")
+        self.finish(text)
+
+
+class AuditHandler(APIHandler):
+    """``GET /api/v1/audit?user=&kind=&since=&until=&limit=``: the audit log,
+    newest first (admins; :mod:`gpubroker.observe.audit`)."""
+
+    @auth.needs(auth.ADMIN_SCOPE, action="the audit log")
+    def get(self) -> None:
+        from ..observe import audit
+        from ..usage.report import ReportError, parse_time
+
+        bounds = {}
+        for name in ("since", "until"):
+            raw = self.get_argument(name, None)
+            try:
+                bounds[name] = parse_time(name, raw, dt.timezone.utc) if raw else None
+            except ReportError as err:
+                raise validation.BadRequest(str(err)) from None
+        limit = validation.optional_int(self.get_argument("limit", None), "limit")
+        if limit is not None and not 1 <= limit <= audit.MAX_LIMIT:
+            raise validation.BadRequest(
+                f"limit: must be between 1 and {audit.MAX_LIMIT}, got {limit}"
+            )
+        kind = self.get_argument("kind", None)
+        if kind is not None:
+            kind = validation.check_name(kind, "kind")
+        found = audit.query(
+            self.broker.session_factory,
+            bounds["since"],
+            bounds["until"],
+            self.name_arg("user"),
+            kind,
+            limit or 500,
+            on_behalf=(self.settings.get("service_name") or "gpubroker",),
+        )
+        self.write_json({"entries": found})
+
+
+class MetricsHandler(APIHandler):
+    """``GET {base_url}metrics``: Prometheus metrics in text format
+    (:mod:`gpubroker.observe.metrics`), for callers holding the scope
+    ``GPUBrokerApp.metrics_scope`` (or the broker admin scope)."""
+
+    @auth.needs(auth.setting_scope("metrics_scope"), action="reading metrics")
+    def get(self) -> None:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        metrics = self.settings.get("metrics")
+        if metrics is None:
+            raise NotFound("metrics: not enabled in this broker")
+        self.set_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.finish(metrics.exposition())
 
 
 class OpenAPIHandler(APIHandler):

@@ -38,7 +38,7 @@ from ..store.models import (
     LeaseEvent,
     QuotaRow,
 )
-from ..usage import add_use, lease_units, load_usage, write_usage
+from ..usage.decayed import add_use, lease_units, load_usage, write_usage
 from .inputs import SchedulerInputs
 
 

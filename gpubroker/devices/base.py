@@ -83,12 +83,20 @@ class DeviceUsage:
         memory_used_mib: device memory in use, MiB (for a MIG device: of
             that instance's memory).
         processes: compute processes on the device.
+        engine_activity: for a MIG device, the fraction (0..1) of the last
+            sample period in which its graphics/compute engine was active:
+            NVML's GPU Performance Monitoring metric
+            ``NVML_GPM_METRIC_GRAPHICS_UTIL`` for the instance, the figure
+            DCGM exports as ``DCGM_FI_PROF_GR_ENGINE_ACTIVE`` (Hopper and
+            later); ``None`` where it is not known (other devices, older
+            GPUs, the first sample).
     """
 
     uuid: str
     utilization_gpu: int | None
     memory_used_mib: int
     processes: tuple[ProcessInfo, ...] = field(default_factory=tuple)
+    engine_activity: float | None = None
 
 
 @dataclass(frozen=True)

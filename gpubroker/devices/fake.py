@@ -363,6 +363,7 @@ class FakeDeviceBackend(DeviceBackend):
         utilization_gpu: int | None = 0,
         memory_used_mib: int | None = None,
         processes: Iterable[ProcessInfo | Mapping[str, int]] = (),
+        engine_activity: float | None = None,
     ) -> DeviceUsage:
         """Set the simulated usage of ``uuid`` and return it.
 
@@ -374,6 +375,8 @@ class FakeDeviceBackend(DeviceBackend):
                 of the processes' memory.
             processes: :class:`ProcessInfo` objects or mappings with ``pid``
                 and ``used_memory_mib`` (MiB).
+            engine_activity: for a MIG device, the fraction 0..1 of time its
+                engine was active (what NVML's GPM gives); ``None``: not known.
 
         The state file, if configured, is rewritten atomically (temporary file
         in the same directory, then ``os.replace``); concurrent writers may
@@ -392,7 +395,11 @@ class FakeDeviceBackend(DeviceBackend):
             utilization_gpu = _int(utilization_gpu, "utilization_gpu")
         if memory_used_mib is None:
             memory_used_mib = sum(p.used_memory_mib for p in procs)
-        usage = DeviceUsage(uuid, utilization_gpu, _int(memory_used_mib, "memory_used_mib"), procs)
+        if engine_activity is not None:
+            engine_activity = _fraction(engine_activity, "engine_activity")
+        usage = DeviceUsage(
+            uuid, utilization_gpu, _int(memory_used_mib, "memory_used_mib"), procs, engine_activity
+        )
         _check_usage(usage, memory_total_mib)
         state[uuid] = _entry_from_usage(usage)
         self._write_state(state)
@@ -923,7 +930,24 @@ def _usage_from_entry(uuid: str, entry: Any) -> DeviceUsage:
     memory = entry.get("memory_used_mib")
     if memory is None:
         memory = sum(p.used_memory_mib for p in procs)
-    return DeviceUsage(uuid, utilization, _int(memory, "memory_used_mib"), procs)
+    activity = entry.get("engine_activity")
+    if activity is not None:
+        activity = _fraction(activity, "engine_activity")
+    return DeviceUsage(uuid, utilization, _int(memory, "memory_used_mib"), procs, activity)
+
+
+def _fraction(value: Any, name: str) -> float:
+    """A number 0..1 (a fraction of time).
+
+    Raises:
+        TypeError: not a number.
+        ValueError: outside 0..1.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, not {value!r}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be 0-1, not {value}")
+    return float(value)
 
 
 def _check_usage(usage: DeviceUsage, memory_total_mib: int) -> None:
@@ -939,10 +963,13 @@ def _check_usage(usage: DeviceUsage, memory_total_mib: int) -> None:
 
 
 def _entry_from_usage(usage: DeviceUsage) -> dict[str, Any]:
-    return {
+    entry: dict[str, Any] = {
         "utilization_gpu": usage.utilization_gpu,
         "memory_used_mib": usage.memory_used_mib,
         "processes": [
             {"pid": p.pid, "used_memory_mib": p.used_memory_mib} for p in usage.processes
         ],
     }
+    if usage.engine_activity is not None:
+        entry["engine_activity"] = usage.engine_activity
+    return entry

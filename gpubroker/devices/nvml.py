@@ -129,6 +129,8 @@ class NVMLDeviceBackend(DeviceBackend):
         """Initialise NVML (``nvmlInit``); raises DeviceBackendError when it fails."""
         super().__init__(**kwargs)
         self._initialised = False
+        #: the last GPM sample of each MIG device (for engine activity)
+        self._gpm_samples: dict[str, Any] = {}
         with _nvml_errors("initialise (is the NVIDIA driver installed?)"):
             pynvml.nvmlInit()
         self._initialised = True
@@ -163,7 +165,11 @@ class NVMLDeviceBackend(DeviceBackend):
         ``uuid`` may be a GPU (``GPU-...``) or a MIG device (``MIG-...``):
         ``nvmlDeviceGetHandleByUUID`` accepts both. For a MIG device memory
         and processes are the instance's own, and utilization is ``None``
-        (``nvmlDeviceGetUtilizationRates`` is not supported on MIG devices).
+        (``nvmlDeviceGetUtilizationRates`` is not supported on MIG devices);
+        its ``engine_activity`` is the GPU Performance Monitoring metric
+        ``NVML_GPM_METRIC_GRAPHICS_UTIL`` of its GPU instance between this
+        call and the previous one for the same device (``None`` at the first
+        call, and where GPM is not supported: before Hopper).
 
         Raises:
             KeyError: no device with this UUID on this node.
@@ -176,7 +182,40 @@ class NVMLDeviceBackend(DeviceBackend):
                 utilization_gpu=_utilization(handle),
                 memory_used_mib=pynvml.nvmlDeviceGetMemoryInfo(handle).used // _MIB,
                 processes=_processes(handle),
+                engine_activity=self._engine_activity(uuid, handle),
             )
+
+    def _engine_activity(self, uuid: str, handle: Any) -> float | None:
+        """GPM graphics-engine activity (0..1) of MIG device ``uuid`` since
+        the previous sample of it; ``None`` for a GPU, at the first sample,
+        or where GPM is not supported."""
+        if not uuid.startswith("MIG-"):
+            return None
+        samples = self._gpm_samples
+        try:
+            parent = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+            gi_id = int(pynvml.nvmlDeviceGetGpuInstanceId(handle))
+            sample = pynvml.nvmlGpmSampleAlloc()
+            pynvml.nvmlGpmMigSampleGet(parent, gi_id, sample)
+        except pynvml.NVMLError:
+            return None
+        previous = samples.pop(uuid, None)
+        samples[uuid] = sample
+        if previous is None:
+            return None
+        try:
+            query = pynvml.c_nvmlGpmMetricsGet_t()
+            query.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+            query.numMetrics = 1
+            query.sample1, query.sample2 = previous, sample
+            query.metrics[0].metricId = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
+            pynvml.nvmlGpmMetricsGet(query)
+            value = float(query.metrics[0].value) / 100.0
+        except pynvml.NVMLError:
+            return None
+        finally:
+            pynvml.nvmlGpmSampleFree(previous)
+        return min(max(value, 0.0), 1.0)
 
     def topology(self) -> Topology:
         """Return the interconnect of this node's GPUs, read from NVML (read-only).

@@ -324,3 +324,79 @@ class CullerTrack(Base):
     warned_until: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
     flagged: Mapped[bool] = mapped_column(Boolean, default=False)
     culled: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class UsageInterval(Base):
+    """One interval of the usage ledger (see :mod:`gpubroker.usage.ledger`):
+    one slot of one lease held from ``start_s`` to ``end_s``, or one wait
+    in the queue (``slot_kind`` ``wait``, weight 0).
+
+    Times are UTC seconds since the epoch (floats), so that reports sum
+    durations in portable SQL. ``end_s`` is ``NULL`` while the interval is
+    open. ``weight``: device units the slot counts for (1 for a whole
+    device; a MIG instance its compute slices over the device's; a share
+    its memory over the device's). ``used_gpu_seconds``: sampled
+    utilization * seconds * weight; ``sampled_s``: the seconds the samples
+    cover. ``end_cause``: ``release``, ``cancel``, ``cull``, ``preemption``,
+    ``time-limit``, ``reconcile``, ``granted`` (a wait that ended in a
+    grant), ``broker-down`` (open when the broker stopped: closed at its
+    last sign of life). ``idle_s``: for a culled lease, how long it had
+    been idle when it was culled.
+    """
+
+    __tablename__ = "usage_intervals"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    lease_id: Mapped[int] = mapped_column(Integer, index=True)
+    user: Mapped[str] = mapped_column(String(255))
+    group_name: Mapped[str] = mapped_column(String(255), default="")
+    holder_kind: Mapped[str] = mapped_column(String(16))
+    holder: Mapped[str] = mapped_column(String(255), default="")
+    priority_class: Mapped[str] = mapped_column(String(64))
+    pool: Mapped[str] = mapped_column(String(64), default="")
+    slot_kind: Mapped[str] = mapped_column(String(8))
+    device_uuid: Mapped[str] = mapped_column(String(64), default="")
+    slot_uuid: Mapped[str] = mapped_column(String(64), default="")
+    profile: Mapped[str] = mapped_column(String(32), default="")
+    model: Mapped[str] = mapped_column(String(255), default="")
+    node: Mapped[str] = mapped_column(String(255), default="")
+    weight: Mapped[float] = mapped_column(Float)
+    start_s: Mapped[float] = mapped_column(Float, index=True)
+    end_s: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
+    end_cause: Mapped[str] = mapped_column(String(16), default="")
+    used_gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    sampled_s: Mapped[float] = mapped_column(Float, default=0.0)
+    idle_s: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class LedgerMark(Base):
+    """Where the usage ledger stands (one row, ``id`` 1): the last
+    transition-log entry folded in (``event_id``) and the broker's last
+    sign of life (``heartbeat_s``, UTC seconds since the epoch)."""
+
+    __tablename__ = "ledger_mark"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    event_id: Mapped[int] = mapped_column(Integer, default=0)
+    heartbeat_s: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class AuditEntry(Base):
+    """An admin action on something other than a lease (a quota, a device),
+    for the audit log; actions on leases are in ``lease_events``.
+
+    ``action``: ``quota-set``, ``quota-deleted``, ``device-drained``,
+    ``device-undrained``, ``device-mig``. ``target``: ``user:NAME``,
+    ``group:NAME`` or a device UUID. ``detail``: the values set.
+    """
+
+    __tablename__ = "audit_entries"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime, index=True)
+    actor: Mapped[str] = mapped_column(String(255))
+    action: Mapped[str] = mapped_column(String(32))
+    target: Mapped[str] = mapped_column(String(255))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    stimulus: Mapped[str] = mapped_column(String(64), default="")
+    detail: Mapped[dict[str, object] | None] = mapped_column(JSON, nullable=True)

@@ -160,6 +160,12 @@ def test_idle_tab_holding_memory_is_warned_then_culled_and_told(hub: RunningHub)
     assert ("cull-warning", "culler") in story and ("stopping", "culler") in story
     assert story[-1][0] == "released" and r.json()["events"][-1]["reason"].startswith("culled: ")
     assert story.index(("cull-warning", "culler")) < story.index(("stopping", "culler"))
+    # the cull is in the audit log with its reason, and in the usage report
+    audit = hub.broker_api("GET", "/audit", params={"user": "idler", "kind": "culled"}).json()
+    assert audit["entries"][0]["actor"] == "culler"
+    assert audit["entries"][0]["reason"].startswith("culled: idle ")
+    (row,) = hub.broker_api("GET", "/usage", params={"user": "idler"}).json()["rows"]
+    assert row["culls"] == 1 and row["idle_gpu_hours_culled"] > 0
     other = requests.get(
         f"{hub.broker}/leases/{lease['id']}/events",
         headers={"Authorization": f"token {vip_token}"},

@@ -165,3 +165,34 @@ def test_sigkill_under_64_clients_loses_nothing_and_grants_nothing_twice(
         for (_, end), (start, _) in itertools.pairwise(spans):
             assert start >= end, f"{slot} held twice at {start}"
     assert sum(len(s) for s in held.values()) > 0
+
+
+def test_a_sigkilled_broker_counts_a_lease_once_with_no_gap_beyond_the_heartbeat(
+    clean_hub: RunningHub,
+) -> None:
+    """The usage ledger across a crash: the interval open at the SIGKILL is
+    closed at the last heartbeat (the ledger writes every 0.5 s here), the
+    restarted broker counts on from its start, and the lease is one lease."""
+    hub = clean_hub
+    lease = hub.broker_api(
+        "POST", "/leases", json={"user": "ledgered", "gpus": 2, "holder_kind": "external"}
+    ).json()
+    granted = dt.datetime.fromisoformat(lease["granted_at"].replace("Z", "+00:00"))
+    time.sleep(2.0)  # a few heartbeats
+    old_pid = hub.broker_pid()
+    assert old_pid
+    killed = dt.datetime.now(dt.timezone.utc)
+    os.kill(old_pid, signal.SIGKILL)
+    wait_until(lambda: (pid := hub.broker_pid()) and pid != old_pid, timeout=60)
+    wait_until(lambda: hub.broker_api("GET", "/health").status_code == 200, timeout=30)
+    back = dt.datetime.now(dt.timezone.utc)
+    time.sleep(1.0)
+    released = hub.broker_api("DELETE", f"/leases/{lease['id']}").json()
+    ended = dt.datetime.fromisoformat(released["released_at"].replace("Z", "+00:00"))
+    (row,) = hub.broker_api("GET", "/usage", params={"user": "ledgered"}).json()["rows"]
+    assert row["leases"] == 1
+    held = row["gpu_hours_allocated"] * 3600 / 2  # seconds, per GPU
+    before = (killed - granted).total_seconds()
+    after = (ended - back).total_seconds()
+    assert held <= (ended - granted).total_seconds() - 0.5  # the time it was down is not counted
+    assert held >= before - 0.5 - 0.2 + after  # at most one heartbeat lost before the kill

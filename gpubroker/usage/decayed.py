@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from sqlalchemy import func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from .scheduler import UsageRecord
-from .scheduler.fairshare import decay, running_usage
-from .store.models import Allocation, Lease, LeaseState, UsageRow
+from ..scheduler import UsageRecord
+from ..scheduler.fairshare import decay, running_usage
+from ..store.models import Allocation, Lease, LeaseState, UsageRow
 
 
 def add_use(

@@ -1,0 +1,1 @@
+"""Watching the broker: the audit log and Prometheus metrics."""

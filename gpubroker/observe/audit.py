@@ -1,0 +1,105 @@
+"""The audit log: who did what, when and why.
+
+It lists every admin action (a quota set or removed, a device drained or
+undrained, a MIG mode asked for, a lease of another user released,
+preempted or re-prioritised) and every policy action (a grant, a
+preemption and its grace period, a reclaim, a cull warning and a cull, a
+time-limit stop, a server stopped), each with its actor (an admin's name or
+``scheduler``, ``culler``, ``reconcile``), time (UTC), reason and target.
+
+Actions on leases are read from the transition log (nothing is written
+twice): an event counts when someone other than the lease's own user
+caused it (nor the broker's own service, through which the hub's spawner
+acts for the user). Actions on quotas and devices are recorded in
+``audit_entries`` in the same transaction as the change.
+
+Each entry's ``action`` is the event kind (``granted``, ``preempting``,
+``culled``, ...; ``released`` with its ``cause``: ``cull``,
+``preemption``, ``time-limit``, ``reconcile``, ``cancel``, ``release``) or
+the admin action (``quota-set``, ``quota-deleted``, ``device-drained``,
+``device-undrained``, ``device-mig``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from ..store import audit_repo
+from ..usage.intervals import release_cause
+
+#: the most entries one query returns
+MAX_LIMIT = 10000
+
+
+def _iso(at: dt.datetime) -> str:
+    return at.isoformat().replace("+00:00", "Z")
+
+
+def query(
+    session_factory: Any,
+    since: dt.datetime | None = None,
+    until: dt.datetime | None = None,
+    user: str | None = None,
+    kind: str | None = None,
+    limit: int = 500,
+    on_behalf: tuple[str, ...] = (),
+) -> list[dict[str, Any]]:
+    """Audit entries, newest first.
+
+    Args:
+        session_factory: the store's sessions.
+        since, until: aware UTC bounds (``until`` exclusive); ``None``: open.
+        user: only entries about this user or by them.
+        kind: only entries whose ``action`` or ``cause`` is this.
+        limit: most entries (1..:data:`MAX_LIMIT`).
+        on_behalf: actors that act for a lease's own user (the broker's
+            own service name, which the hub's spawner calls with): their
+            changes of that user's leases are the user's, not audited.
+
+    Returns:
+        dicts with ``at``, ``actor``, ``action``, ``cause`` (releases),
+        ``target`` (``lease 12 of ann``, ``user:ann``, a device UUID),
+        ``lease_id``, ``user``, ``reason``, ``stimulus``, ``detail``.
+    """
+    with session_factory() as session:
+        admin, leases = audit_repo.entries(session, since, until, user, MAX_LIMIT, on_behalf)
+        found = [_admin(a) for a in admin] + [_lease(e, u) for e, u in leases]
+    if kind is not None:
+        found = [f for f in found if kind in (f["action"], f["cause"])]
+    found.sort(key=lambda f: f["at"], reverse=True)
+    return found[:limit]
+
+
+def _admin(entry: Any) -> dict[str, Any]:
+    target = entry.target
+    return {
+        "at": _iso(entry.at),
+        "actor": entry.actor,
+        "action": entry.action,
+        "cause": None,
+        "target": target,
+        "lease_id": None,
+        "user": target[5:] if target.startswith("user:") else None,
+        "reason": entry.reason,
+        "stimulus": entry.stimulus,
+        "detail": entry.detail or {},
+    }
+
+
+def _lease(event: Any, user: str) -> dict[str, Any]:
+    cause = None
+    if event.kind == "released":
+        cause = release_cause(event.reason, event.actor, event.from_state)
+    return {
+        "at": _iso(event.at),
+        "actor": event.actor,
+        "action": event.kind,
+        "cause": cause,
+        "target": f"lease {event.lease_id} of {user}",
+        "lease_id": event.lease_id,
+        "user": user,
+        "reason": event.reason,
+        "stimulus": event.stimulus,
+        "detail": event.detail or {},
+    }

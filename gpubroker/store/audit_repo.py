@@ -1,0 +1,87 @@
+"""The audit log's reads and writes: admin actions on quotas and devices
+(``audit_entries``) and the policy and admin actions on leases, read from
+the transition log (``lease_events``). Every SQL statement of the audit log
+lives here."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from .models import AuditEntry, Lease, LeaseEvent
+
+#: event kinds of the transition log that are actions worth auditing (when
+#: someone other than the lease's own user caused them)
+LEASE_ACTIONS = (
+    "granted",
+    "released",
+    "preempting",
+    "preemption-withdrawn",
+    "stopping",
+    "cull-warning",
+    "cull-withdrawn",
+    "culled",
+    "priority-changed",
+    "grant-failed",
+)
+
+
+def record(
+    session: Session,
+    at: dt.datetime,
+    actor: str,
+    action: str,
+    target: str,
+    detail: dict[str, Any],
+    stimulus: str = "",
+    reason: str = "",
+) -> None:
+    """Append one admin action (in the caller's transaction)."""
+    session.add(
+        AuditEntry(
+            at=at,
+            actor=actor[:255],
+            action=action,
+            target=target[:255],
+            reason=reason[:4000],
+            stimulus=stimulus,
+            detail=detail or None,
+        )
+    )
+
+
+def entries(
+    session: Session,
+    since: dt.datetime | None,
+    until: dt.datetime | None,
+    user: str | None,
+    limit: int,
+    on_behalf: tuple[str, ...] = (),
+) -> tuple[list[AuditEntry], list[tuple[LeaseEvent, str]]]:
+    """The newest ``limit`` admin entries and lease actions (with the
+    lease's user) in ``[since, until)``; ``user``: only entries about that
+    user (a lease of theirs, their quota) or by them. ``on_behalf``: actors
+    that act for a lease's own user (the hub's spawner calls with the
+    broker's service token), left out like the user."""
+    admin = select(AuditEntry).order_by(AuditEntry.at.desc(), AuditEntry.id.desc()).limit(limit)
+    lease = (
+        select(LeaseEvent, Lease.user)
+        .join(Lease, Lease.id == LeaseEvent.lease_id)
+        .where(LeaseEvent.kind.in_(LEASE_ACTIONS), LeaseEvent.actor != Lease.user)
+        .where(LeaseEvent.actor.not_in(on_behalf))
+        .order_by(LeaseEvent.at.desc(), LeaseEvent.id.desc())
+        .limit(limit)
+    )
+    if since is not None:
+        admin = admin.where(AuditEntry.at >= since)
+        lease = lease.where(LeaseEvent.at >= since)
+    if until is not None:
+        admin = admin.where(AuditEntry.at < until)
+        lease = lease.where(LeaseEvent.at < until)
+    if user is not None:
+        admin = admin.where(or_(AuditEntry.actor == user, AuditEntry.target == f"user:{user}"))
+        lease = lease.where(or_(Lease.user == user, LeaseEvent.actor == user))
+    return list(session.scalars(admin)), [(e, u) for e, u in session.execute(lease)]

@@ -1,0 +1,129 @@
+"""``gpubroker report``: the usage report from the store, on the shell.
+
+It reads the store (``--db-url``, or ``GPUBrokerApp.db_url`` of the
+``--config`` file) and writes nothing, so it may run beside a live broker:
+the ledger in the store is as new as its last write
+(``Ledger.flush_interval``); ``GET /api/v1/usage`` writes first. Prices
+come from ``Ledger.price_per_gpu_hour`` in the config file.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from traitlets import Unicode
+from traitlets.config import Application, PyFileConfigLoader
+
+
+class StoreCommand(Application):
+    """A subcommand that reads the store: ``--db-url`` and ``--config``."""
+
+    config_file = Unicode(
+        "gpubroker_config.py",
+        help="The broker's config file (its GPUBrokerApp.db_url and Ledger options "
+        "apply); a missing file is ignored.",
+    ).tag(config=True)
+
+    db_url = Unicode(
+        "",
+        help="SQLAlchemy URL of the store (default: GPUBrokerApp.db_url of the config "
+        "file, else sqlite:///gpubroker.sqlite).",
+    ).tag(config=True)
+
+    def initialize(self, argv: list[str] | None = None) -> None:
+        """Parse the command line, then load the config file (the command line wins)."""
+        super().initialize(argv)
+        if os.path.isfile(self.config_file):
+            directory, name = os.path.split(os.path.abspath(self.config_file))
+            loaded = PyFileConfigLoader(name, path=directory, log=self.log).load_config()
+            loaded.merge(self.cli_config)
+            self.update_config(loaded)
+
+    def store_url(self) -> str:
+        """The store to read."""
+        if self.db_url:
+            return self.db_url
+        app = self.config.get("GPUBrokerApp", {})
+        return str(app.get("db_url", "sqlite:///gpubroker.sqlite"))
+
+    def sessions(self) -> Any:
+        """A session factory of the store (refusing a store that does not exist)."""
+        from ..store.db import make_engine, make_session_factory, sqlite_path
+
+        url = self.store_url()
+        path = sqlite_path(url)
+        if path is not None and not Path(path).exists():
+            self.log.critical("No store at %s (--db-url)", url)
+            self.exit(2)
+        return make_session_factory(make_engine(url))
+
+
+class ReportCommand(StoreCommand):
+    """``gpubroker report``: GPU-hours allocated and used, per user, group,
+    pool, model or day (see the admin guide for every column)."""
+
+    description = (
+        "Usage report from the ledger: GPU-hours allocated and used, efficiency, "
+        "queue-wait hours, leases, jobs, culls, preemptions, idle GPU-hours culled, cost."
+    )
+    aliases = {
+        "from": "ReportCommand.period_start",
+        "to": "ReportCommand.period_end",
+        "by": "ReportCommand.by",
+        "tz": "ReportCommand.tz",
+        "format": "ReportCommand.format",
+        "output": "ReportCommand.output",
+        "user": "ReportCommand.user",
+        "db-url": "ReportCommand.db_url",
+        "config": "ReportCommand.config_file",
+        "log-level": "Application.log_level",
+    }
+    period_start = Unicode(
+        "", help="Start: YYYY-MM-DD (midnight in --tz) or ISO 8601; default: the 1st of this month."
+    ).tag(config=True)
+    period_end = Unicode("", help="End (exclusive): YYYY-MM-DD or ISO 8601; default: now.").tag(
+        config=True
+    )
+    by = Unicode("user", help="Group by user, group, pool, model or day.").tag(config=True)
+    tz = Unicode("UTC", help="IANA time zone of dates and of days (--by day).").tag(config=True)
+    format = Unicode("table", help="table, csv, json or html.").tag(config=True)
+    output = Unicode("", help="Write to this file (default: standard output).").tag(config=True)
+    user = Unicode("", help="Only this user's usage.").tag(config=True)
+
+    def start_report(self) -> str:
+        """The report as text (exits 2 on a bad parameter)."""
+        from ..usage.ledger import Ledger
+        from . import query, render
+        from .report import ReportError, parse_request
+
+        now = dt.datetime.now(dt.timezone.utc)
+        try:
+            request = parse_request(
+                self.period_start, self.period_end, self.by, self.tz, self.format, now
+            )
+        except ReportError as err:
+            self.log.critical("--%s", err)
+            self.exit(2)
+        problem = render.html_problem(request.format)
+        if problem:
+            self.log.critical("--%s", problem)
+            self.exit(2)
+        factory = self.sessions()
+        prices = Ledger(None, None, parent=self).price_per_gpu_hour
+        user = self.user or None
+        rows = query.build_report(factory, request, now, prices, user=user)
+        plots = query.series(factory, request, now, user) if request.format == "html" else None
+        return render.render(request, rows, plots)
+
+    def start(self) -> None:
+        """Print (or write) the report."""
+        text = self.start_report()
+        if self.output:
+            Path(self.output).write_text(text, encoding="utf-8")
+            print(f"wrote {self.output}", file=sys.stderr)
+        else:
+            sys.stdout.write(text)

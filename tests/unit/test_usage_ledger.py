@@ -1,0 +1,324 @@
+"""The usage ledger and its reports, on a real broker and SQLite store with
+fake GPUs and a clock the test moves (hours pass in no time)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from traitlets.config import Config
+
+import gpubroker.core as core
+from gpubroker.core import Broker
+from gpubroker.devices.fake import FakeDeviceBackend
+from gpubroker.store.db import make_engine, make_session_factory
+from gpubroker.usage.ledger import Ledger
+from gpubroker.usage.query import build_report
+from gpubroker.usage.report import ReportError, ReportRow, parse_request
+
+from ..conftest import make_broker
+from .test_sharing_core import sharing_broker
+
+T0 = dt.datetime(2026, 11, 2, 8, 0, tzinfo=dt.timezone.utc)
+HOUR = dt.timedelta(hours=1)
+
+
+class Clock:
+    """The broker's and the ledger's clock (``core.utcnow``), moved by hand."""
+
+    def __init__(self, now: dt.datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+    def epoch(self) -> float:
+        return self.now.timestamp()
+
+    def advance(self, delta: dt.timedelta) -> None:
+        self.now += delta
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
+    c = Clock(T0)
+    monkeypatch.setattr(core, "utcnow", c)
+    yield c
+
+
+def ledger_of(broker: Broker, clock: Clock, **options: float) -> Ledger:
+    ledger = Ledger(
+        broker.session_factory,
+        broker.backend,
+        pool_of=lambda uuid: broker.pool_spec(uuid).name,
+        clock=clock.epoch,
+    )
+    for key, value in options.items():
+        setattr(ledger, key, value)
+    ledger.start()
+    return ledger
+
+
+def report(
+    broker: Broker,
+    clock: Clock,
+    by: str = "user",
+    start: str = "2026-11-01",
+    end: str = "2026-12-01",
+    tz: str = "UTC",
+    user: str | None = None,
+) -> dict[str, ReportRow]:
+    request = parse_request(start, end, by, tz, "json", clock.now)
+    rows = build_report(broker.session_factory, request, clock.now, {"*": 2.0}, user=user)
+    return {r.key: r for r in rows}
+
+
+def test_a_mig_instance_held_seven_hours_is_one_gpu_hour_and_its_wait_is_kept_apart(
+    db_url: str, tmp_path: Path, clock: Clock
+) -> None:
+    broker = sharing_broker(db_url, tmp_path)
+    ledger = ledger_of(broker, clock)
+    held = [broker.request_lease(f"h{i}", "", mig_profile="1g.10gb", pool="mig") for i in range(14)]
+    assert all(x["state"] == "granted" for x in held)
+    mine = broker.request_lease("ann", "", mig_profile="1g.10gb", pool="mig")
+    assert mine["state"] == "pending"
+    clock.advance(dt.timedelta(minutes=20))
+    broker.release_lease(held[0]["id"], "done")
+    assert broker.get_lease(mine["id"])["state"] == "granted"
+    ledger.flush()
+    clock.advance(7 * HOUR)
+    broker.release_lease(mine["id"], "done")
+    ledger.flush()
+    ann = report(broker, clock)["ann"]
+    assert ann.gpu_hours_allocated == pytest.approx(1.0)
+    assert ann.wait_hours == pytest.approx(20 / 60)
+    assert ann.leases == 1
+    assert ann.cost == pytest.approx(2.0)
+    # by model, a wait (no device yet) is its own row; the device's rows are use only
+    models = report(broker, clock, by="model")
+    assert models["(none)"].wait_hours == pytest.approx(20 / 60)
+    assert models["(none)"].gpu_hours_allocated == 0
+    assert models["NVIDIA H100 80GB HBM3"].wait_hours == 0
+
+
+def a100_share_broker(db_url: str, tmp_path: Path) -> Broker:
+    """Two A100 80GB (81,920 MiB each) in a time-sliced pool."""
+    config = Config()
+    config.Pools.pools = [{"name": "shared", "mode": "timeslice", "devices": ["node-a:0-1"]}]
+    backend = FakeDeviceBackend(
+        inventory=["2 x A100-80GB"], node_name="node-a", state_file=str(tmp_path / "gpus.json")
+    )
+    broker = Broker(
+        session_factory=make_session_factory(make_engine(db_url)), backend=backend, config=config
+    )
+    broker.sync_inventory()
+    broker.adopt()
+    return broker
+
+
+def test_a_share_of_a_quarter_device_at_half_use_is_half_allocated_a_quarter_used(
+    db_url: str, tmp_path: Path, clock: Clock
+) -> None:
+    broker = a100_share_broker(db_url, tmp_path)
+    ledger = ledger_of(broker, clock, sample_interval=3600.0)
+    lease = broker.request_lease("bea", "", memory_gib=20, pool="shared")
+    assert lease["slots"][0]["weight"] == 0.25  # 20 GiB of 80 GiB
+    assert lease["state"] == "granted"
+    device = lease["devices"][0]["uuid"]
+    broker.backend.set_usage(device, utilization_gpu=50)
+    ledger.flush()  # the grant is folded: its interval is open
+    for _ in range(2):
+        clock.advance(HOUR)
+        assert ledger.sample() == 1
+    broker.release_lease(lease["id"], "done")
+    ledger.flush()
+    bea = report(broker, clock)["bea"]
+    assert bea.gpu_hours_allocated == pytest.approx(0.5)
+    assert bea.gpu_hours_used == pytest.approx(0.25)
+    assert bea.efficiency == pytest.approx(0.5)
+    assert report(broker, clock, by="pool")["shared"].gpu_hours_allocated == pytest.approx(0.5)
+
+
+def test_mig_use_is_the_instance_engine_activity(db_url: str, tmp_path: Path, clock: Clock) -> None:
+    broker = sharing_broker(db_url, tmp_path)
+    ledger = ledger_of(broker, clock, sample_interval=3600.0)
+    lease = broker.request_lease("cy", "", mig_profile="3g.40gb", pool="mig")
+    instance = lease["slots"][0]["uuid"]
+    assert instance.startswith("MIG-")
+    broker.backend.set_usage(instance, utilization_gpu=None, engine_activity=0.25)
+    ledger.flush()
+    clock.advance(HOUR)
+    ledger.sample()
+    broker.release_lease(lease["id"], "done")
+    ledger.flush()
+    cy = report(broker, clock)["cy"]
+    weight = broker.get_lease(lease["id"])["weight"]
+    assert cy.gpu_hours_allocated == pytest.approx(weight, abs=1e-6)
+    assert cy.gpu_hours_used == pytest.approx(weight * 0.25, abs=1e-6)
+
+
+def test_a_crash_closes_at_the_heartbeat_and_the_lease_counts_once(
+    db_url: str, clock: Clock
+) -> None:
+    broker = make_broker(db_url)
+    ledger = ledger_of(broker, clock)
+    lease = broker.request_lease("dan", "", 2, holder_kind="external")
+    clock.advance(HOUR)
+    ledger.flush()  # the last heartbeat: T0 + 1 h
+    clock.advance(dt.timedelta(seconds=20))  # ... then SIGKILL: nothing more is written
+    clock.advance(dt.timedelta(seconds=30))  # down for 30 s
+    booted = clock.epoch()
+    again = make_broker(db_url)  # its adoption writes to the log: not a sign of the old one
+    counts = Ledger(again.session_factory, again.backend, clock=clock.epoch).start(booted)
+    assert counts["closed"] == 1 and counts["reopened"] == 2  # two slots
+    restarted = clock.now
+    clock.advance(HOUR)
+    again.release_lease(lease["id"], "done")
+    Ledger(again.session_factory, again.backend, clock=clock.epoch).flush()
+    dan = report(again, clock)["dan"]
+    assert dan.leases == 1
+    held = (HOUR + (clock.now - restarted)).total_seconds() / 3600
+    assert dan.gpu_hours_allocated == pytest.approx(2 * held)
+    # a second start-up (nothing open any more but what is active) counts nothing twice
+    ledger_of(again, clock).start()
+    assert report(again, clock)["dan"].gpu_hours_allocated == pytest.approx(2 * held)
+
+
+@pytest.mark.parametrize(
+    ("day", "hours"), [("2026-10-25", 25.0), ("2026-03-29", 23.0), ("2026-10-24", 24.0)]
+)
+def test_a_day_across_a_daylight_saving_change_has_its_local_hours(
+    db_url: str, clock: Clock, day: str, hours: float
+) -> None:
+    start = dt.datetime.fromisoformat(day).replace(tzinfo=dt.timezone.utc) - 2 * 24 * HOUR
+    clock.now = start
+    broker = make_broker(db_url)
+    ledger = ledger_of(broker, clock)
+    lease = broker.request_lease("eve", "", 1, holder_kind="external")
+    clock.advance(5 * 24 * HOUR)
+    broker.release_lease(lease["id"], "done")
+    ledger.flush()
+    nxt = (dt.date.fromisoformat(day) + dt.timedelta(days=1)).isoformat()
+    rows = report(broker, clock, by="day", start=day, end=nxt, tz="Europe/Berlin")
+    assert list(rows) == [day]
+    assert rows[day].gpu_hours_allocated == pytest.approx(hours)
+    # in UTC every day has 24 hours: the ledger itself is in UTC
+    utc = report(broker, clock, by="day", start=day, end=nxt, tz="UTC")
+    assert utc[day].gpu_hours_allocated == pytest.approx(24.0)
+
+
+def test_users_see_their_own_rows_only(db_url: str, clock: Clock) -> None:
+    broker = make_broker(db_url)
+    ledger = ledger_of(broker, clock)
+    for user in ("fay", "gus"):
+        broker.request_lease(user, "", 1, holder_kind="external")
+    clock.advance(HOUR)
+    ledger.flush()
+    assert set(report(broker, clock)) == {"fay", "gus"}
+    mine = report(broker, clock, user="fay")
+    assert set(mine) == {"fay"}
+    assert mine["fay"].gpu_hours_allocated == pytest.approx(1.0)  # open: counted up to now
+
+
+@pytest.mark.parametrize(
+    ("args", "param"),
+    [
+        (("2026-11-10", "2026-11-01", "user", "UTC", "table"), "from"),
+        (("2026-11-01", "2026-11-01", "user", "UTC", "table"), "from"),
+        (("2026-11-01", "2026-12-01", "team", "UTC", "table"), "by"),
+        (("2026-11-01", "2026-12-01", "user", "Mars/Olympus", "table"), "tz"),
+        (("2026-11-01", "2026-12-01", "user", "UTC", "pdf"), "format"),
+        (("yesterday", "2026-12-01", "user", "UTC", "table"), "from"),
+        (("2026-11-01", "2026-13-01", "user", "UTC", "table"), "to"),
+        (("1990-01-01", "2026-12-01", "user", "UTC", "table"), "to"),
+    ],
+)
+def test_bad_report_parameters_name_the_parameter(args: tuple[str, ...], param: str) -> None:
+    with pytest.raises(ReportError) as err:
+        parse_request(*args, now=T0)
+    assert err.value.param == param
+    assert str(err.value).startswith(f"{param}: ")
+
+
+def test_the_default_period_is_this_month_so_far_in_the_time_zone() -> None:
+    now = dt.datetime(2026, 11, 30, 23, 30, tzinfo=dt.timezone.utc)  # Dec 1 in Berlin
+    request = parse_request(None, None, None, "Europe/Berlin", None, now)
+    assert request.start == dt.datetime(2026, 11, 30, 23, 0, tzinfo=dt.timezone.utc)
+    assert request.end == now and request.by == "user" and request.format == "table"
+
+
+def test_restarts_without_a_ledger_write_fold_the_whole_log(db_url: str, clock: Clock) -> None:
+    """A store whose leases predate the ledger (or whose ledger never wrote)
+    is folded from the transition log at the first start."""
+    broker = make_broker(db_url)
+    lease = broker.request_lease("hal", "", 1, holder_kind="external")
+    clock.advance(HOUR)
+    broker.release_lease(lease["id"], "done")
+    engine = make_engine(db_url)
+    ledger = Ledger(make_session_factory(engine), broker.backend, clock=clock.epoch)
+    assert ledger.start()["folded"] >= 3
+    assert report(broker, clock)["hal"].gpu_hours_allocated == pytest.approx(1.0)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpubroker", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_report_and_audit_commands_read_the_store(db_url: str, tmp_path: Path) -> None:
+    broker = make_broker(db_url)
+    Ledger(broker.session_factory, broker.backend).start()
+    lease = broker.request_lease("<b>ivy</b>", "", 1, holder_kind="external")
+    broker.set_quota("group", "physics", 2.0, 4.0, actor="root")
+    broker.release_lease(lease["id"], "done", actor="root")
+    Ledger(broker.session_factory, broker.backend).flush()
+    config = tmp_path / "gpubroker_config.py"
+    config.write_text(
+        f"c.GPUBrokerApp.db_url = {db_url!r}\nc.Ledger.price_per_gpu_hour = {{'*': 3}}\n"
+    )
+    done = _cli("report", f"--config={config}", "--format=json", "--by=user")
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)["rows"]
+    assert row["key"] == "<b>ivy</b>" and row["leases"] == 1 and row["cost"] is not None
+    page = tmp_path / "report.html"
+    done = _cli("report", f"--db-url={db_url}", "--format=html", f"--output={page}")
+    assert done.returncode == 0, done.stderr
+    text = page.read_text()
+    assert "&lt;b&gt;ivy&lt;/b&gt;" in text and "<b>ivy" not in text  # escaped
+    assert text.count("<svg") == 3
+    bad = _cli("report", f"--db-url={db_url}", "--from=2026-12-01", "--to=2026-11-01")
+    assert bad.returncode == 2 and "--from: must be before to" in bad.stderr
+    done = _cli("audit", f"--db-url={db_url}", "--json")
+    assert done.returncode == 0, done.stderr
+    entries = [json.loads(line) for line in done.stdout.splitlines()]
+    actions = {(e["action"], e["actor"]) for e in entries}
+    assert ("quota-set", "root") in actions and ("released", "root") in actions
+    assert ("granted", "scheduler") in actions
+    done = _cli("audit", f"--db-url={db_url}", "--kind=quota-set")
+    assert done.returncode == 0 and "group:physics" in done.stdout
+
+
+def test_a_sample_after_a_release_charges_up_to_the_release_only(
+    db_url: str, tmp_path: Path, clock: Clock
+) -> None:
+    broker = make_broker(db_url)
+    ledger = ledger_of(broker, clock, sample_interval=7200.0)
+    lease = broker.request_lease("jon", "", 1, holder_kind="external")
+    broker.backend.set_usage(lease["devices"][0]["uuid"], utilization_gpu=100)
+    clock.advance(HOUR)
+    ledger.sample()
+    clock.advance(HOUR / 2)
+    broker.release_lease(lease["id"], "done")
+    clock.advance(HOUR)
+    ledger.sample()  # the interval ended half an hour after the last sample
+    clock.advance(HOUR)
+    ledger.sample()  # and is not sampled again
+    jon = report(broker, clock)["jon"]
+    assert jon.gpu_hours_allocated == pytest.approx(1.5)
+    assert jon.gpu_hours_used == pytest.approx(1.5)
