@@ -134,3 +134,41 @@ def test_a_lost_lock_session_is_noticed(
         conn.commit()
     assert lock.check() is False
     lock.release()
+
+
+def test_the_usage_ledger_reports_and_audit_log_on_postgresql(
+    pg: RunningPostgres, engines: Callable[[str], Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger's fold, its report SQL (clipping, distinct counts, days of
+    a time zone) and the audit log on PostgreSQL, as on SQLite."""
+    import datetime as dt
+
+    import gpubroker.core as core
+    from gpubroker.observe import audit
+    from gpubroker.usage.ledger import Ledger
+    from gpubroker.usage.query import build_report
+    from gpubroker.usage.report import parse_request
+
+    upgrade(pg.url)
+    now = [dt.datetime(2026, 10, 24, 22, 0, tzinfo=dt.timezone.utc)]  # Berlin: 25 Oct, 00:00
+    monkeypatch.setattr(core, "utcnow", lambda: now[0])
+    engine = engines(pg.url)
+    backend = FakeDeviceBackend(inventory=["8 x H100"], node_name="node-pg")
+    broker = Broker(session_factory=make_session_factory(engine), backend=backend)
+    broker.sync_inventory()
+    broker.adopt()
+    ledger = Ledger(broker.session_factory, backend, clock=lambda: now[0].timestamp())
+    ledger.start()
+    lease = broker.request_lease("pg-user", "", gpus=2, holder_kind="external")
+    broker.set_quota("group", "pg-group", 1.0, 2.0, actor="pg-admin")
+    now[0] += dt.timedelta(hours=25)  # the whole local day of the clock change
+    broker.release_lease(lease["id"], "done")
+    ledger.flush()
+    request = parse_request("2026-10-25", "2026-10-26", "day", "Europe/Berlin", "json", now[0])
+    (day,) = build_report(broker.session_factory, request, now[0], {}, user="pg-user")
+    assert day.key == "2026-10-25" and day.gpu_hours_allocated == 50.0 and day.leases == 1
+    entries = audit.query(broker.session_factory, user="pg-user")
+    assert ("granted", "scheduler") in {(e["action"], e["actor"]) for e in entries}
+    quota = audit.query(broker.session_factory, kind="quota-set")
+    assert quota[0]["actor"] == "pg-admin" and quota[0]["target"] == "group:pg-group"
+    broker.delete_quota("group", "pg-group")
