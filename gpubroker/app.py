@@ -25,6 +25,7 @@ from .devices.nvml import NVMLDeviceBackend
 from .enforce.mps import MPSControl
 from .enforce.watchdog import ShareWatchdog
 from .hub import HubClient
+from .jobs.service import JobService
 from .policy_config import SchedulingPolicy
 from .pools import Pools
 from .share_guard import ShareGuard
@@ -50,6 +51,7 @@ class GPUBrokerApp(Application):
         Pools,
         Culler,
         Ledger,
+        JobService,
         ShareGuard,
         ShareWatchdog,
         MPSControl,

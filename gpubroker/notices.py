@@ -47,6 +47,21 @@ class NoticesMixin:
             )
         self.log.info("Notice for %s/%s (%s): %s", lease.user, lease.server_name, kind, message)
 
+    @command("broker")
+    def note_lease(
+        self, lease_id: int, kind: str, reason: str, detail: dict[str, Any] | None = None
+    ) -> None:
+        """Record that ``kind`` happened to lease ``lease_id`` in its
+        transition log (e.g. ``job-started``, ``job-ended``).
+
+        Raises:
+            NotFound: no such lease.
+        """
+        now = dt.datetime.now(dt.timezone.utc)
+        with self._write() as session:  # type: ignore[attr-defined]
+            lease = self._get(session, lease_id)  # type: ignore[attr-defined]
+            self._rec(session, now).note(lease, kind, reason, detail)  # type: ignore[attr-defined]
+
     def notices(self, user: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Newest first; only ``user``'s when given."""
         stmt = select(Notice).order_by(Notice.id.desc()).limit(limit)

@@ -25,6 +25,7 @@ from .core import Broker, utcnow
 from .culler import Culler
 from .devices import load_backend
 from .hub import HubClient
+from .jobs.service import JobService
 from .observe.metrics import BrokerMetrics
 from .share_guard import ShareGuard
 from .store.db import make_engine, make_session_factory, upgrade
@@ -101,6 +102,7 @@ class BrokerService:
             inventory=self._inventory,
             parent=app,
         )
+        self.jobs = JobService(self.broker, self.broker.engine, parent=app)
         self.metrics = BrokerMetrics(self.broker, self.ledger if self.ledger.enabled else None)
         self.broker.bus.subscribe(self.metrics.on_event)
         self.share_guard = ShareGuard(self.broker, parent=app)
@@ -197,6 +199,7 @@ class BrokerService:
             metrics=self.metrics,
             metrics_scope=self.app.metrics_scope,
             service_name=os.environ.get("JUPYTERHUB_SERVICE_NAME", "gpubroker"),
+            jobs=self.jobs,
         )
         server = HTTPServer(web_app, xheaders=True, max_body_size=self.app.max_body_bytes)
         server.listen(self.app.port, self.app.ip)
@@ -222,6 +225,7 @@ class BrokerService:
             tasks.append(asyncio.create_task(self.share_guard.run()))
         if self.ledger.enabled:
             tasks.append(asyncio.create_task(self.ledger.run()))
+        tasks.append(asyncio.create_task(self.jobs.run()))
         await self._stop.wait()
         self.log.info("Shutting down")
         server.stop()

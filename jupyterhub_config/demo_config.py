@@ -131,6 +131,9 @@ c.JupyterHub.services = [
             f"--GPUBrokerApp.reconcile_interval="
             f"{os.environ.get('GPUBROKER_DEMO_RECONCILE_INTERVAL', '30')}",
             f"--config={broker_config}",
+            # batch jobs run in the same home directories as the servers, as this account
+            f"--JobService.root_dir_template={state / 'home' / '{username}'}",
+            "--JobService.run_as_self=True",
             *sharing_args,
             *extra_broker_args,
         ],

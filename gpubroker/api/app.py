@@ -38,6 +38,9 @@ ROUTES: list[tuple[str, type[web.RequestHandler]]] = [
     ("/notices", handlers.NoticesHandler),
     ("/quotas", handlers.QuotasHandler),
     ("/quotas/{kind}/{name}", handlers.QuotaHandler),
+    ("/jobs", handlers.JobsHandler),
+    ("/jobs/{id}", handlers.JobHandler),
+    ("/jobs/{id}/logs", handlers.JobLogsHandler),
     ("/usage", handlers.UsageHandler),
     ("/audit", handlers.AuditHandler),
     ("/openapi.json", handlers.OpenAPIHandler),
@@ -65,6 +68,7 @@ def make_app(
     ledger: Any = None,
     metrics: Any = None,
     metrics_scope: str = "custom:gpubroker:metrics",
+    jobs: Any = None,
     **settings: Any,
 ) -> web.Application:
     """Build the API application.
@@ -91,6 +95,8 @@ def make_app(
         metrics: the :class:`~gpubroker.observe.metrics.BrokerMetrics` served
             at ``{base_url}metrics``; ``None``: that route answers 404.
         metrics_scope: the scope a caller needs to read the metrics.
+        jobs: the :class:`~gpubroker.jobs.service.JobService`; ``None``: the
+            job routes answer 404.
 
     Returns:
         the application; routes are ``{base_url}api/v1{path}`` for ROUTES,
@@ -114,6 +120,7 @@ def make_app(
         ledger=ledger,
         metrics=metrics,
         metrics_scope=metrics_scope,
+        jobs=jobs,
         **settings,
     )
 

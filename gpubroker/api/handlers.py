@@ -668,6 +668,88 @@ class MetricsHandler(APIHandler):
         self.finish(metrics.exposition())
 
 
+class _JobHandler(APIHandler):
+    """Base of the job handlers: the broker's job service."""
+
+    @property
+    def jobs(self) -> Any:
+        service = self.settings.get("jobs")
+        if service is None:
+            raise NotFound("jobs: this broker runs no batch jobs")
+        return service
+
+    def job_owner(self, raw_id: str) -> str:
+        """The user of the path's job (an ``unless_owner`` finder)."""
+        return str(self.jobs.owner(self.lease_id(raw_id)))
+
+
+class JobsHandler(_JobHandler):
+    """``POST /api/v1/jobs`` (submit a batch job: a notebook or a command on a
+    lease of its own) and ``GET /api/v1/jobs[?user=]`` (newest first; users
+    see their own, admins all)."""
+
+    _body: dict[str, Any] | None = None
+
+    def _job_body(self) -> dict[str, Any]:
+        if self._body is None:
+            data = validation.parse_json_object(self.request.body)
+            data.setdefault("user", self.me)
+            self._body = validation.job_request(data)
+        return self._body
+
+    def _requested_user(self) -> str:
+        return str(self._job_body()["user"])
+
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_requested_user)
+    async def post(self) -> None:
+        body = dict(self._job_body())
+        user = body.pop("user")
+        groups = await self.settings["groups_of"](user)
+        job = self.jobs.submit(user, body, groups=groups, actor=self.me, admin=self.admin)
+        self.set_header("Location", f"{self.request.path}/{job['id']}")
+        self.write_json(job, status=201)
+
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.named_user)
+    def get(self) -> None:
+        self.write_json({"jobs": self.jobs.list(self.owner)})
+
+
+class JobHandler(_JobHandler):
+    """``GET /api/v1/jobs/{id}`` and ``DELETE /api/v1/jobs/{id}`` (cancel:
+    a queued job leaves the queue, a running one is stopped); the job's
+    owner or an admin."""
+
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner)
+    def get(self, raw_id: str) -> None:
+        self.write_json(self.jobs.get(self.lease_id(raw_id)))
+
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner)
+    async def delete(self, raw_id: str) -> None:
+        job_id = self.lease_id(raw_id)
+        reason = f"cancelled by {self.me}"
+        self.write_json(await self.jobs.cancel(job_id, reason, actor=self.me))
+
+
+class JobLogsHandler(_JobHandler):
+    """``GET /api/v1/jobs/{id}/logs?offset=&wait=``: the job's log from byte
+    ``offset``; with ``wait`` seconds (at most 60), waits for more text
+    while the job runs (follow mode: call again with the returned offset)."""
+
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner)
+    async def get(self, raw_id: str) -> None:
+        job_id = self.lease_id(raw_id)
+        offset = validation.optional_int(self.get_argument("offset", None), "offset") or 0
+        wait = validation.wait_seconds(self.get_argument("wait", None), 60.0)
+        deadline = asyncio.get_running_loop().time() + wait
+        while True:
+            logs = self.jobs.logs(job_id, offset)
+            done = logs["state"] not in ("queued", "running")
+            if logs["text"] or done or asyncio.get_running_loop().time() >= deadline:
+                self.write_json(logs)
+                return
+            await asyncio.sleep(0.5)
+
+
 class OpenAPIHandler(APIHandler):
     """``GET /api/v1/openapi.json``: the OpenAPI 3.1 document of this API (no auth)."""
 

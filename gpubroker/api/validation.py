@@ -252,7 +252,7 @@ def lease_request(data: dict[str, Any]) -> dict[str, Any]:
         raise BadRequest(
             f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(LEASE_FIELDS))})"
         )
-    kinds = [k.value for k in HolderKind]
+    kinds = [k.value for k in HolderKind if k is not HolderKind.job]  # jobs: POST /jobs
     holder_kind = data.get("holder_kind", HolderKind.server.value)
     if holder_kind not in kinds:
         raise BadRequest(f"holder_kind: must be one of {kinds}, got {echo(holder_kind)}")
@@ -268,6 +268,36 @@ def lease_request(data: dict[str, Any]) -> dict[str, Any]:
         "restart_of": None
         if data.get("restart_of") is None
         else require_int(data, "restart_of", 1, MAX_INT64),
+    }
+
+
+#: fields of a ``POST /jobs`` body
+JOB_FIELDS = frozenset(
+    {"user", "notebook", "command", "params", "kernel", "cwd", "env", "time"}
+    | {"gpus", "mig_profile", "memory_gib", "count", "pool", "priority_class", "group"}
+)
+
+
+def job_request(data: dict[str, Any]) -> dict[str, Any]:
+    """Validate a ``POST /jobs`` body's fields of the lease (what to run is
+    checked by :func:`gpubroker.model.jobs.parse_spec`).
+
+    Returns:
+        the body with ``user`` and the slot fields checked.
+
+    Raises:
+        BadRequest: unknown field, or a field of the wrong type or range.
+    """
+    unknown = sorted(set(data) - JOB_FIELDS)
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(JOB_FIELDS))})")
+    return {
+        **data,
+        "user": require_name(data, "user"),
+        **slot_request(data),
+        "priority_class": optional_name(data, "priority_class"),
+        "group": optional_name(data, "group"),
+        "pool": optional_name(data, "pool"),
     }
 
 

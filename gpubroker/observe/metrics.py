@@ -84,6 +84,8 @@ class BrokerMetrics:
             waited = event.detail.get("waited_s")
             if isinstance(waited, (int, float)):
                 self.waits.labels(klass).observe(float(waited))
+        elif event.kind == "job-ended":
+            self.jobs.labels(str(event.detail.get("state", ""))).inc()
         elif event.kind == "released":
             cause = release_cause(event.reason, event.actor, event.from_state)
             self.releases.labels(cause).inc()

@@ -75,12 +75,14 @@ class HolderKind(str, enum.Enum):
     """What holds a lease.
 
     ``server``: a JupyterHub single-user server (reconciled against the hub);
-    ``external``: something outside the hub (an admin script, later a job),
-    never reconciled against hub servers.
+    ``external``: something outside the hub (an admin script), never
+    reconciled against hub servers; ``job``: a batch job's own lease (made
+    by ``POST /jobs``, never by ``POST /leases``).
     """
 
     server = "server"
     external = "external"
+    job = "job"
 
 
 class Base(DeclarativeBase):
@@ -400,3 +402,35 @@ class AuditEntry(Base):
     reason: Mapped[str] = mapped_column(Text, default="")
     stimulus: Mapped[str] = mapped_column(String(64), default="")
     detail: Mapped[dict[str, object] | None] = mapped_column(JSON, nullable=True)
+
+
+class Job(Base):
+    """A batch job: a notebook (run with papermill) or a command, on a lease
+    of its own (see :mod:`gpubroker.jobs`).
+
+    ``state``: ``queued`` (its lease waits), ``running``, ``succeeded``,
+    ``failed``, ``cancelled``, ``timed-out`` (:mod:`gpubroker.model.jobs`).
+    ``spec``: what to run (:class:`gpubroker.model.jobs.JobSpec` as JSON).
+    ``handle_*``: the engine's handle of the running process. ``exit_code``
+    and ``signal`` are recorded apart.
+    """
+
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    user: Mapped[str] = mapped_column(String(255), index=True)
+    lease_id: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    spec: Mapped[dict[str, object]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    created: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    started_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    signal: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    output_path: Mapped[str] = mapped_column(Text, default="")
+    log_path: Mapped[str] = mapped_column(Text, default="")
+    handle_engine: Mapped[str] = mapped_column(String(32), default="")
+    handle_id: Mapped[str] = mapped_column(String(255), default="")
+    handle_node: Mapped[str] = mapped_column(String(255), default="")

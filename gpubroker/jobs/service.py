@@ -1,0 +1,486 @@
+"""Batch jobs in the broker: submission, supervision and cancel.
+
+A job holds a lease of its own (``holder_kind`` ``job``, priority class
+``JobService.default_priority_class`` unless asked), so it is queued,
+scheduled, counted against quotas and fair share, preempted and reported
+like any lease, and never tied to an interactive server's life. Once the
+lease is granted the job's process starts through the broker's engine
+(the local engine: a subprocess), with exactly the lease's environment
+(``CUDA_VISIBLE_DEVICES`` and ``NVIDIA_VISIBLE_DEVICES`` naming the leased
+UUIDs, ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, ``GPUBROKER_LEASE_ID``), the job's
+own variables and ``GPUBROKER_JOB_ID``, ``HOME``, ``USER`` and ``PATH``;
+nothing of the broker's own environment (trust rule).
+
+A notebook job runs ``python -m papermill IN OUT -y PARAMS`` (papermill
+saves the output notebook after every cell, so a failed or cancelled job
+leaves its partial output with the error cell marked); its output is
+``<name>.<job id>.ipynb`` beside the input, its log (papermill's, with the
+cells' output) ``<name>.<job id>.log``. A command job's log is
+``job-<id>.log`` in its working directory.
+
+When the process ends, the job's state says how (:func:`gpubroker.model.jobs.outcome`),
+the exit code and the signal are kept apart, and the lease is released.
+Every change is an event in the lease's transition log (``job-started``,
+``job-ended``), with the job's id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import json
+import os
+import pwd
+import sys
+from pathlib import Path
+from typing import Any
+
+from traitlets import Bool, Float, Unicode
+from traitlets.config import LoggingConfigurable
+
+from ..engines.base import EngineError, Handle, LaunchSpec
+from ..errors import BadRequest, BrokerError, NotFound
+from ..model import jobs as model
+from ..store import jobs_repo as repo
+from ..views import isoformat
+
+#: fields of a job request that go to its lease
+LEASE_FIELDS = ("gpus", "mig_profile", "memory_gib", "count", "pool", "group")
+
+
+class JobService(LoggingConfigurable):
+    """Batch jobs of one broker (see the module's documentation).
+
+    Args:
+        broker: the broker (its lease commands).
+        engine: where jobs run (:class:`~gpubroker.engines.base.Engine`).
+    """
+
+    root_dir_template = Unicode(
+        "~{username}",
+        help="Each user's root directory, where job paths (notebook, cwd) are resolved "
+        "and must stay: '~{username}' (the POSIX home) or a template such as "
+        "'/srv/home/{username}' (the same as the spawner's home directory).",
+    ).tag(config=True)
+
+    run_as_self = Bool(
+        False,
+        help="Run jobs as the broker's own POSIX user (as SimpleLocalGPUSpawner runs "
+        "servers), not as the job's user. For demos and tests on one account only.",
+    ).tag(config=True)
+
+    python = Unicode(
+        sys.executable,
+        help="The Python that runs papermill for notebook jobs (the users' environment).",
+    ).tag(config=True)
+
+    default_priority_class = Unicode(
+        "batch", help="Priority class of a job that asks for none."
+    ).tag(config=True)
+
+    poll_interval = Float(2.0, help="Seconds between checks of queued and running jobs.").tag(
+        config=True
+    )
+
+    stop_grace = Float(
+        30.0, help="Seconds between SIGTERM and SIGKILL when a job is cancelled."
+    ).tag(config=True)
+
+    def __init__(self, broker: Any, engine: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.broker = broker
+        self.engine = engine
+        self.sessions = broker.session_factory
+        self._cancelling: set[int] = set()
+
+    # --- paths ------------------------------------------------------------------
+
+    def root_of(self, user: str) -> Path:
+        """The user's root directory (resolved)."""
+        text = self.root_dir_template.format(username=user)
+        return Path(os.path.expanduser(text)).resolve()
+
+    def _inside(self, user: str, relative: str, field: str) -> Path:
+        root = self.root_of(user)
+        path = (root / relative).resolve()
+        if path != root and root not in path.parents:
+            raise model.JobError(field, f"must stay inside your home directory: {relative!r}")
+        return path
+
+    # --- commands ---------------------------------------------------------------
+
+    def submit(
+        self,
+        user: str,
+        data: dict[str, Any],
+        groups: list[str] | None = None,
+        actor: str | None = None,
+        admin: bool = True,
+    ) -> dict[str, Any]:
+        """Queue a job for ``user``: check its spec, make its lease.
+
+        Args:
+            user: whose job it is.
+            data: what to run and on what (``POST /jobs``'s body).
+            groups: the user's hub groups (for group quotas).
+            actor: who submits (the user, an admin); default ``user``.
+            admin: whether the caller is a broker admin (as for leases).
+
+        Raises:
+            BadRequest: naming the bad field; nothing is queued.
+            Forbidden, Conflict: from the lease request (quota, limits).
+        """
+        try:
+            spec = model.parse_spec(data)
+            paths = self._paths_of(user, spec)
+        except model.JobError as err:
+            raise BadRequest(str(err)) from None
+        except (OSError, RuntimeError) as err:  # a name too long, a symlink loop
+            raise BadRequest(
+                f"notebook: cannot use this path: {getattr(err, 'strerror', None) or err}"
+            ) from None
+        lease_args = {k: data[k] for k in LEASE_FIELDS if data.get(k) is not None}
+        if not any(k in lease_args for k in ("gpus", "mig_profile", "memory_gib")):
+            raise BadRequest("gpus: a job asks for gpus, mig_profile or memory_gib")
+        now = dt.datetime.now(dt.timezone.utc)
+        with self.sessions.begin() as session:
+            job = repo.add(session, user, spec.kind, spec.as_dict(), now)
+            job_id = job.id
+        try:
+            lease = self.broker.request_lease(
+                user,
+                "",
+                holder_kind="job",
+                priority_class=data.get("priority_class") or self.default_priority_class,
+                time_limit=spec.time_limit,
+                groups=groups,
+                admin=admin,
+                actor=actor or user,
+                **lease_args,
+            )
+        except BrokerError:
+            with self.sessions.begin() as session:
+                repo.delete(session, repo.get(session, job_id))
+            raise
+        output, log = self._outputs(paths, spec, job_id)
+        with self.sessions.begin() as session:
+            job = repo.get(session, job_id)
+            job.lease_id, job.output_path, job.log_path = lease["id"], str(output), str(log)
+            view = self._view(job, lease)
+        self.log.info("Job %s of %s queued on lease %s", job_id, user, lease["id"])
+        return view
+
+    def _paths_of(self, user: str, spec: model.JobSpec) -> dict[str, Path]:
+        if spec.kind == "notebook":
+            notebook = self._inside(user, spec.notebook, "notebook")
+            if not notebook.is_file():
+                raise model.JobError("notebook", f"no such notebook: {spec.notebook!r}")
+            if spec.kernel and spec.kernel not in _kernel_names():
+                raise model.JobError("kernel", f"no such kernel: {spec.kernel!r}")
+            cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else notebook.parent
+            return {"notebook": notebook, "cwd": cwd}
+        cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else self.root_of(user)
+        if not cwd.is_dir():
+            raise model.JobError("cwd", f"no such directory: {spec.cwd or '~'!r}")
+        return {"cwd": cwd}
+
+    @staticmethod
+    def _outputs(paths: dict[str, Path], spec: model.JobSpec, job_id: int) -> tuple[Path, Path]:
+        if spec.kind == "notebook":
+            notebook = paths["notebook"]
+            stem = notebook.name[: -len(".ipynb")]
+            return notebook.with_name(f"{stem}.{job_id}.ipynb"), notebook.with_name(
+                f"{stem}.{job_id}.log"
+            )
+        return Path(""), paths["cwd"] / f"job-{job_id}.log"
+
+    async def cancel(self, job_id: int, reason: str, actor: str) -> dict[str, Any]:
+        """Cancel a queued job (its lease ends) or stop a running one
+        (SIGTERM, then SIGKILL after ``stop_grace``, in a worker thread).
+        Idempotent: a job that has ended is left as it is."""
+        with self.sessions() as session:
+            job = self._get(session, job_id)
+            state, lease_id, handle = job.state, job.lease_id, _handle(job)
+        if state in model.FINAL or job_id in self._cancelling:
+            return self.get(job_id)
+        self._cancelling.add(job_id)  # the supervisor leaves it alone meanwhile
+        try:
+            status = None
+            if state == model.RUNNING and handle is not None:
+                loop = asyncio.get_running_loop()
+                try:
+                    status = await loop.run_in_executor(
+                        None, self.engine.stop, handle, self.stop_grace
+                    )
+                except EngineError as err:
+                    self.log.warning("Job %s: stopping its process: %s", job_id, err)
+            self._finish(job_id, model.CANCELLED, reason, status)
+        finally:
+            self._cancelling.discard(job_id)
+        if lease_id is not None:
+            self.broker.release_lease(lease_id, reason, actor=actor)
+        return self.get(job_id)
+
+    # --- queries ------------------------------------------------------------------
+
+    def get(self, job_id: int) -> dict[str, Any]:
+        """The job's view. Raises NotFound."""
+        with self.sessions() as session:
+            job = self._get(session, job_id)
+            return self._view(job, self._lease(job))
+
+    def owner(self, job_id: int) -> str:
+        """The job's user. Raises NotFound."""
+        with self.sessions() as session:
+            return self._get(session, job_id).user
+
+    def list(self, user: str | None) -> list[dict[str, Any]]:
+        """Jobs newest first (only ``user``'s when given)."""
+        with self.sessions() as session:
+            return [self._view(job, None) for job in repo.listed(session, user)]
+
+    def logs(self, job_id: int, offset: int = 0, limit: int = 1 << 20) -> dict[str, Any]:
+        """The job's log from byte ``offset``: ``{"text", "offset" (the
+        next), "state"}``; at most ``limit`` bytes."""
+        with self.sessions() as session:
+            job = self._get(session, job_id)
+            path, state = job.log_path, job.state
+        text = b""
+        if path and os.path.isfile(path):
+            with open(path, "rb") as f:
+                f.seek(max(offset, 0))
+                text = f.read(limit)
+        return {
+            "text": text.decode("utf-8", "replace"),
+            "offset": offset + len(text),
+            "state": state,
+        }
+
+    @staticmethod
+    def _get(session: Any, job_id: int) -> Any:
+        job = repo.get(session, job_id)
+        if job is None:
+            raise NotFound(f"job {job_id}: no such job")
+        return job
+
+    def _lease(self, job: Any) -> dict[str, Any] | None:
+        if job.lease_id is None:
+            return None
+        try:
+            return dict(self.broker.get_lease(job.lease_id))
+        except NotFound:
+            return None
+
+    def _view(self, job: Any, lease: dict[str, Any] | None) -> dict[str, Any]:
+        view = {
+            "id": job.id,
+            "user": job.user,
+            "kind": job.kind,
+            "state": job.state,
+            "reason": job.reason,
+            "spec": job.spec,
+            "lease_id": job.lease_id,
+            "created": isoformat(job.created),
+            "started_at": isoformat(job.started_at),
+            "ended_at": isoformat(job.ended_at),
+            "exit_code": job.exit_code,
+            "signal": job.signal,
+            "output": job.output_path or None,
+            "log": job.log_path or None,
+        }
+        if lease is not None:
+            view["queue"] = lease.get("queue")
+            view["devices"] = [d["uuid"] for d in lease.get("slots") or []]
+        return view
+
+    # --- supervision --------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Check jobs every ``poll_interval`` seconds until cancelled."""
+        while True:
+            try:
+                await self.tick()
+            except Exception:
+                self.log.exception("Jobs: a check failed")
+            await asyncio.sleep(self.poll_interval)
+
+    async def tick(self) -> int:
+        """Start the queued jobs whose lease is granted, record the ends of
+        running ones, cancel queued jobs whose lease ended. Engine calls run
+        in a worker thread. Returns how many jobs changed."""
+        loop = asyncio.get_running_loop()
+        with self.sessions() as session:
+            pending = [(j.id, j.state, j.lease_id, _handle(j)) for j in repo.unfinished(session)]
+        changed = 0
+        for job_id, state, lease_id, handle in pending:
+            if job_id in self._cancelling:
+                continue
+            lease = self.broker.get_lease(lease_id) if lease_id is not None else None
+            if state == model.QUEUED and lease is not None and lease["state"] == "granted":
+                spec = self._launch_spec(job_id, lease)
+                try:
+                    handle = await loop.run_in_executor(None, self.engine.launch, spec)
+                except EngineError as err:
+                    self._finish(job_id, model.FAILED, f"could not start: {err}", None)
+                    self.broker.release_lease(
+                        lease_id, f"job {job_id} could not start", actor="broker"
+                    )
+                else:
+                    self._started(job_id, handle)
+                changed += 1
+            elif state == model.QUEUED and (lease is None or lease["state"] == "released"):
+                why = (lease or {}).get("release_reason") or "its lease ended"
+                self._finish(job_id, model.CANCELLED, f"cancelled in the queue: {why}", None)
+                changed += 1
+            elif state == model.RUNNING and handle is not None:
+                status = await loop.run_in_executor(None, self.engine.poll, handle)
+                if status.running and lease is not None and lease["state"] == "granted":
+                    continue
+                if status.running:  # its lease ended (preempted, released): stop it
+                    status = await loop.run_in_executor(
+                        None, self.engine.stop, handle, self.stop_grace
+                    )
+                    self._finish(
+                        job_id,
+                        model.FAILED,
+                        f"its lease ended: {lease and lease.get('release_reason')}",
+                        status,
+                    )
+                else:
+                    if status.state == "lost":
+                        status = _recorded(status, job_id, self.sessions)
+                    state_now = model.outcome(
+                        status.exit_code, status.signal, status.timed_out, status.state == "lost"
+                    )
+                    self._finish(job_id, state_now, _describe(state_now, status), status)
+                    if lease is not None and lease["state"] == "granted":
+                        self.broker.release_lease(
+                            lease_id, f"job {job_id} {state_now}", actor="broker"
+                        )
+                changed += 1
+        return changed
+
+    def _launch_spec(self, job_id: int, lease: dict[str, Any]) -> LaunchSpec:
+        with self.sessions() as session:
+            job = self._get(session, job_id)
+            spec, user, output, log = dict(job.spec), job.user, job.output_path, job.log_path
+        root = self.root_of(user)
+        run_as = pwd.getpwuid(os.getuid()).pw_name if self.run_as_self else user
+        env = {
+            "PATH": f"{Path(self.python).parent}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(root),
+            "USER": run_as,
+            "LANG": "C.UTF-8",
+            **spec["env"],
+            **lease["env"],
+            "GPUBROKER_JOB_ID": str(job_id),
+        }
+        if spec["kind"] == "notebook":
+            notebook = root / spec["notebook"]
+            cwd = root / spec["cwd"] if spec["cwd"] else notebook.parent
+            argv = [
+                self.python,
+                "-m",
+                "papermill",
+                str(notebook),
+                output,
+                "--log-output",
+                "--no-progress-bar",
+            ]
+            argv += ["--cwd", str(cwd), "-y", json.dumps(spec["params"])]
+            if spec["kernel"]:
+                argv += ["-k", spec["kernel"]]
+        else:
+            cwd = root / spec["cwd"] if spec["cwd"] else root
+            argv = list(spec["command"])
+        # the shell records the exit code beside the log, so a broker restarted
+        # after the job ended still learns its real outcome
+        env["GPUBROKER_JOB_EXIT_FILE"] = f"{log}.exit"
+        argv = ["/bin/sh", "-c", _RECORD_EXIT, "gpubroker-job", *argv]
+        return LaunchSpec(
+            argv=tuple(argv),
+            env=env,
+            cwd=str(cwd),
+            user=run_as,
+            lease_id=int(lease["id"]),
+            devices=tuple(d["uuid"] for d in lease.get("slots") or []),
+            time_limit=spec["time_limit"],
+            stdout=log,
+            stderr=log,
+        )
+
+    def _started(self, job_id: int, handle: Handle) -> None:
+        now = dt.datetime.now(dt.timezone.utc)
+        with self.sessions.begin() as session:
+            job = self._get(session, job_id)
+            model.check_transition(job.state, model.RUNNING)
+            job.state, job.started_at = model.RUNNING, now
+            job.handle_engine, job.handle_id, job.handle_node = (
+                handle.engine,
+                handle.id,
+                handle.node,
+            )
+            lease_id, user = job.lease_id, job.user
+        self.log.info("Job %s of %s started (%s %s)", job_id, user, handle.engine, handle.id)
+        self.broker.note_lease(lease_id, "job-started", f"job {job_id} started", {"job": job_id})
+
+    def _finish(self, job_id: int, state: str, reason: str, status: Any) -> None:
+        now = dt.datetime.now(dt.timezone.utc)
+        with self.sessions.begin() as session:
+            job = self._get(session, job_id)
+            if job.state in model.FINAL:
+                return
+            model.check_transition(job.state, state)
+            job.state, job.reason, job.ended_at = state, reason, now
+            if status is not None:
+                job.exit_code, job.signal = status.exit_code, status.signal
+            lease_id, user = job.lease_id, job.user
+            detail = {
+                "job": job_id,
+                "state": state,
+                "exit_code": job.exit_code,
+                "signal": job.signal,
+            }
+        self.log.info("Job %s of %s %s: %s", job_id, user, state, reason)
+        if lease_id is not None:
+            self.broker.note_lease(lease_id, "job-ended", f"job {job_id} {state}: {reason}", detail)
+
+
+#: the job's shell: run the program, write its exit code, exit with it
+_RECORD_EXIT = '"$@"; code=$?; echo "$code" > "$GPUBROKER_JOB_EXIT_FILE"; exit "$code"'
+
+
+def _recorded(status: Any, job_id: int, sessions: Any) -> Any:
+    """The status of a process a restarted broker lost sight of, from the
+    exit code its shell recorded (unchanged when there is none)."""
+    with sessions() as session:
+        job = repo.get(session, job_id)
+        path = f"{job.log_path}.exit" if job is not None else ""
+    try:
+        code = int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return status
+    return dataclasses.replace(status, state="exited", exit_code=code)
+
+
+def _handle(job: Any) -> Handle | None:
+    if not job.handle_id:
+        return None
+    return Handle(job.handle_engine, job.handle_id, job.handle_node)
+
+
+def _describe(state: str, status: Any) -> str:
+    if state == model.TIMED_OUT:
+        return "its time limit was reached"
+    if status.state == "lost":
+        return "it ended while the broker could not see how"
+    if status.signal is not None:
+        return f"ended by signal {status.signal}"
+    return f"exit code {status.exit_code}"
+
+
+def _kernel_names() -> set[str]:
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    return set(KernelSpecManager().find_kernel_specs())

@@ -1,0 +1,237 @@
+"""Batch jobs, pure: their states, the transitions between them, and the
+checked spec of what a job runs.
+
+* (none) → ``queued``: a submission;
+* ``queued`` → ``running``: its lease is granted and the process started;
+* ``queued`` → ``cancelled`` (a cancel, or its lease ended in the queue) or
+  ``failed`` (the process could not start);
+* ``running`` → ``succeeded`` (exit 0), ``failed`` (a non-zero exit, a
+  signal, an end not seen, its lease taken away), ``timed-out`` (its time
+  limit) or ``cancelled`` (a cancel stopped it).
+
+Where the rules come from: Slurm's job states (PENDING, RUNNING,
+COMPLETED, FAILED, CANCELLED, TIMEOUT); the exit code and the signal are
+kept apart, as ``sacct`` shows ``ExitCode`` as ``code:signal``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+QUEUED = "queued"
+RUNNING = "running"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+CANCELLED = "cancelled"
+TIMED_OUT = "timed-out"
+
+#: every state, and those a job never leaves
+STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, TIMED_OUT)
+FINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, TIMED_OUT})
+
+#: (from, to) pairs the table allows; ``None``: a new job
+TRANSITIONS = frozenset(
+    {
+        (None, QUEUED),
+        (QUEUED, RUNNING),
+        (QUEUED, CANCELLED),
+        (QUEUED, FAILED),
+        (RUNNING, SUCCEEDED),
+        (RUNNING, FAILED),
+        (RUNNING, TIMED_OUT),
+        (RUNNING, CANCELLED),
+    }
+)
+
+#: the longest time limit a job may ask for, seconds (30 days)
+MAX_TIME = 30 * 86400.0
+#: most parameters of one notebook job
+MAX_PARAMS = 64
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class JobError(ValueError):
+    """A bad job spec; ``field`` names the field (``gpus``, ``time``, ``param``,
+    ``notebook``, ``kernel``, ``command``, ...)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def check_transition(from_state: str | None, to_state: str) -> None:
+    """Raises :class:`ValueError` for a change the table does not allow."""
+    if (from_state, to_state) not in TRANSITIONS:
+        raise ValueError(f"job cannot go from {from_state!r} to {to_state!r}")
+
+
+def parse_time(text: Any) -> float:
+    """A time limit: seconds as a number, or ``"90s"``, ``"10m"``, ``"12h"``,
+    ``"2d"``; more than 0 and at most :data:`MAX_TIME`.
+
+    Raises:
+        JobError: (``time``) anything else.
+    """
+    if isinstance(text, bool):
+        raise JobError("time", f"not a duration: {text!r}")
+    if isinstance(text, (int, float)):
+        seconds = float(text)
+    else:
+        match = _DURATION.match(str(text))
+        if not match:
+            raise JobError("time", f"not a duration: {text!r} (use seconds, or 90s, 10m, 12h, 2d)")
+        seconds = float(match[1]) * _UNITS[match[2]]
+    if not 0 < seconds <= MAX_TIME:
+        raise JobError("time", f"must be more than 0 s and at most {MAX_TIME:g} s, got {seconds:g}")
+    return seconds
+
+
+def parse_params(items: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Notebook parameters: ``["epochs=2", "lr=1e-3", "name=run a"]`` or a
+    mapping. A value that is a JSON literal (number, ``true``, ``null``, a
+    quoted string, a list) is that value; any other text is a string.
+
+    Raises:
+        JobError: (``param``) an item without ``=``, a name that is not a
+            Python identifier, or more than :data:`MAX_PARAMS`.
+    """
+    pairs: list[tuple[str, Any]] = []
+    if isinstance(items, Mapping):
+        pairs = list(items.items())
+    else:
+        for item in items:
+            if not isinstance(item, str) or "=" not in item:
+                raise JobError("param", f"expected NAME=VALUE, got {item!r}")
+            name, raw = item.split("=", 1)
+            pairs.append((name.strip(), _value(raw)))
+    if len(pairs) > MAX_PARAMS:
+        raise JobError("param", f"at most {MAX_PARAMS} parameters, got {len(pairs)}")
+    params = {}
+    for name, value in pairs:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise JobError("param", f"{name!r} is not a Python name")
+        params[name] = value
+    return params
+
+
+def _value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a job runs, checked.
+
+    Attributes:
+        kind: ``notebook`` or ``command``.
+        notebook: the notebook's path, relative to the user's root directory
+            or absolute inside it (``notebook`` jobs).
+        command: the program and its arguments (``command`` jobs).
+        params: parameters injected after the cell tagged ``parameters``.
+        kernel: the kernel to run the notebook with (``""``: the one in its
+            metadata).
+        cwd: the working directory relative to the user's root (``""``: the
+            notebook's directory, or the root for commands).
+        env: extra environment variables for the job.
+        time_limit: seconds the job may run (``None``: no limit).
+    """
+
+    kind: str
+    notebook: str = ""
+    command: tuple[str, ...] = ()
+    params: Mapping[str, Any] = field(default_factory=dict)
+    kernel: str = ""
+    cwd: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    time_limit: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The spec as stored (JSON)."""
+        return {
+            "kind": self.kind,
+            "notebook": self.notebook,
+            "command": list(self.command),
+            "params": dict(self.params),
+            "kernel": self.kernel,
+            "cwd": self.cwd,
+            "env": dict(self.env),
+            "time_limit": self.time_limit,
+        }
+
+
+def relative_path(value: Any, field_name: str) -> str:
+    """A path meant to be inside the user's root directory: relative to it,
+    or absolute (the broker checks it is inside), without ``..``.
+
+    Raises:
+        JobError: (``field_name``) with ``..``, empty or not text.
+    """
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise JobError(field_name, "must be a path in your home directory")
+    path = PurePosixPath(value)
+    if ".." in path.parts:
+        raise JobError(field_name, f"must stay inside your home directory: {value!r}")
+    return str(path)
+
+
+def parse_spec(data: Mapping[str, Any]) -> JobSpec:
+    """A job spec from a request's fields (``notebook`` or ``command``,
+    ``params``, ``kernel``, ``cwd``, ``env``, ``time``).
+
+    Raises:
+        JobError: naming the field that is wrong.
+    """
+    notebook, command = data.get("notebook"), data.get("command")
+    if (notebook is None) == (command is None):
+        raise JobError("notebook", "give exactly one of notebook and command")
+    env = data.get("env") or {}
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and _NAME.match(k) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise JobError("env", "must map variable names to strings")
+    if any(k.startswith(("GPUBROKER_", "CUDA_", "NVIDIA_")) for k in env):
+        raise JobError("env", "GPUBROKER_*, CUDA_* and NVIDIA_* are set by the broker")
+    kernel = data.get("kernel") or ""
+    if not isinstance(kernel, str) or (kernel and not re.match(r"^[A-Za-z0-9._-]{1,64}$", kernel)):
+        raise JobError("kernel", f"not a kernel name: {kernel!r}")
+    cwd = relative_path(data["cwd"], "cwd") if data.get("cwd") else ""
+    raw_time = data.get("time")
+    time_limit = None if raw_time in (None, "") else parse_time(raw_time)
+    raw_params = data.get("params") or {}
+    if not isinstance(raw_params, (Mapping, list)):
+        raise JobError("param", "must be a mapping or a list of NAME=VALUE")
+    params = parse_params(raw_params)
+    if notebook is not None:
+        path = relative_path(notebook, "notebook")
+        if not path.endswith(".ipynb"):
+            raise JobError("notebook", f"must be a .ipynb file: {notebook!r}")
+        return JobSpec("notebook", path, (), params, kernel, cwd, dict(env), time_limit)
+    if isinstance(command, str):
+        command = ["/bin/sh", "-c", command]
+    if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
+        raise JobError("command", "must be a shell line or a list of arguments")
+    if params:
+        raise JobError("param", "parameters are for notebook jobs")
+    return JobSpec("command", "", tuple(command), {}, "", cwd, dict(env), time_limit)
+
+
+def outcome(exit_code: int | None, signal: int | None, timed_out: bool, lost: bool) -> str:
+    """The final state of a process that ended: ``timed-out`` when its time
+    limit ended it, ``succeeded`` on exit 0, else ``failed`` (a non-zero
+    exit, a signal, or an end nobody saw)."""
+    if timed_out:
+        return TIMED_OUT
+    if not lost and signal is None and exit_code == 0:
+        return SUCCEEDED
+    return FAILED

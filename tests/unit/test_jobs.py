@@ -1,0 +1,188 @@
+"""Batch jobs on a real broker (SQLite, fake GPUs) and the local engine:
+real papermill runs of real notebooks in a real kernel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from gpubroker.core import Broker
+from gpubroker.engines.base import Handle
+from gpubroker.errors import BadRequest
+from gpubroker.jobs.service import JobService
+from gpubroker.model import jobs as model
+from gpubroker.store import jobs_repo
+
+from ..conftest import make_broker
+
+
+def notebook(path: Path, cells: list[str]) -> Path:
+    """A notebook whose first cell is tagged ``parameters``."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    for i, source in enumerate(cells):
+        cell = nbformat.v4.new_code_cell(source)
+        if i == 0:
+            cell.metadata["tags"] = ["parameters"]
+        nb.cells.append(cell)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def jobs(db_url: str, home: Path) -> JobService:
+    broker = make_broker(db_url)
+    service = JobService(broker, broker.engine, run_as_self=True, poll_interval=0.2)
+    service.root_dir_template = str(home / "{username}")
+    return service
+
+
+def run_until_done(jobs: JobService, job_id: int, timeout: float = 120) -> dict:
+    async def loop() -> dict:
+        for _ in range(int(timeout / 0.2)):
+            await jobs.tick()
+            view = jobs.get(job_id)
+            if view["state"] in model.FINAL:
+                return view
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"job {job_id} still {jobs.get(job_id)['state']}")
+
+    return asyncio.run(loop())
+
+
+def test_a_notebook_job_runs_on_its_leased_gpu_with_its_parameters(
+    jobs: JobService, home: Path
+) -> None:
+    notebook(
+        home / "ann" / "train.ipynb",
+        [
+            "epochs = 1",
+            "import os\nprint('devices', os.environ['CUDA_VISIBLE_DEVICES'])",
+            "open('result.txt', 'w').write(str(epochs))",
+        ],
+    )
+    job = jobs.submit(
+        "ann", {"notebook": "train.ipynb", "gpus": 1, "time": "10m", "params": ["epochs=2"]}
+    )
+    assert job["state"] == "queued" and job["spec"]["params"] == {"epochs": 2}
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "succeeded", done
+    assert done["exit_code"] == 0 and done["signal"] is None
+    assert (home / "ann" / "result.txt").read_text() == "2"
+    out = nbformat.read(home / "ann" / f"train.{job['id']}.ipynb", as_version=4)
+    injected = [c for c in out.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert injected and "epochs = 2" in injected[0].source
+    printed = "".join(o.get("text", "") for o in out.cells[2].outputs)
+    assert printed.startswith("devices GPU-")
+    lease = jobs.broker.get_lease(job["id"] and done["lease_id"])
+    assert lease["state"] == "released" and lease["holder_kind"] == "job"
+    assert lease["priority_class"] == "batch"
+    kinds = [e["kind"] for e in jobs.broker.lease_events(done["lease_id"])]
+    assert "job-started" in kinds and "job-ended" in kinds
+
+
+def test_a_notebook_that_raises_in_cell_three_fails_with_its_partial_output(
+    jobs: JobService, home: Path
+) -> None:
+    notebook(home / "bob" / "bad.ipynb", ["x = 1", "y = 2", "raise ValueError('boom')", "z = 3"])
+    job = jobs.submit("bob", {"notebook": "bad.ipynb", "gpus": 1})
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "failed" and done["exit_code"] not in (None, 0)
+    out = nbformat.read(home / "bob" / f"bad.{job['id']}.ipynb", as_version=4)
+    code = [c for c in out.cells if c.cell_type == "code" and "injected" not in str(c.metadata)]
+    assert code[0].execution_count and code[1].execution_count
+    assert any(o.get("ename") == "ValueError" for o in code[2].outputs)
+    assert code[3].execution_count is None  # never ran
+    assert "boom" in jobs.logs(job["id"])["text"]
+
+
+def test_a_command_job_past_its_time_limit_is_timed_out(jobs: JobService, home: Path) -> None:
+    (home / "cy").mkdir(parents=True)
+    job = jobs.submit("cy", {"command": "echo started; sleep 60", "gpus": 1, "time": "1s"})
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "timed-out" and done["signal"] is not None
+    assert "started" in jobs.logs(job["id"])["text"]
+
+
+def test_cancel_stops_a_running_job_and_frees_its_lease(jobs: JobService, home: Path) -> None:
+    (home / "dee").mkdir(parents=True)
+    job = jobs.submit("dee", {"command": ["sleep", "60"], "gpus": 1})
+    asyncio.run(jobs.tick())
+    assert jobs.get(job["id"])["state"] == "running"
+    done = asyncio.run(jobs.cancel(job["id"], "not needed", actor="dee"))
+    assert done["state"] == "cancelled" and done["signal"] is not None
+    assert jobs.broker.get_lease(done["lease_id"])["state"] == "released"
+    assert asyncio.run(jobs.cancel(job["id"], "again", actor="dee"))["state"] == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"notebook": "train.ipynb", "gpus": 99}, "gpus"),
+        ({"notebook": "train.ipynb", "gpus": 1, "time": "banana"}, "time"),
+        ({"notebook": "train.ipynb", "gpus": 1, "params": ["epochs"]}, "param"),
+        ({"notebook": "../other/train.ipynb", "gpus": 1}, "notebook"),
+        ({"notebook": "/etc/passwd.ipynb", "gpus": 1}, "notebook"),
+        ({"notebook": "missing.ipynb", "gpus": 1}, "notebook"),
+        ({"notebook": "train.ipynb", "gpus": 1, "kernel": "no-such-kernel"}, "kernel"),
+        ({"notebook": "train.ipynb"}, "gpus"),
+        ({"command": "true", "gpus": 1, "env": {"CUDA_VISIBLE_DEVICES": "x"}}, "env"),
+    ],
+)
+def test_bad_job_requests_name_the_field_and_queue_nothing(
+    jobs: JobService, home: Path, data: dict, field: str
+) -> None:
+    notebook(home / "eve" / "train.ipynb", ["epochs = 1"])
+    with pytest.raises(BadRequest) as err:
+        jobs.submit("eve", data)
+    assert err.value.message.startswith(f"{field}: "), err.value.message
+    assert jobs.list("eve") == [] and jobs.broker.list_leases(user="eve") == []
+
+
+def test_a_job_queues_with_a_reason_while_gpus_are_held(jobs: JobService, home: Path) -> None:
+    (home / "fay").mkdir(parents=True)
+    broker: Broker = jobs.broker
+    holders = [broker.request_lease(f"h{i}", "", 1, holder_kind="external") for i in range(8)]
+    job = jobs.submit("fay", {"command": "true", "gpus": 1})
+    assert job["state"] == "queued" and job["queue"]["position"] == 1
+    asyncio.run(jobs.tick())
+    assert jobs.get(job["id"])["state"] == "queued"
+    broker.release_lease(holders[0]["id"], "done")
+    assert run_until_done(jobs, job["id"])["state"] == "succeeded"
+    assert json.dumps(jobs.list("fay"))  # views are JSON
+
+
+def test_a_restarted_broker_adopts_a_running_job_and_learns_its_real_outcome(
+    db_url: str, jobs: JobService, home: Path
+) -> None:
+    (home / "gil").mkdir(parents=True)
+    job = jobs.submit("gil", {"command": "echo one; sleep 1.5; echo two; exit 3", "gpus": 1})
+    asyncio.run(jobs.tick())
+    assert jobs.get(job["id"])["state"] == "running"
+    # a new broker and job service (a new engine, which never saw the process)
+    again = make_broker(db_url)
+    service = JobService(again, again.engine, run_as_self=True)
+    service.root_dir_template = jobs.root_dir_template
+    asyncio.run(service.tick())
+    assert service.get(job["id"])["state"] == "running"  # adopted, not run twice
+    done = run_until_done(service, job["id"])
+    assert done["state"] == "failed" and done["exit_code"] == 3, (done["reason"], done["log"])
+    assert service.logs(job["id"])["text"] == "one\ntwo\n"
+    assert again.get_lease(done["lease_id"])["state"] == "released"
+    with jobs.sessions() as session:  # the first engine reaps the process it started
+        row = jobs_repo.get(session, job["id"])
+        jobs.engine.poll(Handle(row.handle_engine, row.handle_id, row.handle_node))
