@@ -57,6 +57,7 @@ from .store.models import (
     LeaseState,
 )
 from .transitions import EventBus, Recorder, Stimulus, event_view
+from .usage.intervals import CAUSE_ACTORS, release_cause
 from .views import lease_view, summary
 
 
@@ -420,7 +421,7 @@ class Broker(
                 if lost:
                     why = f"its MIG instance {lost[0]} no longer exists (GPU reset or reboot?)"
                     self.log.warning("Lease %s: %s", lease.id, why)
-                    self._evict(lease, why, now)
+                    self._evict(lease, why, now, "reconcile", "reconcile")
             session.flush()
             self._resume_stops(session)
             self._schedule(session, now)
@@ -653,9 +654,12 @@ class Broker(
                     and not self._may_grant_now("gpus", None)
                 )
                 stopping = self._open_stop(lease.id)
+                cause, actor = "release", None
                 if stopping is not None:  # the broker asked for this stop: its reason
                     reason = f"{stopping.reason} (server stopped)"
-                self._release(lease, reason, now)
+                    cause = stopping.cause or "release"
+                    actor = CAUSE_ACTORS.get(cause)
+                self._release(lease, reason, now, cause, actor)
                 session.flush()
                 self._schedule(session, now, lazy=lazy)
                 self.log.info("Released lease %s of %s: %s", lease.id, lease.user, reason)
@@ -663,13 +667,28 @@ class Broker(
         self._notify()
         return view
 
-    def _release(self, lease: Lease, reason: str, now: dt.datetime) -> None:
+    def _release(
+        self,
+        lease: Lease,
+        reason: str,
+        now: dt.datetime,
+        cause: str = "release",
+        actor: str | None = None,
+    ) -> None:
+        """Release ``lease``: its ``released`` event carries ``cause`` (one
+        of :data:`gpubroker.usage.intervals.CAUSES`; a pending lease's is
+        ``cancel``) in its detail, decided by the broker, never read from the
+        reason a caller wrote; ``actor``: who decided, when not the command's."""
         session = self._session_of(lease)
         if lease.state == LeaseState.granted.value:
             self._world.charge(lease, now)
             self._unrealize(lease)
+        elif cause == "release":
+            cause = "cancel"
         self._retry_after.pop(lease.id, None)
-        self._rec(session, now).transition(lease, LeaseState.released.value, reason)
+        self._rec(session, now, actor).transition(
+            lease, LeaseState.released.value, reason, {"cause": cause}
+        )
         stop = self._world.stops.get(lease.id)
         if stop is not None and stop.state == "open":
             stop.state, stop.done_at = "done", now
@@ -711,7 +730,7 @@ class Broker(
                     continue
                 if (lease.user, lease.server_name) not in alive:
                     why = f"reconcile: server {lease.user}/{lease.server_name} is gone from the hub"
-                    self._release(lease, why, now)
+                    self._release(lease, why, now, "reconcile")
                     released.append(lease.id)
             if released:
                 session.flush()
@@ -928,7 +947,9 @@ class Broker(
             decisions,
             leases,
             now,
-            lambda lease, why: self._evict(lease, why, now),
+            lambda lease, why: self._evict(
+                lease, why, now, release_cause(why, "scheduler", lease.state), "scheduler"
+            ),
             self._prepare,
             self._rec(session, now, "scheduler"),
             self._world.inputs,
@@ -971,7 +992,14 @@ class Broker(
             share_sizes=tuple(round(s * 1024) for s in self.share_mix_gib),
         )
 
-    def _evict(self, lease: Lease, reason: str, now: dt.datetime) -> bool:
+    def _evict(
+        self,
+        lease: Lease,
+        reason: str,
+        now: dt.datetime,
+        cause: str = "release",
+        actor: str | None = None,
+    ) -> bool:
         """End an evicted lease; a hub server is stopped first (so two servers
         never share a device) and released when it has stopped, or after
         ``evict_timeout`` seconds. Returns whether the lease is released now.
@@ -987,19 +1015,21 @@ class Broker(
                     kind="stop-server",
                     lease_id=lease.id,
                     reason=reason,
+                    cause=cause,
                     created=now,
                     state="open",
                     attempts=1,
                 )
                 session.add(intent)
                 self._world.stops[lease.id] = intent
-                self._rec(session, now).note(lease, "stopping", reason)
+                self._rec(session, now, actor).note(lease, "stopping", reason)
                 self.log.warning("Stopping server of lease %s: %s", lease.id, reason)
                 self.on_evict(lease_view(lease) | {"release_reason": reason})
             if (now - intent.created).total_seconds() < self.evict_timeout:
                 return False
-            reason = intent.reason
-        self._release(lease, reason, now)
+            reason, cause = intent.reason, intent.cause or cause
+            actor = CAUSE_ACTORS.get(cause, actor)
+        self._release(lease, reason, now, cause, actor)
         self.log.warning("Evicted lease %s of %s: %s", lease.id, lease.user, reason)
         return True
 
@@ -1021,7 +1051,8 @@ class Broker(
                     lease.id,
                     self.evict_timeout,
                 )
-                self._release(lease, intent.reason, now)
+                cause = intent.cause or "release"
+                self._release(lease, intent.reason, now, cause, CAUSE_ACTORS.get(cause))
             else:
                 intent.state, intent.done_at = "done", now
 
@@ -1047,13 +1078,14 @@ class Broker(
         return count
 
     @command("culler")
-    def stop_lease(self, lease_id: int, reason: str) -> None:
+    def stop_lease(self, lease_id: int, reason: str, cause: str = "release") -> None:
         """End a granted server lease the way an eviction does: its hub server
         is stopped first, then the lease is released with ``reason``.
 
-        Used by the culler, and for a user who releases the lease of her
-        running server (``DELETE /leases/{id}``): she keeps no GPU she gave
-        back. External leases are released at once.
+        Used by the culler (``cause`` ``cull``), and for a user who releases
+        the lease of her running server (``DELETE /leases/{id}``): she keeps
+        no GPU she gave back. External leases are released at once. The
+        ``cause`` is recorded with the stop and on the release.
 
         Raises:
             NotFound: no such lease.
@@ -1061,7 +1093,10 @@ class Broker(
         now = utcnow()
         with self._write() as session:
             lease = self._get(session, lease_id)
-            if lease.state == LeaseState.granted.value and self._evict(lease, reason, now):
+            actor = CAUSE_ACTORS.get(cause)
+            if lease.state == LeaseState.granted.value and self._evict(
+                lease, reason, now, cause, actor
+            ):
                 session.flush()
                 self._schedule(session, now)
         self._notify()

@@ -396,7 +396,7 @@ class Culler(LoggingConfigurable):
         assert lease.granted_at is not None
         track = self.tracks.setdefault(lease.id, Track(gpu_active=now))
         if track.culled:
-            self.broker.stop_lease(lease.id, "culled")  # releases after evict_timeout
+            self.broker.stop_lease(lease.id, "culled", cause="cull")  # releases after evict_timeout
             return False
         verdict = judge(
             signals,
@@ -448,7 +448,7 @@ class Culler(LoggingConfigurable):
             return False
         track.culled = True
         self.broker.add_notice(lease, "culled", why, detail={"idle_seconds": round(idle, 3)})
-        self.broker.stop_lease(lease.id, why)
+        self.broker.stop_lease(lease.id, why, cause="cull")
         self.log.warning("Culled lease %s of %s: %s", lease.id, lease.user, why)
         return True
 

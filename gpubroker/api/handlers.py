@@ -594,7 +594,10 @@ class UsageHandler(APIHandler):
             raise validation.BadRequest(problem)
         ledger = self.settings.get("ledger")
         if ledger is not None and ledger.enabled:
-            ledger.flush()  # the newest events are in the report
+            try:
+                ledger.flush()  # the newest events are in the report
+            except Exception:
+                self.log.exception("Usage ledger: writing before a report failed")
         prices = ledger.price_per_gpu_hour if ledger is not None else {}
         factory = self.broker.session_factory
 

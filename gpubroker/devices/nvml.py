@@ -20,8 +20,9 @@ word.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,8 +130,8 @@ class NVMLDeviceBackend(DeviceBackend):
         """Initialise NVML (``nvmlInit``); raises DeviceBackendError when it fails."""
         super().__init__(**kwargs)
         self._initialised = False
-        #: the last GPM sample of each MIG device (for engine activity)
-        self._gpm_samples: dict[str, Any] = {}
+        #: the last GPM sample of each MIG device: (sample, monotonic time, figure)
+        self._gpm_samples: dict[str, tuple[Any, float, float | None]] = {}
         with _nvml_errors("initialise (is the NVIDIA driver installed?)"):
             pynvml.nvmlInit()
         self._initialised = True
@@ -188,34 +189,42 @@ class NVMLDeviceBackend(DeviceBackend):
     def _engine_activity(self, uuid: str, handle: Any) -> float | None:
         """GPM graphics-engine activity (0..1) of MIG device ``uuid`` since
         the previous sample of it; ``None`` for a GPU, at the first sample,
-        or where GPM is not supported."""
+        or where GPM is not supported. A read within :data:`GPM_MIN_WINDOW`
+        seconds of the last sample (another caller's) gets the last figure,
+        so callers do not shorten each other's window."""
         if not uuid.startswith("MIG-"):
             return None
-        samples = self._gpm_samples
+        now = time.monotonic()
+        previous = self._gpm_samples.get(uuid)
+        if previous is not None and now - previous[1] < GPM_MIN_WINDOW:
+            return previous[2]
         try:
             parent = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
             gi_id = int(pynvml.nvmlDeviceGetGpuInstanceId(handle))
-            sample = pynvml.nvmlGpmSampleAlloc()
-            pynvml.nvmlGpmMigSampleGet(parent, gi_id, sample)
         except pynvml.NVMLError:
-            return None
-        previous = samples.pop(uuid, None)
-        samples[uuid] = sample
-        if previous is None:
             return None
         try:
-            query = pynvml.c_nvmlGpmMetricsGet_t()
-            query.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-            query.numMetrics = 1
-            query.sample1, query.sample2 = previous, sample
-            query.metrics[0].metricId = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
-            pynvml.nvmlGpmMetricsGet(query)
-            value = float(query.metrics[0].value) / 100.0
+            sample = pynvml.nvmlGpmSampleAlloc()
         except pynvml.NVMLError:
             return None
-        finally:
-            pynvml.nvmlGpmSampleFree(previous)
-        return min(max(value, 0.0), 1.0)
+        try:
+            pynvml.nvmlGpmMigSampleGet(parent, gi_id, sample)
+        except pynvml.NVMLError:
+            _free(sample)  # no GPM here (before Hopper): nothing kept
+            return None
+        value = None if previous is None else _gpm_utilization(previous[0], sample)
+        if previous is not None:
+            _free(previous[0])
+        self._gpm_samples[uuid] = (sample, now, value)
+        self._forget_gpm(now)
+        return value
+
+    def _forget_gpm(self, now: float) -> None:
+        """Free the samples of MIG devices not read for an hour (gone ones)."""
+        for uuid, (sample, taken, _value) in list(self._gpm_samples.items()):
+            if now - taken > 3600:
+                _free(sample)
+                del self._gpm_samples[uuid]
 
     def topology(self) -> Topology:
         """Return the interconnect of this node's GPUs, read from NVML (read-only).
@@ -536,9 +545,13 @@ class NVMLDeviceBackend(DeviceBackend):
             raise DeviceBackendError(f"NVML: cannot find {uuid}: {err}") from err
 
     def close(self) -> None:
-        """Shut NVML down (``nvmlShutdown``); only the first call does anything."""
+        """Free the GPM samples and shut NVML down (``nvmlShutdown``); only
+        the first call does anything."""
         if not self._initialised:
             return
+        for sample, _taken, _value in self._gpm_samples.values():
+            _free(sample)
+        self._gpm_samples.clear()
         self._initialised = False
         try:
             pynvml.nvmlShutdown()
@@ -553,6 +566,31 @@ def _mig_enabled(handle: Any) -> bool:
     except pynvml.NVMLError_NotSupported:
         return False
     return bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
+
+
+#: seconds within which a second read of a MIG device's GPM activity reuses
+#: the last figure instead of taking a new sample
+GPM_MIN_WINDOW = 1.0
+
+
+def _free(sample: Any) -> None:
+    with suppress(pynvml.NVMLError):
+        pynvml.nvmlGpmSampleFree(sample)
+
+
+def _gpm_utilization(first: Any, second: Any) -> float | None:
+    """``NVML_GPM_METRIC_GRAPHICS_UTIL`` between two GPM samples, 0..1."""
+    try:
+        query = pynvml.c_nvmlGpmMetricsGet_t()
+        query.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        query.numMetrics = 1
+        query.sample1, query.sample2 = first, second
+        query.metrics[0].metricId = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
+        pynvml.nvmlGpmMetricsGet(query)
+        value = float(query.metrics[0].value) / 100.0
+    except pynvml.NVMLError:
+        return None
+    return min(max(value, 0.0), 1.0)
 
 
 def _utilization(handle: Any) -> int | None:

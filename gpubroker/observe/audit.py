@@ -26,7 +26,7 @@ import datetime as dt
 from typing import Any
 
 from ..store import audit_repo
-from ..usage.intervals import release_cause
+from ..usage.intervals import event_cause
 
 #: the most entries one query returns
 MAX_LIMIT = 10000
@@ -63,7 +63,7 @@ def query(
         ``lease_id``, ``user``, ``reason``, ``stimulus``, ``detail``.
     """
     with session_factory() as session:
-        admin, leases = audit_repo.entries(session, since, until, user, MAX_LIMIT, on_behalf)
+        admin, leases = audit_repo.entries(session, since, until, user, MAX_LIMIT, on_behalf, kind)
         found = [_admin(a) for a in admin] + [_lease(e, u) for e, u in leases]
     if kind is not None:
         found = [f for f in found if kind in (f["action"], f["cause"])]
@@ -90,7 +90,7 @@ def _admin(entry: Any) -> dict[str, Any]:
 def _lease(event: Any, user: str) -> dict[str, Any]:
     cause = None
     if event.kind == "released":
-        cause = release_cause(event.reason, event.actor, event.from_state)
+        cause = event_cause(event.detail or {}, event.reason, event.actor, event.from_state)
     return {
         "at": _iso(event.at),
         "actor": event.actor,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import sys
 
 from traitlets import Bool, Integer, Unicode
@@ -60,7 +61,7 @@ class AuditCommand(StoreCommand):
             self.user or None,
             self.kind or None,
             self.limit,
-            on_behalf=("gpubroker",),
+            on_behalf=(os.environ.get("JUPYTERHUB_SERVICE_NAME", "gpubroker"),),
         )
         for entry in entries:
             if self.as_json:

@@ -34,7 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..model.lifecycle import Event
-from ..usage.intervals import release_cause
+from ..usage.intervals import event_cause
 
 #: the histogram's buckets, seconds (1 s to 1 day)
 WAIT_BUCKETS = (1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400)
@@ -87,7 +87,7 @@ class BrokerMetrics:
         elif event.kind == "job-ended":
             self.jobs.labels(str(event.detail.get("state", ""))).inc()
         elif event.kind == "released":
-            cause = release_cause(event.reason, event.actor, event.from_state)
+            cause = event_cause(event.detail, event.reason, event.actor, event.from_state)
             self.releases.labels(cause).inc()
             if cause == "preemption":
                 self.preemptions.inc()

@@ -11,11 +11,13 @@ from typing import Any
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
+from ..usage.intervals import CAUSES
 from .models import AuditEntry, Lease, LeaseEvent
 
 #: event kinds of the transition log that are actions worth auditing (when
 #: someone other than the lease's own user caused them)
 LEASE_ACTIONS = (
+    "requested",
     "granted",
     "released",
     "preempting",
@@ -60,12 +62,16 @@ def entries(
     user: str | None,
     limit: int,
     on_behalf: tuple[str, ...] = (),
+    kind: str | None = None,
 ) -> tuple[list[AuditEntry], list[tuple[LeaseEvent, str]]]:
     """The newest ``limit`` admin entries and lease actions (with the
     lease's user) in ``[since, until)``; ``user``: only entries about that
     user (a lease of theirs, their quota) or by them. ``on_behalf``: actors
     that act for a lease's own user (the hub's spawner calls with the
-    broker's service token), left out like the user."""
+    broker's service token), left out like the user. ``kind``: only admin
+    entries of that action and lease events of that kind (a release
+    cause, e.g. ``cull``: only ``released`` events; the caller keeps those
+    of that cause)."""
     admin = select(AuditEntry).order_by(AuditEntry.at.desc(), AuditEntry.id.desc()).limit(limit)
     lease = (
         select(LeaseEvent, Lease.user)
@@ -81,6 +87,9 @@ def entries(
     if until is not None:
         admin = admin.where(AuditEntry.at < until)
         lease = lease.where(LeaseEvent.at < until)
+    if kind is not None:
+        admin = admin.where(AuditEntry.action == kind)
+        lease = lease.where(LeaseEvent.kind == ("released" if kind in CAUSES else kind))
     if user is not None:
         admin = admin.where(or_(AuditEntry.actor == user, AuditEntry.target == f"user:{user}"))
         lease = lease.where(or_(Lease.user == user, LeaseEvent.actor == user))

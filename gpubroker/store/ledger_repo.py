@@ -173,17 +173,42 @@ def _row(interval: Any) -> dict[str, Any]:
     }
 
 
-def open_lease_ids(session: Session) -> list[int]:
-    """Leases with an open interval."""
-    return list(session.scalars(select(_T.c.lease_id).where(_T.c.end_s.is_(None)).distinct()))
-
-
-def active_lease_ids(session: Session) -> dict[int, str]:
-    """Pending and granted leases: id → state."""
-    rows = session.execute(
-        select(Lease.id, Lease.state).where(Lease.state.in_(("pending", "granted")))
+def reopen(session: Session, end_s: float, start_s: float) -> tuple[int, int]:
+    """Close every open interval at ``end_s`` (``broker-down``; never before
+    its start) and open a copy of it, with the same facts, from
+    ``start_s``. Returns (closed, opened)."""
+    c = _T.c
+    copied = [
+        c.lease_id,
+        c.user,
+        c.group_name,
+        c.holder_kind,
+        c.holder,
+        c.priority_class,
+        c.pool,
+        c.slot_kind,
+        c.device_uuid,
+        c.slot_uuid,
+        c.profile,
+        c.model,
+        c.node,
+        c.weight,
+    ]
+    rows = [dict(r._mapping) for r in session.execute(select(*copied).where(c.end_s.is_(None)))]
+    if not rows:
+        return 0, 0
+    session.execute(
+        update(_T)
+        .where(c.end_s.is_(None))
+        .values(
+            end_s=case((c.start_s > literal(end_s), c.start_s), else_=literal(end_s)),
+            end_cause="broker-down",
+        )
     )
-    return {lease_id: state for lease_id, state in rows}
+    fresh = {"start_s": start_s, "end_s": None, "end_cause": "", "used_gpu_seconds": 0.0}
+    fresh |= {"sampled_s": 0.0, "idle_s": 0.0}
+    session.execute(insert(_T), [row | fresh for row in rows])
+    return len(rows), len(rows)
 
 
 def open_slots(

@@ -308,6 +308,9 @@ class Intent(Base):
     state: Mapped[str] = mapped_column(String(8), default="open", index=True)
     done_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    #: why the broker stops it (``cull``, ``preemption``, ``time-limit``,
+    #: ``reconcile``, ``release``): recorded on the release
+    cause: Mapped[str] = mapped_column(String(16), default="", server_default="")
 
 
 class CullerTrack(Base):

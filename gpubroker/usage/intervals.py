@@ -41,6 +41,17 @@ CAUSES = (
     "broker-down",
 )
 
+#: who decides a release of each cause the broker itself decides
+CAUSE_ACTORS = {
+    "cull": "culler",
+    "preemption": "scheduler",
+    "time-limit": "scheduler",
+    "reconcile": "reconcile",
+}
+
+#: actors whose release reasons are the broker's own words
+_SYSTEM = frozenset({"scheduler", "culler", "reconcile", "watchdog", "broker"})
+
 
 @dataclass(frozen=True)
 class Holder:
@@ -167,26 +178,34 @@ class Changes:
 
 
 def release_cause(reason: str, actor: str, from_state: str | None) -> str:
-    """The cause of a release, from its reason and actor.
-
-    The broker's own reasons begin with a fixed word (``culled: …``,
-    ``preempted: …``, ``reclaimed …``, ``time limit of … reached``); the
-    ``reconcile`` actor releases leases whose server is gone. A pending
-    lease that ends is a ``cancel`` (also a queue time-out); anything else
-    a holder, an admin or the hub ended is a ``release``.
+    """The cause of a release from its reason's first word, for the broker's
+    own reasons (``culled: ...``, ``preempted: ...``, ``reclaimed ...``,
+    ``time limit of ... reached``, ``reconcile: ...``) when ``actor`` is a
+    system actor; anything else is a ``cancel`` (a pending lease) or a
+    ``release``. Since migration 0010 every release records its cause in
+    its event (:func:`event_cause`); this reads older events, and the
+    scheduler's eviction reasons.
     """
-    text = reason.lower()
-    if text.startswith("culled"):
-        return "cull"
-    if text.startswith(("preempted", "reclaimed")):
-        return "preemption"
-    if text.startswith("time limit"):
-        return "time-limit"
-    if actor == "reconcile":
-        return "reconcile"
-    if from_state == "pending":
-        return "cancel"
-    return "release"
+    if actor in _SYSTEM:
+        text = reason.lower()
+        if text.startswith("culled"):
+            return "cull"
+        if text.startswith(("preempted", "reclaimed")):
+            return "preemption"
+        if text.startswith("time limit"):
+            return "time-limit"
+        if actor == "reconcile" or text.startswith("reconcile"):
+            return "reconcile"
+    return "cancel" if from_state == "pending" else "release"
+
+
+def event_cause(detail: Mapping[str, Any], reason: str, actor: str, from_state: str | None) -> str:
+    """The cause of a ``released`` event: the one it records (never a
+    caller's words), else :func:`release_cause`."""
+    cause = detail.get("cause")
+    if isinstance(cause, str) and cause in CAUSES:
+        return cause
+    return release_cause(reason, actor, from_state)
 
 
 def fold(
@@ -255,7 +274,7 @@ def _fold_one(
         for part in parts:
             open_(holder, part, at)
     elif kind == "released":
-        cause = release_cause(entry.reason, entry.actor, entry.from_state)
+        cause = event_cause(entry.detail, entry.reason, entry.actor, entry.from_state)
         close(holder.lease_id, entry.from_state == "pending", at, cause)
     elif kind == "culled":
         idle = _seconds(entry.detail.get("idle_seconds"))
@@ -272,17 +291,6 @@ def _seconds(value: Any) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return float(value)
     return 0.0
-
-
-def restart_closes(open_leases: Iterable[int], last_alive_s: float) -> list[Close]:
-    """At a start-up: close every interval still open (of ``open_leases``)
-    at the broker's last sign of life (``broker-down``); each interval's
-    end is never before its start (the caller clamps)."""
-    return [
-        Close(lease_id, wait, last_alive_s, "broker-down")
-        for lease_id in sorted(set(open_leases))
-        for wait in (True, False)
-    ]
 
 
 def accrue(weight: float, utilization: float | None, seconds: float) -> tuple[float, float]:

@@ -34,6 +34,7 @@ granted.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +43,7 @@ from traitlets import Bool, Dict, Float, Integer, TraitError, validate
 from traitlets.config import LoggingConfigurable
 
 from ..store import ledger_repo as repo
-from .intervals import Changes, Interval, accrue, fold, restart_closes
+from .intervals import accrue, fold
 
 
 class Ledger(LoggingConfigurable):
@@ -88,6 +89,20 @@ class Ledger(LoggingConfigurable):
         "cost column of usage reports: allocated GPU-hours * price. Empty: no cost.",
     ).tag(config=True)
 
+    @validate("flush_interval")
+    def _valid_flush(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not 0.05 <= value <= 3600:
+            raise TraitError(f"Ledger.flush_interval: must be 0.05 to 3600 seconds, not {value}")
+        return value
+
+    @validate("sample_interval")
+    def _valid_sample(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not 0 <= value <= 86400:
+            raise TraitError(f"Ledger.sample_interval: must be 0 to 86400 seconds, not {value}")
+        return value
+
     @validate("price_per_gpu_hour")
     def _valid_prices(self, proposal: Any) -> dict[str, float]:
         prices = {}
@@ -128,61 +143,62 @@ class Ledger(LoggingConfigurable):
     # --- writing --------------------------------------------------------------
 
     def start(self, booted: float | None = None) -> dict[str, int]:
-        """Catch up with the log, close what a stop left open, reopen the
-        active leases from now. Returns counts (folded, closed, reopened).
+        """Catch up with the log, close what a stop left open at the last
+        sign of life, and reopen it from this start. Returns counts
+        (folded, closed, reopened).
+
+        The entries of the previous broker (stamped before ``booted``) are
+        folded first, then the intervals still open are closed at the last
+        sign of life (the later of the heartbeat and the newest of those
+        entries) and reopened, with the same facts, from ``booted``; only
+        then are this broker's own entries folded (its adoption of the
+        leases may release or grant some at once), so the time the broker
+        was down is never counted.
 
         Args:
             booted: when this broker process started (UTC epoch seconds;
-                default now): log entries from then on are its own (its
-                adoption of the leases), not signs of the previous one.
+                default now).
         """
         now = self.clock()
+        boot = now if booted is None else booted
         with self.session_factory() as session:
             _, heartbeat = repo.read_mark(session)  # before the catch-up writes a new one
-        folded = self._fold_all(now)
+        folded = self._fold_all(now, before=boot)
         with self.session_factory.begin() as session:
             event_id, _ = repo.read_mark(session)
-            before = now if booted is None else booted
-            last_alive = max(heartbeat, repo.last_event_s(session, before))
-            stale = repo.open_lease_ids(session)
-            repo.close_stored(session, restart_closes(stale, last_alive))
-            active = repo.active_lease_ids(session)
-            holders, slots = repo.holders_and_slots(session, active, self.pool_of)
-            changes = Changes()
-            for lease_id, state in sorted(active.items()):
-                if lease_id not in holders:
-                    continue
-                parts = slots[lease_id] if state == "granted" else (None,)
-                changes.inserts.extend(Interval(holders[lease_id], s, now) for s in parts)
-            repo.apply_changes(session, changes)
+            last_alive = max(heartbeat, repo.last_event_s(session, boot))
+            closed, reopened = repo.reopen(session, last_alive, boot)
             repo.write_mark(session, event_id, now)
+        folded += self._fold_all(now)
         self.log.info(
-            "Usage ledger: %s log entries folded, %s leases closed at %s, %s reopened",
+            "Usage ledger: %s log entries folded, %s intervals closed at %s and reopened",
             folded,
-            len(stale),
+            closed,
             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last_alive)) if last_alive else "-",
-            len(changes.inserts),
         )
-        return {"folded": folded, "closed": len(stale), "reopened": len(changes.inserts)}
+        return {"folded": folded, "closed": closed, "reopened": reopened}
 
-    def _fold_all(self, now: float) -> int:
+    def _fold_all(self, now: float, before: float | None = None) -> int:
         total = 0
         while True:
-            n = self.flush(now)
+            n = self.flush(now, before)
             total += n
             if n < self.batch_size:
                 return total
 
-    def flush(self, now: float | None = None) -> int:
-        """Fold the new log entries, add the sampled use, write the
-        heartbeat (``now``, UTC epoch seconds; default the clock), in one
-        transaction. Returns how many entries were folded."""
+    def flush(self, now: float | None = None, before: float | None = None) -> int:
+        """Fold the new log entries (only those stamped before ``before``,
+        when given), add the sampled use, write the heartbeat (``now``, UTC
+        epoch seconds; default the clock), in one transaction. Returns how
+        many entries were folded."""
         now = self.clock() if now is None else now
         accrued, self._accrued = self._accrued, {}
         try:
             with self.session_factory.begin() as session:
                 event_id, _ = repo.read_mark(session)
                 entries = repo.entries_after(session, event_id, self.batch_size)
+                if before is not None:
+                    entries = list(itertools.takewhile(lambda e: e.at_s < before, entries))
                 if entries:
                     ids = {e.lease_id for e in entries}
                     holders, slots = repo.holders_and_slots(session, ids, self.pool_of)
@@ -204,29 +220,32 @@ class Ledger(LoggingConfigurable):
         next flush writes (blocking: NVML). Returns how many slots were read."""
         now = self.clock() if now is None else now
         self.flush(now)  # the intervals as they stand
-        return self._merge(now, *self._measure(now, self.inventory()))
+        return self._merge(now, *self._measure(now, self.inventory(), list(self._open)))
 
     def _measure(
-        self, now: float, inventory: list[tuple[str, int, str, str, bool]]
+        self,
+        now: float,
+        inventory: list[tuple[str, int, str, str, bool]],
+        intervals: list[tuple[int, str, str, str, float, float, float | None]],
     ) -> tuple[dict[int, tuple[float, float]], list[tuple[dict[str, str], Any]]]:
         """(used and sampled seconds per open slot interval since its last
         sample, telemetry of ``inventory``); every UUID is read once (a MIG
         device's engine activity is measured between two reads). Safe in a
-        worker thread."""
-        cap = 2 * self.sample_interval if self.sample_interval > 0 else float("inf")
+        worker thread. ``intervals``: the open slot intervals as the flush
+        just before this sample left them."""
+        cap = 2 * max(self.sample_interval, self.flush_interval)
         reads: dict[str, Any] = {}
         accrued: dict[int, tuple[float, float]] = {}
         sampled: dict[int, float] = {}
-        for interval_id, kind, device, slot, weight, start, end in list(self._open):
+        for interval_id, kind, device, slot, weight, start, end in intervals:
             uuid = slot if kind == "mig" and slot else device
             if uuid not in reads:
                 reads[uuid] = self._read(uuid)
-            since = self._sampled_at.get(interval_id, start)
+            since = max(self._sampled_at.get(interval_id, start), start)
             upto = now if end is None else min(now, end)  # never past the interval's end
             seconds = min(max(upto - since, 0.0), cap)
             accrued[interval_id] = accrue(weight, _utilization(kind, reads[uuid]), seconds)
-            if end is None:
-                sampled[interval_id] = upto
+            sampled[interval_id] = max(upto, since)  # an interval is never charged twice
         self._sampled_at = sampled
         return accrued, self._telemetry(inventory, reads)
 
@@ -290,8 +309,9 @@ class Ledger(LoggingConfigurable):
                 try:
                     now = self.clock()
                     self.flush(now)  # the intervals as they stand
+                    snapshot = list(self._open)
                     measured = await loop.run_in_executor(
-                        None, self._measure, now, self.inventory()
+                        None, self._measure, now, self.inventory(), snapshot
                     )
                     self._merge(now, *measured)
                 except Exception:

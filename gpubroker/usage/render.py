@@ -71,13 +71,21 @@ def as_table(request: ReportRequest, rows: Sequence[ReportRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _safe_cell(text: str) -> str:
+    """A key as a spreadsheet reads it: one beginning with ``=``, ``+``,
+    ``-``, ``@`` (a formula) gets a leading ``'``."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
 def as_csv(request: ReportRequest, rows: Sequence[ReportRow]) -> str:
-    """CSV with a header row: the grouping's name, then :data:`COLUMNS`."""
+    """CSV with a header row: the grouping's name, then :data:`COLUMNS`;
+    keys that a spreadsheet would read as formulas are quoted with ``'``."""
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow([request.by, *COLUMNS])
     for r in rows:
-        writer.writerow([r.key, *("" if getattr(r, c) is None else getattr(r, c) for c in COLUMNS)])
+        cells = ("" if getattr(r, c) is None else getattr(r, c) for c in COLUMNS)
+        writer.writerow([_safe_cell(r.key), *cells])
     return out.getvalue()
 
 
@@ -127,19 +135,26 @@ def _plots(data: dict[str, Any]) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
+    # names come from users: never parsed as mathtext ($...$)
+    with matplotlib.rc_context({"text.parse_math": False}):
+        return _draw(data)
+
+
+def _draw(data: dict[str, Any]) -> list[str]:
     from matplotlib import pyplot as plt
 
     svgs = []
     days, users = data["days"], data["users"]
     fig, ax = plt.subplots(figsize=(9, 4))
     for name in users:
-        line = ax.plot(days, data["allocated"][name], label=f"{name} allocated")
+        # labels never begin with the name: matplotlib hides labels starting with "_"
+        line = ax.plot(days, data["allocated"][name], label=f"allocated: {name}")
         ax.plot(
             days,
             data["used"][name],
             linestyle="--",
             color=line[0].get_color(),
-            label=f"{name} used",
+            label=f"used: {name}",
         )
     ax.set_title("GPU-hours per day: allocated (solid) and used (dashed)")
     ax.set_ylabel("GPU-hours")

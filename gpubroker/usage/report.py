@@ -60,6 +60,11 @@ COLUMNS = (
 )
 #: the longest period one report may cover, days
 MAX_DAYS = 3660
+#: the longest period of a report by day, or of an HTML report (its plots
+#: are per day), days
+MAX_DAILY_DAYS = 400
+#: the years a report's times may be in
+YEARS = (1970, 9000)
 
 
 class ReportError(ValueError):
@@ -129,6 +134,11 @@ def parse_request(
         raise ReportError("from", f"must be before to ({_iso(lo)} is not before {_iso(hi)})")
     if hi - lo > dt.timedelta(days=MAX_DAYS):
         raise ReportError("to", f"the period may be at most {MAX_DAYS} days")
+    daily = by == "day" or fmt == "html"
+    if daily and hi - lo > dt.timedelta(days=MAX_DAILY_DAYS):
+        raise ReportError(
+            "to", f"a report by day or in HTML may cover at most {MAX_DAILY_DAYS} days"
+        )
     utc = dt.timezone.utc
     return ReportRequest(lo.astimezone(utc), hi.astimezone(utc), by, tz or "UTC", fmt)
 
@@ -141,7 +151,7 @@ def zone_of(name: str) -> ZoneInfo:
     """
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError, TypeError):
+    except (ZoneInfoNotFoundError, ValueError, TypeError, OSError):
         raise ReportError(
             "tz", f"unknown time zone {name!r} (use an IANA name such as Europe/Berlin)"
         ) from None
@@ -160,6 +170,13 @@ def parse_time(param: str, text: str, zone: dt.tzinfo) -> dt.datetime:
         raise ReportError(param, f"not a date (YYYY-MM-DD) or ISO 8601 time: {text!r}") from None
     if value.tzinfo is None:
         value = value.replace(tzinfo=zone)
+    lo, hi = YEARS
+    try:
+        year = value.astimezone(dt.timezone.utc).year
+    except (OverflowError, ValueError):
+        year = value.year
+    if not lo <= year <= hi or not lo <= value.year <= hi:
+        raise ReportError(param, f"must be between the years {lo} and {hi}, got {text!r}")
     return value
 
 

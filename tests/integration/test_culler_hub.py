@@ -164,6 +164,9 @@ def test_idle_tab_holding_memory_is_warned_then_culled_and_told(hub: RunningHub)
     audit = hub.broker_api("GET", "/audit", params={"user": "idler", "kind": "culled"}).json()
     assert audit["entries"][0]["actor"] == "culler"
     assert audit["entries"][0]["reason"].startswith("culled: idle ")
+    # the release that followed the server's stop is the culler's too, with its cause
+    audit = hub.broker_api("GET", "/audit", params={"user": "idler", "kind": "cull"}).json()
+    assert [(e["action"], e["actor"]) for e in audit["entries"]] == [("released", "culler")]
     (row,) = hub.broker_api("GET", "/usage", params={"user": "idler"}).json()["rows"]
     assert row["culls"] == 1 and row["idle_gpu_hours_culled"] > 0
     other = requests.get(
