@@ -1,0 +1,120 @@
+"""The notebook magics in a real kernel of a server spawned through a real
+hub: %gpu_submit promotes a notebook to a batch job that outlives the
+server; %gpu_jobs, %gpu and usage errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+
+from ..hubutil import RunningHub
+from ..kernelutil import connect, execute, start_kernel
+from .test_spawn import spawn, wait_until
+
+
+def _notebook(path: Path, cells: list[str]) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    for i, source in enumerate(cells):
+        cell = nbformat.v4.new_code_cell(source)
+        if i == 0:
+            cell.metadata["tags"] = ["parameters"]
+        nb.cells.append(cell)
+    nbformat.write(nb, path)
+
+
+def _read_json(path: Path) -> object:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def test_gpu_submit_runs_the_notebook_as_a_job_that_outlives_the_server(
+    clean_hub: RunningHub,
+) -> None:
+    hub = clean_hub
+    user = "magician"
+    token = hub.create_user(user)
+    home = hub.workdir / "home" / user
+    home.mkdir(parents=True, exist_ok=True)
+    _notebook(
+        home / "train.ipynb",
+        [
+            "epochs = 1",
+            "import os, time\ntime.sleep(3)\nprint(os.environ['CUDA_VISIBLE_DEVICES'], epochs)",
+        ],
+    )
+    assert spawn(hub, user, {"gpus": 1}).status_code in (201, 202)
+    hub.wait_for_server(user)
+    ws = connect(hub, user, token, start_kernel(hub, user, token))
+    try:
+        execute(
+            ws,
+            "%load_ext gpubroker\n"
+            "import json\n"
+            "lease = %gpu\n"
+            "job = %gpu_submit train.ipynb --gpus 1 --time 10m --param epochs=2\n"
+            "open('submitted.json', 'w').write(json.dumps({'job': job, 'lease': lease}))\n"
+            "errors = []\n"
+            "bad = ['train.ipynb --time 10m', 'train.ipynb --gpus 99',\n"
+            "       'train.ipynb --gpus 1 --time banana']\n"
+            "for line in bad:\n"
+            "    try:\n"
+            "        get_ipython().run_line_magic('gpu_submit', line)\n"
+            "    except Exception as err:\n"
+            "        errors.append(f'{type(err).__name__}: {err}')\n"
+            "open('errors.json', 'w').write(json.dumps(errors))\n",
+        )
+        submitted = wait_until(lambda: _read_json(home / "submitted.json"), timeout=30)
+        job = submitted["job"]
+        assert job["state"] in ("queued", "running") and job["spec"]["params"] == {"epochs": 2}
+        assert submitted["lease"]["state"] == "granted"  # %gpu: the server's own lease
+        errors = _read_json(home / "errors.json")
+        assert errors[0].startswith("UsageError: %gpu_submit: give exactly one of --gpus")
+        assert errors[1].startswith("UsageError: gpubroker: gpus: must be between 1 and")
+        assert errors[2].startswith("UsageError: gpubroker: time: not a duration")
+        # the server stops while the job runs: the job is not touched
+        wait_until(
+            lambda: (
+                hub.broker_api("GET", f"/jobs/{job['id']}", token=token).json()["state"]
+                == "running"
+            ),
+            timeout=60,
+        )
+    finally:
+        ws.close()
+    hub.api("DELETE", f"/users/{user}/server")
+    hub.wait_for_no_server(user)
+    done = wait_until(
+        lambda: (
+            (j := hub.broker_api("GET", f"/jobs/{job['id']}", token=token).json())["state"]
+            not in ("queued", "running")
+            and j
+        ),
+        timeout=120,
+    )
+    assert done["state"] == "succeeded", done
+    out = nbformat.read(home / f"train.{job['id']}.ipynb", as_version=4)
+    printed = "".join(o.get("text", "") for o in out.cells[-1].outputs)
+    assert printed.startswith("GPU-") and printed.split()[-1] == "2"
+    # %gpu_jobs in a new server's kernel shows it succeeded
+    assert spawn(hub, user, {}).status_code in (201, 202)
+    hub.wait_for_server(user)
+    ws = connect(hub, user, token, start_kernel(hub, user, token))
+    try:
+        execute(
+            ws,
+            "%load_ext gpubroker\nimport json\n"
+            "jobs = %gpu_jobs\n"
+            "open('jobs.json', 'w').write(json.dumps(jobs))\n",
+        )
+        jobs = wait_until(lambda: _read_json(home / "jobs.json"), timeout=30)
+    finally:
+        ws.close()
+    assert [(j["id"], j["state"]) for j in jobs] == [(job["id"], "succeeded")]
+    hub.api("DELETE", f"/users/{user}/server")
+    hub.wait_for_no_server(user)
