@@ -21,3 +21,21 @@ def figure(
         "baseline_name": name,
         "ratio": ratio,
     }
+
+
+def fake_broker(tmp: str) -> tuple[Any, Any]:
+    """A broker in this process on a fresh SQLite store in ``tmp``, with 8
+    fake H100s, its state checks off; returns (broker, SQLAlchemy engine)."""
+    from gpubroker.core import Broker
+    from gpubroker.devices.fake import FakeDeviceBackend
+    from gpubroker.store.db import make_engine, make_session_factory, upgrade
+
+    url = f"sqlite:///{tmp}/broker.sqlite"
+    upgrade(url)
+    engine = make_engine(url)
+    backend = FakeDeviceBackend(inventory=["8 x H100"], node_name="bench")
+    broker = Broker(session_factory=make_session_factory(engine), backend=backend)
+    broker.check_state = "off"
+    broker.sync_inventory()
+    broker.adopt()
+    return broker, engine

@@ -33,7 +33,7 @@ from tornado.httpclient import AsyncHTTPClient
 
 from tests.hubutil import RunningHub, free_port
 
-from . import figure
+from . import fake_broker, figure
 
 PAIRS = 1000
 QUEUE_PAIRS = 500
@@ -192,19 +192,8 @@ def sql_per_pair(waiting: int) -> float:
     this process (8 fake GPUs, all held when ``waiting`` > 0)."""
     from sqlalchemy import event
 
-    from gpubroker.core import Broker
-    from gpubroker.devices.fake import FakeDeviceBackend
-    from gpubroker.store.db import make_engine, make_session_factory, upgrade
-
     with tempfile.TemporaryDirectory() as tmp:
-        url = f"sqlite:///{tmp}/broker.sqlite"
-        upgrade(url)
-        engine = make_engine(url)
-        backend = FakeDeviceBackend(inventory=["8 x H100"], node_name="bench")
-        broker = Broker(session_factory=make_session_factory(engine), backend=backend)
-        broker.check_state = "off"
-        broker.sync_inventory()
-        broker.adopt()
+        broker, engine = fake_broker(tmp)
         if waiting:
             for i in range(8):
                 broker.request_lease(f"holder{i}", "", gpus=1, holder_kind="external")

@@ -17,7 +17,7 @@ import tempfile
 import time
 from typing import Any
 
-from . import figure
+from . import fake_broker, figure
 
 INTERVALS = 1_000_000
 USERS = 300
@@ -125,24 +125,14 @@ def report_vs_sql() -> dict[str, dict[str, Any]]:
 
 def _pairs(on: bool) -> float:
     """Lease pairs per second of an in-process broker (8 fake GPUs)."""
-    from gpubroker.core import Broker
-    from gpubroker.devices.fake import FakeDeviceBackend
     from gpubroker.observe.metrics import BrokerMetrics
-    from gpubroker.store.db import make_engine, make_session_factory, upgrade
     from gpubroker.usage.ledger import Ledger
 
     with tempfile.TemporaryDirectory() as tmp:
-        url = f"sqlite:///{tmp}/broker.sqlite"
-        upgrade(url)
-        engine = make_engine(url)
-        backend = FakeDeviceBackend(inventory=["8 x H100"], node_name="bench")
-        broker = Broker(session_factory=make_session_factory(engine), backend=backend)
-        broker.check_state = "off"
-        broker.sync_inventory()
-        broker.adopt()
+        broker, engine = fake_broker(tmp)
         ledger = None
         if on:
-            ledger = Ledger(broker.session_factory, backend)
+            ledger = Ledger(broker.session_factory, broker.backend)
             ledger.start()
             metrics = BrokerMetrics(broker, ledger)
             broker.bus.subscribe(metrics.on_event)

@@ -41,12 +41,7 @@ class BrokerClient:
     """
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 20):
-        self.url = (url or os.environ.get("GPUBROKER_URL", "")).rstrip("/") + "/api/v1"
-        self.token = (
-            token
-            or os.environ.get("GPUBROKER_API_TOKEN")
-            or os.environ.get("JUPYTERHUB_API_TOKEN", "")
-        )
+        self.url, self.token = api_base(url, token)
         self.timeout = timeout
 
     async def _call(
@@ -197,6 +192,17 @@ class BrokerClient:
             if value:
                 params[name] = value
         return await self._call("GET", "/usage", params=params)  # type: ignore[no-any-return]
+
+
+def api_base(url: str | None, token: str | None) -> tuple[str, str]:
+    """The API's base URL (``url``, default ``$GPUBROKER_URL``, plus
+    ``/api/v1``) and the token (``token``, default ``$GPUBROKER_API_TOKEN``,
+    else ``$JUPYTERHUB_API_TOKEN``: in a server, its own)."""
+    base = (url or os.environ.get("GPUBROKER_URL", "")).rstrip("/") + "/api/v1"
+    secret = (
+        token or os.environ.get("GPUBROKER_API_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN", "")
+    )
+    return base, secret
 
 
 def _message(err: HTTPClientError) -> str:

@@ -6,13 +6,12 @@ client) and scripts. Standard library only.
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from .client import BrokerClientError
+from .client import BrokerClientError, api_base
 
 
 class SyncBrokerClient:
@@ -27,12 +26,7 @@ class SyncBrokerClient:
     """
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 20):
-        self.url = (url or os.environ.get("GPUBROKER_URL", "")).rstrip("/") + "/api/v1"
-        self.token = (
-            token
-            or os.environ.get("GPUBROKER_API_TOKEN")
-            or os.environ.get("JUPYTERHUB_API_TOKEN", "")
-        )
+        self.url, self.token = api_base(url, token)
         self.timeout = timeout
 
     def call(

@@ -8,6 +8,7 @@ import json
 import nbformat
 
 from ..hubutil import RunningHub
+from ..nbutil import write_notebook
 from .test_spawn import wait_until
 
 
@@ -19,19 +20,10 @@ def test_a_notebook_job_runs_to_completion_and_only_its_owner_sees_it(
     other = hub.create_user("snoop")
     home = hub.workdir / "home" / "jobber"
     home.mkdir(parents=True, exist_ok=True)
-    nb = nbformat.v4.new_notebook()
-    first = nbformat.v4.new_code_cell("epochs = 1")
-    first.metadata["tags"] = ["parameters"]
-    nb.cells = [
-        first,
-        nbformat.v4.new_code_cell("import os\nprint(os.environ['CUDA_VISIBLE_DEVICES'], epochs)"),
-    ]
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nbformat.write(nb, home / "train.ipynb")
+    write_notebook(
+        home / "train.ipynb",
+        ["epochs = 1", "import os\nprint(os.environ['CUDA_VISIBLE_DEVICES'], epochs)"],
+    )
     r = hub.broker_api(
         "POST",
         "/jobs",

@@ -11,22 +11,8 @@ import nbformat
 
 from ..hubutil import RunningHub
 from ..kernelutil import connect, execute, start_kernel
+from ..nbutil import write_notebook
 from .test_spawn import spawn, wait_until
-
-
-def _notebook(path: Path, cells: list[str]) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    for i, source in enumerate(cells):
-        cell = nbformat.v4.new_code_cell(source)
-        if i == 0:
-            cell.metadata["tags"] = ["parameters"]
-        nb.cells.append(cell)
-    nbformat.write(nb, path)
 
 
 def _read_json(path: Path) -> object:
@@ -41,7 +27,7 @@ def test_gpu_submit_runs_the_notebook_as_a_job_that_outlives_the_server(
     token = hub.create_user(user)
     home = hub.workdir / "home" / user
     home.mkdir(parents=True, exist_ok=True)
-    _notebook(
+    write_notebook(
         home / "train.ipynb",
         [
             "epochs = 1",

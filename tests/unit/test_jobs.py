@@ -18,24 +18,7 @@ from gpubroker.model import jobs as model
 from gpubroker.store import jobs_repo
 
 from ..conftest import make_broker
-
-
-def notebook(path: Path, cells: list[str]) -> Path:
-    """A notebook whose first cell is tagged ``parameters``."""
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    for i, source in enumerate(cells):
-        cell = nbformat.v4.new_code_cell(source)
-        if i == 0:
-            cell.metadata["tags"] = ["parameters"]
-        nb.cells.append(cell)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, path)
-    return path
+from ..nbutil import write_notebook as notebook
 
 
 @pytest.fixture
