@@ -337,16 +337,14 @@ class JobService(LoggingConfigurable):
                 status = await loop.run_in_executor(None, self.engine.poll, handle)
                 if status.running and lease is not None and lease["state"] == "granted":
                     continue
-                if status.running:  # its lease ended (preempted, released): stop it
+                if status.running:  # its lease ended (time limit, preempted, released)
                     status = await loop.run_in_executor(
                         None, self.engine.stop, handle, self.stop_grace
                     )
-                    self._finish(
-                        job_id,
-                        model.FAILED,
-                        f"its lease ended: {lease and lease.get('release_reason')}",
-                        status,
-                    )
+                    why = str((lease or {}).get("release_reason") or "")
+                    # the lease's time limit runs from its grant: it may end first
+                    ended = model.TIMED_OUT if why.startswith("time limit") else model.FAILED
+                    self._finish(job_id, ended, f"its lease ended: {why}", status)
                 else:
                     if status.state == "lost":
                         status = _recorded(status, job_id, self.sessions)

@@ -169,3 +169,25 @@ def test_a_restarted_broker_adopts_a_running_job_and_learns_its_real_outcome(
     with jobs.sessions() as session:  # the first engine reaps the process it started
         row = jobs_repo.get(session, job["id"])
         jobs.engine.poll(Handle(row.handle_engine, row.handle_id, row.handle_node))
+
+
+def test_a_job_whose_lease_reaches_its_time_limit_first_is_timed_out(
+    jobs: JobService, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease's time limit runs from its grant, the process's from its
+    start: when the scheduler ends the lease first, the job is timed-out."""
+    import datetime as dt
+
+    import gpubroker.core as core
+
+    (home / "hal").mkdir(parents=True)
+    job = jobs.submit("hal", {"command": ["sleep", "60"], "gpus": 1, "time": "30m"})
+    asyncio.run(jobs.tick())
+    assert jobs.get(job["id"])["state"] == "running"
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)
+    monkeypatch.setattr(core, "utcnow", lambda: later)
+    jobs.broker.schedule_now()  # the pass sees the lease's time limit passed
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "released"
+    jobs.stop_grace = 1.0
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "timed-out" and done["signal"] is not None
