@@ -79,6 +79,10 @@ class GPUBrokerApp(Application):
             "gpubroker.usage.cli.ReportCommand",
             "Usage report: GPU-hours allocated and used per user, group, pool, model or day.",
         ),
+        "jobs": (
+            "gpubroker.jobs.cli.JobsCommand",
+            "Batch jobs through the broker's API: submit, list, show, logs, cancel.",
+        ),
         "audit": (
             "gpubroker.observe.cli.AuditCommand",
             "The audit log of admin and policy actions.",

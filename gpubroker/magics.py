@@ -3,7 +3,8 @@
 * ``%gpu``: what this kernel's server holds (devices, state, age) and its
   notices (cull warnings, preemptions, finished jobs);
 * ``%gpu_submit [NOTEBOOK] --gpus N | --mig PROFILE | --memory GIB
-  [--time 12h] [--param k=v ...] [--kernel NAME] [--pool P] [--class C]``:
+  [--time 12h] [--param k=v ...] [--kernel NAME] [--retries N] [--pool P]
+  [--class C]``:
   run a notebook (default: the one this kernel belongs to, as last saved) as
   a batch job on a lease of its own;
 * ``%gpu_jobs``; ``%gpu_logs ID [--follow]``; ``%gpu_cancel ID``.
@@ -90,6 +91,7 @@ class GPUMagics(Magics):
     @argument("--time", help="time limit: seconds, or 90s, 10m, 12h, 2d")
     @argument("--param", action="append", default=[], help="a parameter NAME=VALUE (repeat)")
     @argument("--kernel", help="the kernel (default: the notebook's)")
+    @argument("--retries", type=int, help="run again after a failure, this many times")
     @argument("--pool", help="the pool")
     @argument("--class", dest="priority_class", help="the priority class (default: batch)")
     @line_magic
@@ -109,6 +111,8 @@ class GPUMagics(Magics):
         for key, value in (("time", args.time), ("kernel", args.kernel), ("pool", args.pool)):
             if value:
                 body[key] = value
+        if args.retries:
+            body["retries"] = args.retries
         if args.priority_class:
             body["priority_class"] = args.priority_class
         job = self._call("submit_job", body)

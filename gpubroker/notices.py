@@ -49,10 +49,16 @@ class NoticesMixin:
 
     @command("broker")
     def note_lease(
-        self, lease_id: int, kind: str, reason: str, detail: dict[str, Any] | None = None
+        self,
+        lease_id: int,
+        kind: str,
+        reason: str,
+        detail: dict[str, Any] | None = None,
+        notify: bool = False,
     ) -> None:
         """Record that ``kind`` happened to lease ``lease_id`` in its
-        transition log (e.g. ``job-started``, ``job-ended``).
+        transition log (e.g. ``job-started``, ``job-ended``); with
+        ``notify``, also as a notice for its holder (``GET /notices``).
 
         Raises:
             NotFound: no such lease.
@@ -61,6 +67,17 @@ class NoticesMixin:
         with self._write() as session:  # type: ignore[attr-defined]
             lease = self._get(session, lease_id)  # type: ignore[attr-defined]
             self._rec(session, now).note(lease, kind, reason, detail)  # type: ignore[attr-defined]
+            if notify:
+                session.add(
+                    Notice(
+                        lease_id=lease.id,
+                        user=lease.user,
+                        server_name=lease.server_name,
+                        kind=kind,
+                        message=reason,
+                        created=now,
+                    )
+                )
 
     def notices(self, user: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Newest first; only ``user``'s when given."""

@@ -32,11 +32,12 @@ import datetime as dt
 import json
 import os
 import pwd
+import signal as signal_module
 import sys
 from pathlib import Path
 from typing import Any
 
-from traitlets import Bool, Float, Unicode
+from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
 from ..engines.base import EngineError, Handle, LaunchSpec
@@ -82,6 +83,31 @@ class JobService(LoggingConfigurable):
     poll_interval = Float(2.0, help="Seconds between checks of queued and running jobs.").tag(
         config=True
     )
+
+    warn_signal = Unicode(
+        "SIGUSR1",
+        help="The signal a running command job's processes get warn_before seconds "
+        "before its time limit, and when a preemption's grace period starts (Slurm's "
+        "--signal); a name such as SIGUSR1 or SIGTERM.",
+    ).tag(config=True)
+
+    warn_before = Float(
+        60.0,
+        help="Seconds before a command job's time limit at which it gets warn_signal "
+        "(a job with a shorter limit gets none). A program that does not catch the "
+        "signal ends on it (failed), as with Slurm's --signal.",
+    ).tag(config=True)
+
+    max_restarts = Integer(
+        3, help="Most times a preempted job is queued again (then it ends failed)."
+    ).tag(config=True)
+
+    @validate("warn_signal")
+    def _valid_signal(self, proposal: Any) -> str:
+        name = str(proposal["value"])
+        if not name.startswith("SIG") or not isinstance(getattr(signal_module, name, None), int):
+            raise TraitError(f"JobService.warn_signal: not a signal name: {name!r}")
+        return name
 
     stop_grace = Float(
         30.0, help="Seconds between SIGTERM and SIGKILL when a job is cancelled."
@@ -144,15 +170,19 @@ class JobService(LoggingConfigurable):
         if not any(k in lease_args for k in ("gpus", "mig_profile", "memory_gib")):
             raise BadRequest("gpus: a job asks for gpus, mig_profile or memory_gib")
         now = dt.datetime.now(dt.timezone.utc)
+        priority_class = data.get("priority_class") or self.default_priority_class
+        # the lease it asks for, and the groups it was charged by, for a requeue
+        stored = spec.as_dict() | {"lease": lease_args | {"priority_class": priority_class}}
+        stored["groups"] = list(groups) if groups is not None else None
         with self.sessions.begin() as session:
-            job = repo.add(session, user, spec.kind, spec.as_dict(), now)
+            job = repo.add(session, user, spec.kind, stored, now)
             job_id = job.id
         try:
             lease = self.broker.request_lease(
                 user,
                 "",
                 holder_kind="job",
-                priority_class=data.get("priority_class") or self.default_priority_class,
+                priority_class=priority_class,
                 time_limit=spec.time_limit,
                 groups=groups,
                 admin=admin,
@@ -288,6 +318,8 @@ class JobService(LoggingConfigurable):
             "signal": job.signal,
             "output": job.output_path or None,
             "log": job.log_path or None,
+            "restarts": job.restarts,
+            "warned_at": isoformat(job.warned_at),
         }
         if lease is not None:
             view["queue"] = lease.get("queue")
@@ -306,10 +338,9 @@ class JobService(LoggingConfigurable):
             await asyncio.sleep(self.poll_interval)
 
     async def tick(self) -> int:
-        """Start the queued jobs whose lease is granted, record the ends of
-        running ones, cancel queued jobs whose lease ended. Engine calls run
-        in a worker thread. Returns how many jobs changed."""
-        loop = asyncio.get_running_loop()
+        """Start the queued jobs whose lease is granted, warn and record the
+        ends of running ones, cancel queued jobs whose lease ended. Engine
+        calls run in a worker thread. Returns how many jobs changed."""
         with self.sessions() as session:
             pending = [(j.id, j.state, j.lease_id, _handle(j)) for j in repo.unfinished(session)]
         changed = 0
@@ -317,52 +348,142 @@ class JobService(LoggingConfigurable):
             if job_id in self._cancelling:
                 continue
             lease = self.broker.get_lease(lease_id) if lease_id is not None else None
-            if state == model.QUEUED and lease is not None and lease["state"] == "granted":
-                spec = self._launch_spec(job_id, lease)
-                try:
-                    handle = await loop.run_in_executor(None, self.engine.launch, spec)
-                except EngineError as err:
-                    self._finish(job_id, model.FAILED, f"could not start: {err}", None)
-                    self.broker.release_lease(
-                        lease_id, f"job {job_id} could not start", actor="broker"
-                    )
-                else:
-                    self._started(job_id, handle)
-                changed += 1
-            elif state == model.QUEUED and (lease is None or lease["state"] == "released"):
-                why = (lease or {}).get("release_reason") or "its lease ended"
-                self._finish(job_id, model.CANCELLED, f"cancelled in the queue: {why}", None)
-                changed += 1
+            if state == model.QUEUED:
+                changed += await self._tick_queued(job_id, lease)
             elif state == model.RUNNING and handle is not None:
-                status = await loop.run_in_executor(None, self.engine.poll, handle)
-                if status.running and lease is not None and lease["state"] == "granted":
-                    continue
-                if status.running:  # its lease ended (time limit, preempted, released)
-                    status = await loop.run_in_executor(
-                        None, self.engine.stop, handle, self.stop_grace
-                    )
-                    why = str((lease or {}).get("release_reason") or "")
-                    # the lease's time limit runs from its grant: it may end first
-                    ended = model.TIMED_OUT if why.startswith("time limit") else model.FAILED
-                    self._finish(job_id, ended, f"its lease ended: {why}", status)
-                else:
-                    if status.state == "lost":
-                        status = _recorded(status, job_id, self.sessions)
-                    state_now = model.outcome(
-                        status.exit_code, status.signal, status.timed_out, status.state == "lost"
-                    )
-                    self._finish(job_id, state_now, _describe(state_now, status), status)
-                    if lease is not None and lease["state"] == "granted":
-                        self.broker.release_lease(
-                            lease_id, f"job {job_id} {state_now}", actor="broker"
-                        )
-                changed += 1
+                changed += await self._tick_running(job_id, lease, handle)
         return changed
+
+    async def _tick_queued(self, job_id: int, lease: dict[str, Any] | None) -> int:
+        if lease is not None and lease["state"] == "granted":
+            spec = self._launch_spec(job_id, lease)
+            try:
+                handle = await asyncio.get_running_loop().run_in_executor(
+                    None, self.engine.launch, spec
+                )
+            except EngineError as err:
+                self._finish(job_id, model.FAILED, f"could not start: {err}", None)
+                why = f"job {job_id} could not start"
+                self.broker.release_lease(lease["id"], why, actor="broker")
+            else:
+                self._started(job_id, handle)
+            return 1
+        if lease is None or lease["state"] == "released":
+            why = (lease or {}).get("release_reason") or "its lease ended"
+            self._finish(job_id, model.CANCELLED, f"cancelled in the queue: {why}", None)
+            return 1
+        return 0
+
+    async def _tick_running(self, job_id: int, lease: dict[str, Any] | None, handle: Handle) -> int:
+        loop = asyncio.get_running_loop()
+        status = await loop.run_in_executor(None, self.engine.poll, handle)
+        if status.running and lease is not None and lease["state"] == "granted":
+            await self._maybe_warn(job_id, lease, handle)
+            return 0
+        if status.running:  # its lease ended (time limit, preemption, a release)
+            status = await loop.run_in_executor(None, self.engine.stop, handle, self.stop_grace)
+            why = str((lease or {}).get("release_reason") or "")
+            if why.startswith(("preempted", "reclaimed")) and self._restarts_left(job_id, True):
+                self._requeue(job_id, why, status)
+                return 1
+            # the lease's time limit runs from its grant: it may end first
+            ended = model.TIMED_OUT if why.startswith("time limit") else model.FAILED
+            self._finish(job_id, ended, f"its lease ended: {why}", status)
+            return 1
+        if status.state == "lost":
+            status = _recorded(status, job_id, self.sessions)
+        lost = status.state == "lost"
+        state_now = model.outcome(status.exit_code, status.signal, status.timed_out, lost)
+        if lease is not None and lease["state"] == "granted":
+            self.broker.release_lease(lease["id"], f"job {job_id} {state_now}", actor="broker")
+        if state_now == model.FAILED and self._restarts_left(job_id, False):
+            self._requeue(job_id, f"retried: {_describe(state_now, status)}", status)
+        else:
+            self._finish(job_id, state_now, _describe(state_now, status), status)
+        return 1
+
+    async def _maybe_warn(self, job_id: int, lease: dict[str, Any], handle: Handle) -> None:
+        """Send a command job's processes the warning signal once,
+        ``warn_before`` seconds before the time limit, or when a
+        preemption's grace period starts. Notebook jobs get none: papermill
+        and its kernel would end on it (their output is saved per cell)."""
+        now = dt.datetime.now(dt.timezone.utc)
+        with self.sessions() as session:
+            job = self._get(session, job_id)
+            warned, started, limit = job.warned_at, job.started_at, job.spec.get("time_limit")
+            kind = job.kind
+        if warned is not None or kind != "command":
+            return
+        # a limit shorter than the warning gets none (it would come at the start)
+        near = limit is not None and started is not None and limit > self.warn_before
+        near = near and (now - started).total_seconds() >= limit - self.warn_before
+        preempting = bool(lease.get("preemption"))
+        if not (near or preempting):
+            return
+        signum = int(getattr(signal_module, self.warn_signal))
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.signal, handle, signum
+            )
+        except EngineError as err:
+            self.log.warning("Job %s: warning signal: %s", job_id, err)
+        with self.sessions.begin() as session:
+            self._get(session, job_id).warned_at = now
+        why = "its lease is being preempted" if preempting else "its time limit is near"
+        message = f"job {job_id} got {self.warn_signal}: {why}"
+        self.broker.note_lease(lease["id"], "job-warned", message, {"job": job_id})
+
+    def _restarts_left(self, job_id: int, preempted: bool) -> bool:
+        """Whether the job may run again: after a preemption up to
+        ``max_restarts`` times, after a failure up to its ``retries``."""
+        with self.sessions() as session:
+            job = self._get(session, job_id)
+            allowed = self.max_restarts if preempted else int(job.spec.get("retries") or 0)
+            return bool(job.restarts < allowed)
+
+    def _requeue(self, job_id: int, reason: str, status: Any) -> None:
+        """Queue the job again on a new lease of the same shape, charged by
+        the groups it had at its submission."""
+        with self.sessions() as session:
+            job = self._get(session, job_id)
+            user, asked, old = job.user, dict(job.spec.get("lease") or {}), job.lease_id
+            limit, groups = job.spec.get("time_limit"), job.spec.get("groups")
+        try:
+            lease = self.broker.request_lease(
+                user,
+                "",
+                holder_kind="job",
+                time_limit=limit,
+                groups=groups,
+                actor="broker",
+                **asked,
+            )
+        except BrokerError as err:
+            self._finish(job_id, model.FAILED, f"{reason}; could not queue again: {err}", status)
+            return
+        with self.sessions.begin() as session:
+            job = self._get(session, job_id)
+            model.check_transition(job.state, model.QUEUED)
+            job.state, job.reason, job.lease_id = model.QUEUED, reason, lease["id"]
+            job.restarts += 1
+            job.warned_at = job.started_at = None
+            job.handle_engine = job.handle_id = job.handle_node = ""
+            if status is not None:
+                job.exit_code, job.signal = status.exit_code, status.signal
+            restarts = job.restarts
+        self.log.info(
+            "Job %s queued again on lease %s (%s): %s", job_id, lease["id"], restarts, reason
+        )
+        if old is not None:
+            detail = {"job": job_id, "lease": lease["id"], "restarts": restarts}
+            message = f"job {job_id} queued again: {reason}"
+            self.broker.note_lease(old, "job-requeued", message, detail)
 
     def _launch_spec(self, job_id: int, lease: dict[str, Any]) -> LaunchSpec:
         with self.sessions() as session:
             job = self._get(session, job_id)
             spec, user, output, log = dict(job.spec), job.user, job.output_path, job.log_path
+            restarts = job.restarts
         root = self.root_of(user)
         run_as = pwd.getpwuid(os.getuid()).pw_name if self.run_as_self else user
         env = {
@@ -373,6 +494,8 @@ class JobService(LoggingConfigurable):
             **spec["env"],
             **lease["env"],
             "GPUBROKER_JOB_ID": str(job_id),
+            "GPUBROKER_RESTART_COUNT": str(restarts),
+            "GPUBROKER_CHECKPOINT_DIR": str(root / ".gpubroker" / "checkpoints" / str(job_id)),
         }
         if spec["kind"] == "notebook":
             notebook = root / spec["notebook"]
@@ -395,6 +518,7 @@ class JobService(LoggingConfigurable):
         # the shell records the exit code beside the log, so a broker restarted
         # after the job ended still learns its real outcome
         env["GPUBROKER_JOB_EXIT_FILE"] = f"{log}.exit"
+        env["GPUBROKER_WARN_SIGNAL"] = self.warn_signal.removeprefix("SIG")
         argv = ["/bin/sh", "-c", _RECORD_EXIT, "gpubroker-job", *argv]
         return LaunchSpec(
             argv=tuple(argv),
@@ -441,12 +565,17 @@ class JobService(LoggingConfigurable):
                 "signal": job.signal,
             }
         self.log.info("Job %s of %s %s: %s", job_id, user, state, reason)
-        if lease_id is not None:
-            self.broker.note_lease(lease_id, "job-ended", f"job {job_id} {state}: {reason}", detail)
+        if lease_id is not None:  # the owner is told (GET /notices, %gpu)
+            message = f"job {job_id} {state}: {reason}"
+            self.broker.note_lease(lease_id, "job-ended", message, detail, notify=True)
 
 
 #: the job's shell: run the program, write its exit code, exit with it
-_RECORD_EXIT = '"$@"; code=$?; echo "$code" > "$GPUBROKER_JOB_EXIT_FILE"; exit "$code"'
+_RECORD_EXIT = (
+    # the shell itself outlives the warning signal (its program gets it)
+    'trap : "$GPUBROKER_WARN_SIGNAL"; mkdir -p "$GPUBROKER_CHECKPOINT_DIR"; "$@"; code=$?; '
+    'echo "$code" > "$GPUBROKER_JOB_EXIT_FILE"; exit "$code"'
+)
 
 
 def _recorded(status: Any, job_id: int, sessions: Any) -> Any:

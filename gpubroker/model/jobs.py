@@ -7,7 +7,10 @@ checked spec of what a job runs.
   ``failed`` (the process could not start);
 * ``running`` → ``succeeded`` (exit 0), ``failed`` (a non-zero exit, a
   signal, an end not seen, its lease taken away), ``timed-out`` (its time
-  limit) or ``cancelled`` (a cancel stopped it).
+  limit) or ``cancelled`` (a cancel stopped it);
+* ``running`` → ``queued`` (requeued): it was preempted, or it failed and
+  has retries left; it runs again on a new lease, with
+  ``GPUBROKER_RESTART_COUNT`` one higher.
 
 Where the rules come from: Slurm's job states (PENDING, RUNNING,
 COMPLETED, FAILED, CANCELLED, TIMEOUT); the exit code and the signal are
@@ -45,6 +48,7 @@ TRANSITIONS = frozenset(
         (RUNNING, FAILED),
         (RUNNING, TIMED_OUT),
         (RUNNING, CANCELLED),
+        (RUNNING, QUEUED),
     }
 )
 
@@ -52,6 +56,8 @@ TRANSITIONS = frozenset(
 MAX_TIME = 30 * 86400.0
 #: most parameters of one notebook job
 MAX_PARAMS = 64
+#: most retries after a failure a job may ask for
+MAX_RETRIES = 10
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -145,6 +151,8 @@ class JobSpec:
             notebook's directory, or the root for commands).
         env: extra environment variables for the job.
         time_limit: seconds the job may run (``None``: no limit).
+        retries: how often a failed run is started again (0 to
+            :data:`MAX_RETRIES`).
     """
 
     kind: str
@@ -155,6 +163,7 @@ class JobSpec:
     cwd: str = ""
     env: Mapping[str, str] = field(default_factory=dict)
     time_limit: float | None = None
+    retries: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The spec as stored (JSON)."""
@@ -167,6 +176,7 @@ class JobSpec:
             "cwd": self.cwd,
             "env": dict(self.env),
             "time_limit": self.time_limit,
+            "retries": self.retries,
         }
 
 
@@ -208,6 +218,11 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
     cwd = relative_path(data["cwd"], "cwd") if data.get("cwd") else ""
     raw_time = data.get("time")
     time_limit = None if raw_time in (None, "") else parse_time(raw_time)
+    retries = data.get("retries") or 0
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
+        raise JobError(
+            "retries", f"must be a whole number from 0 to {MAX_RETRIES}, got {retries!r}"
+        )
     raw_params = data.get("params") or {}
     if not isinstance(raw_params, (Mapping, list)):
         raise JobError("param", "must be a mapping or a list of NAME=VALUE")
@@ -216,14 +231,14 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
         path = relative_path(notebook, "notebook")
         if not path.endswith(".ipynb"):
             raise JobError("notebook", f"must be a .ipynb file: {notebook!r}")
-        return JobSpec("notebook", path, (), params, kernel, cwd, dict(env), time_limit)
+        return JobSpec("notebook", path, (), params, kernel, cwd, dict(env), time_limit, retries)
     if isinstance(command, str):
         command = ["/bin/sh", "-c", command]
     if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
         raise JobError("command", "must be a shell line or a list of arguments")
     if params:
         raise JobError("param", "parameters are for notebook jobs")
-    return JobSpec("command", "", tuple(command), {}, "", cwd, dict(env), time_limit)
+    return JobSpec("command", "", tuple(command), {}, "", cwd, dict(env), time_limit, retries)
 
 
 def outcome(exit_code: int | None, signal: int | None, timed_out: bool, lost: bool) -> str:

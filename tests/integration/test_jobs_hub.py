@@ -4,6 +4,9 @@ run in a real kernel on a leased (fake) GPU, owner-scoped like leases."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import nbformat
 
@@ -53,6 +56,30 @@ def test_a_notebook_job_runs_to_completion_and_only_its_owner_sees_it(
     assert hub.broker_api("GET", f"/jobs/{job['id']}/logs", token=other).status_code == 403
     assert hub.broker_api("GET", "/jobs", token=other).json()["jobs"] == []
     assert job["id"] in [j["id"] for j in hub.broker_api("GET", "/jobs").json()["jobs"]]
+    # the owner was told, and the shell sees the same (gpubroker jobs, her token)
+    notices = hub.broker_api("GET", "/notices", token=token).json()["notices"]
+    assert notices[0]["kind"] == "job-ended" and "succeeded" in notices[0]["message"]
+    env = {**os.environ, "GPUBROKER_URL": f"{hub.url}/services/gpubroker"}
+    env["GPUBROKER_API_TOKEN"] = token
+    cli = [sys.executable, "-m", "gpubroker", "jobs"]
+    listed = subprocess.run([*cli, "list"], env=env, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert f"{job['id']:>6}  jobber" in listed.stdout and "succeeded" in listed.stdout
+    shown = subprocess.run(
+        [*cli, "show", str(job["id"]), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert json.loads(shown.stdout)["state"] == "succeeded", shown.stderr
+    logs = subprocess.run([*cli, "logs", str(job["id"])], env=env, capture_output=True, text=True)
+    assert "Executing" in logs.stdout
+    env["GPUBROKER_API_TOKEN"] = other
+    refused = subprocess.run(
+        [*cli, "show", str(job["id"])], env=env, capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "may not" in refused.stderr
     # its lease was a job's, in the batch class, and is released
     lease = hub.broker_api("GET", f"/leases/{done['lease_id']}").json()
     assert lease["holder_kind"] == "job" and lease["priority_class"] == "batch"

@@ -191,3 +191,79 @@ def test_a_job_whose_lease_reaches_its_time_limit_first_is_timed_out(
     jobs.stop_grace = 1.0
     done = run_until_done(jobs, job["id"])
     assert done["state"] == "timed-out" and done["signal"] is not None
+
+
+def test_a_command_job_gets_the_warning_signal_before_its_time_limit(
+    jobs: JobService, home: Path
+) -> None:
+    (home / "ida").mkdir(parents=True)
+    jobs.warn_before = 2.5
+    script = "trap 'echo warned > warned.txt' USR1; while true; do sleep 0.1; done"
+    job = jobs.submit("ida", {"command": script, "gpus": 1, "time": "3s"})
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "timed-out"
+    assert (home / "ida" / "warned.txt").read_text() == "warned\n"
+    kinds = [e["kind"] for e in jobs.broker.lease_events(done["lease_id"])]
+    assert "job-warned" in kinds
+
+
+def test_a_failed_job_is_retried_with_its_restart_count(jobs: JobService, home: Path) -> None:
+    (home / "jay").mkdir(parents=True)
+    script = 'echo "$GPUBROKER_RESTART_COUNT" >> runs.txt; exit 1'
+    job = jobs.submit("jay", {"command": script, "gpus": 1, "retries": 2})
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "failed" and done["exit_code"] == 1
+    assert (home / "jay" / "runs.txt").read_text() == "0\n1\n2\n"
+    assert jobs.get(job["id"])["restarts"] == 2
+    with pytest.raises(BadRequest) as bad:
+        jobs.submit("jay", {"command": "true", "gpus": 1, "retries": 99})
+    assert bad.value.message.startswith("retries: ")
+
+
+def test_a_preempted_job_is_warned_requeued_and_resumes_from_its_checkpoint(
+    db_url: str, home: Path
+) -> None:
+    """A job borrowing above its group's guarantee is reclaimed for a user
+    within hers: it gets the warning signal when the grace period starts, is
+    queued again, and runs later with GPUBROKER_RESTART_COUNT=1 and the
+    checkpoint it wrote."""
+    import time
+
+    from .test_core import quota_broker
+
+    broker = quota_broker(
+        db_url,
+        group_quotas={"A": {"guaranteed": 4}, "B": {"guaranteed": 4}},
+        priority_classes=[
+            {"name": "interactive", "rank": 100},
+            {"name": "batch", "rank": 50, "grace": 0.5},
+        ],
+    )
+    service = JobService(broker, broker.engine, run_as_self=True)
+    service.root_dir_template = str(home / "{username}")
+    (home / "kim").mkdir(parents=True)
+    for i in range(7):
+        broker.request_lease(f"b{i}", "", 1, holder_kind="external", groups=["B"], group="B")
+    script = (
+        'echo "run $GPUBROKER_RESTART_COUNT" >> runs.txt; '
+        'if [ -f "$GPUBROKER_CHECKPOINT_DIR/state" ]; then echo resumed >> runs.txt; exit 0; fi; '
+        "trap 'echo saved > \"$GPUBROKER_CHECKPOINT_DIR/state\"' USR1; "
+        "while true; do sleep 0.1; done"
+    )
+    job = service.submit("kim", {"command": script, "gpus": 1, "group": "B"}, groups=["B"])
+    asyncio.run(service.tick())
+    assert service.get(job["id"])["state"] == "running"
+    alice = broker.request_lease("alice", "", 1, holder_kind="external", groups=["A"], group="A")
+    assert alice["queue"]["reason"] == "Preempting"
+    asyncio.run(service.tick())  # the grace period started: the warning
+    time.sleep(0.6)
+    broker.schedule_now()  # grace over: the job's lease is released, alice granted
+    assert broker.get_lease(alice["id"])["state"] == "granted"
+    asyncio.run(service.tick())  # the process is stopped, the job queued again
+    again = service.get(job["id"])
+    assert again["state"] == "queued" and again["restarts"] == 1, again["reason"]
+    assert again["lease_id"] != job["lease_id"]
+    broker.release_lease(alice["id"], "done")
+    done = run_until_done(service, job["id"])
+    assert done["state"] == "succeeded"
+    assert (home / "kim" / "runs.txt").read_text() == "run 0\nrun 1\nresumed\n"

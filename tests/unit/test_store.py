@@ -21,7 +21,7 @@ def test_migrations_create_exactly_the_models(db_url: str) -> None:
     with engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == []
-    assert current_revision(engine) == head_revision() == "0010"
+    assert current_revision(engine) == head_revision() == "0011"
 
 
 def test_sqlite_uses_wal_and_foreign_keys(db_url: str) -> None:

@@ -1,0 +1,195 @@
+"""``gpubroker jobs submit|list|show|logs|cancel``: batch jobs on the shell,
+through the broker's REST API (``--url``, default ``$GPUBROKER_URL``; the
+token in ``$GPUBROKER_API_TOKEN`` or ``$JUPYTERHUB_API_TOKEN``), with the
+rights of that token's owner, like the notebook magics."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from traitlets import Bool, Float, Int, List, Unicode
+from traitlets.config import Application
+
+from ..client import BrokerClientError
+from ..client_sync import SyncBrokerClient
+
+
+class _JobsCall(Application):
+    """A ``gpubroker jobs`` subcommand: one call of the API."""
+
+    url = Unicode("", help="The broker's URL (default: $GPUBROKER_URL).").tag(config=True)
+    as_json = Bool(False, help="Print JSON.").tag(config=True)
+    aliases = {"url": "_JobsCall.url"}
+    flags = {"json": ({"_JobsCall": {"as_json": True}}, "Print JSON.")}
+
+    def client(self) -> SyncBrokerClient:
+        return SyncBrokerClient(self.url or None)
+
+    def job_id(self) -> int:
+        """The one positional argument, a job id (exits 2 otherwise)."""
+        if len(self.extra_args) != 1 or not self.extra_args[0].isdigit():
+            self.log.critical("give one job id, e.g. `gpubroker jobs %s 7`", self.name)
+            self.exit(2)
+        return int(self.extra_args[0])
+
+    def run(self, call: Any) -> Any:
+        """Make the call; a refusal exits 2 with the broker's message."""
+        try:
+            return call()
+        except BrokerClientError as err:
+            self.log.critical("%s", err.message)
+            self.exit(2)
+
+    def show(self, job: dict[str, Any]) -> None:
+        if self.as_json:
+            print(json.dumps(job, indent=2))
+            return
+        queue = job.get("queue") or {}
+        print(f"job {job['id']} of {job['user']}: {job['state']} ({job['reason'] or '-'})")
+        what = job["spec"].get("notebook") or " ".join(job["spec"].get("command") or [])
+        print(f"  {job['kind']}: {what}")
+        if job["state"] == "queued":
+            print(f"  {queue.get('message') or 'waiting'}")
+        devices = ", ".join(job.get("devices") or []) or "-"
+        print(f"  devices: {devices}; exit code {job['exit_code']}, signal {job['signal']}")
+        if job.get("output"):
+            print(f"  output: {job['output']}")
+
+
+class SubmitCommand(_JobsCall):
+    """``gpubroker jobs submit NOTEBOOK|--command LINE --gpus N ...``."""
+
+    name = "submit"
+    description = "Submit a notebook (or --command) as a batch job."
+    gpus = Int(0, help="Whole GPUs.").tag(config=True)
+    mig = Unicode("", help="A MIG profile, e.g. 1g.10gb.").tag(config=True)
+    memory = Float(0.0, help="A share of this many GiB.").tag(config=True)
+    time = Unicode("", help="Time limit: seconds, or 90s, 10m, 12h, 2d.").tag(config=True)
+    param = List(Unicode(), help="Notebook parameters NAME=VALUE.").tag(config=True)
+    kernel = Unicode("", help="The kernel (default: the notebook's).").tag(config=True)
+    retries = Int(0, help="Run again after a failure, this many times.").tag(config=True)
+    command = Unicode("", help="A shell line to run instead of a notebook.").tag(config=True)
+    priority_class = Unicode("", help="The priority class (default: batch).").tag(config=True)
+    pool = Unicode("", help="The pool.").tag(config=True)
+    aliases = {
+        "url": "_JobsCall.url",
+        "gpus": "SubmitCommand.gpus",
+        "mig": "SubmitCommand.mig",
+        "memory": "SubmitCommand.memory",
+        "time": "SubmitCommand.time",
+        "param": "SubmitCommand.param",
+        "kernel": "SubmitCommand.kernel",
+        "retries": "SubmitCommand.retries",
+        "command": "SubmitCommand.command",
+        "class": "SubmitCommand.priority_class",
+        "pool": "SubmitCommand.pool",
+    }
+
+    def start(self) -> None:
+        body: dict[str, Any] = {}
+        if self.command:
+            body["command"] = self.command
+        elif len(self.extra_args) == 1:
+            body["notebook"] = self.extra_args[0]
+            body["params"] = list(self.param)
+        else:
+            self.log.critical("give one notebook, or --command")
+            self.exit(2)
+        for key, value in (
+            ("gpus", self.gpus),
+            ("mig_profile", self.mig),
+            ("memory_gib", self.memory),
+        ):
+            if value:
+                body[key] = value
+        for key, value in (("time", self.time), ("kernel", self.kernel), ("pool", self.pool)):
+            if value:
+                body[key] = value
+        if self.priority_class:
+            body["priority_class"] = self.priority_class
+        if self.retries:
+            body["retries"] = self.retries
+        self.show(self.run(lambda: self.client().submit_job(body)))
+
+
+class ListCommand(_JobsCall):
+    """``gpubroker jobs list``."""
+
+    name = "list"
+    description = "Your jobs (an admin's token: everyone's), newest first."
+
+    def start(self) -> None:
+        jobs = self.run(lambda: self.client().jobs())
+        if self.as_json:
+            print(json.dumps(jobs, indent=2))
+            return
+        for job in jobs:
+            what = job["spec"].get("notebook") or " ".join(job["spec"].get("command") or [])
+            print(f"{job['id']:>6}  {job['user']:<12} {job['state']:<10} {what}")
+
+
+class ShowCommand(_JobsCall):
+    """``gpubroker jobs show ID``."""
+
+    name = "show"
+    description = "One job."
+
+    def start(self) -> None:
+        job_id = self.job_id()
+        self.show(self.run(lambda: self.client().job(job_id)))
+
+
+class LogsCommand(_JobsCall):
+    """``gpubroker jobs logs ID [--follow]``."""
+
+    name = "logs"
+    description = "A job's log; --follow keeps printing while it runs."
+    follow = Bool(False, help="Keep printing while the job runs.").tag(config=True)
+    flags = {"follow": ({"LogsCommand": {"follow": True}}, "Keep printing while the job runs.")}
+
+    def start(self) -> None:
+        job_id, offset = self.job_id(), 0
+        while True:
+            wait = 10.0 if self.follow else 0.0
+            logs = self.run(lambda: self.client().job_logs(job_id, offset, wait))  # noqa: B023
+            sys.stdout.write(logs["text"])
+            sys.stdout.flush()
+            offset = logs["offset"]
+            if not self.follow or logs["state"] not in ("queued", "running"):
+                return
+            time.sleep(0.1)
+
+
+class CancelCommand(_JobsCall):
+    """``gpubroker jobs cancel ID``."""
+
+    name = "cancel"
+    description = "Cancel a queued or running job."
+
+    def start(self) -> None:
+        job_id = self.job_id()
+        self.show(self.run(lambda: self.client().cancel_job(job_id)))
+
+
+class JobsCommand(Application):
+    """``gpubroker jobs``: batch jobs through the broker's API."""
+
+    name = "jobs"
+    description = "Batch jobs: submit, list, show, logs, cancel."
+    subcommands = {
+        "submit": ("gpubroker.jobs.cli.SubmitCommand", SubmitCommand.description),
+        "list": ("gpubroker.jobs.cli.ListCommand", ListCommand.description),
+        "show": ("gpubroker.jobs.cli.ShowCommand", ShowCommand.description),
+        "logs": ("gpubroker.jobs.cli.LogsCommand", LogsCommand.description),
+        "cancel": ("gpubroker.jobs.cli.CancelCommand", CancelCommand.description),
+    }
+
+    def start(self) -> None:
+        if self.subapp is not None:
+            self.subapp.start()
+            return
+        self.print_subcommands()
+        self.exit(2)
