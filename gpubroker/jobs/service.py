@@ -33,6 +33,7 @@ import json
 import os
 import pwd
 import signal as signal_module
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -275,17 +276,31 @@ class JobService(LoggingConfigurable):
         next), "state"}``; at most ``limit`` bytes."""
         with self.sessions() as session:
             job = self._get(session, job_id)
-            path, state = job.log_path, job.state
-        text = b""
-        if path and os.path.isfile(path):
-            with open(path, "rb") as f:
-                f.seek(max(offset, 0))
-                text = f.read(limit)
+            path, state, user = job.log_path, job.state, job.user
+        text = self._read_log(path, user, offset, limit) if path else b""
         return {
             "text": text.decode("utf-8", "replace"),
             "offset": offset + len(text),
             "state": state,
         }
+
+    def _read_log(self, path: str, user: str, offset: int, limit: int) -> bytes:
+        """The log's bytes, read without following a link at its end and only
+        if the job's own user owns the file: the log's path is in the user's
+        directory, so the user could put a link to a file of someone else
+        there (trust rule). Missing or refused: nothing."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return b""
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            owner = os.getuid() if self.run_as_self else _uid_of(user)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != owner:
+                self.log.warning("Job log %s is not a file of %s: not read", path, user)
+                return b""
+            f.seek(max(offset, 0))
+            return f.read(limit)
 
     @staticmethod
     def _get(session: Any, job_id: int) -> Any:
@@ -589,6 +604,13 @@ def _recorded(status: Any, job_id: int, sessions: Any) -> Any:
     except (OSError, ValueError):
         return status
     return dataclasses.replace(status, state="exited", exit_code=code)
+
+
+def _uid_of(user: str) -> int | None:
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return None
 
 
 def _handle(job: Any) -> Handle | None:

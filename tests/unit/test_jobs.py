@@ -267,3 +267,14 @@ def test_a_preempted_job_is_warned_requeued_and_resumes_from_its_checkpoint(
     done = run_until_done(service, job["id"])
     assert done["state"] == "succeeded"
     assert (home / "kim" / "runs.txt").read_text() == "run 0\nrun 1\nresumed\n"
+
+
+def test_a_link_in_place_of_a_jobs_log_is_not_followed(jobs: JobService, home: Path) -> None:
+    """The log lies in the user's directory; a link there to another file is
+    never read with the broker's rights."""
+    (home / "lee").mkdir(parents=True)
+    secret = home / "secret.txt"
+    secret.write_text("the broker's secret")
+    job = jobs.submit("lee", {"command": "true", "gpus": 1})
+    Path(job["log"]).symlink_to(secret)
+    assert jobs.logs(job["id"])["text"] == ""
