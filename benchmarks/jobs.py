@@ -28,6 +28,7 @@ def describe() -> str:
 def _notebook(path: Path) -> Path:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    nb.metadata["kernelspec"]["language"] = "python"
     first = nbformat.v4.new_code_cell("mark = 'started'")
     first.metadata["tags"] = ["parameters"]
     nb.cells = [first, nbformat.v4.new_code_cell("open(mark, 'w').write('x')")]
