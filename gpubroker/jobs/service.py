@@ -344,13 +344,35 @@ class JobService(LoggingConfigurable):
     # --- supervision --------------------------------------------------------------
 
     async def run(self) -> None:
-        """Check jobs every ``poll_interval`` seconds until cancelled."""
+        """Release orphaned job leases, then check jobs every
+        ``poll_interval`` seconds until cancelled."""
+        try:
+            self.release_orphans()
+        except Exception:
+            self.log.exception("Jobs: releasing orphaned job leases failed")
         while True:
             try:
                 await self.tick()
             except Exception:
                 self.log.exception("Jobs: a check failed")
             await asyncio.sleep(self.poll_interval)
+
+    def release_orphans(self) -> list[int]:
+        """Release the active job leases no unfinished job holds (a broker
+        that crashed between making a job's lease and recording it). Run at
+        start-up, before any submission. Returns their ids."""
+        with self.sessions() as session:
+            held = {j.lease_id for j in repo.unfinished(session)}
+        orphans = [
+            x["id"]
+            for x in self.broker.list_leases()
+            if x["holder_kind"] == "job" and x["id"] not in held
+        ]
+        for lease_id in orphans:
+            why = "no job holds this lease (the broker stopped while submitting it)"
+            self.broker.release_lease(lease_id, why, actor="broker")
+            self.log.warning("Jobs: released orphaned job lease %s", lease_id)
+        return orphans
 
     async def tick(self) -> int:
         """Start the queued jobs whose lease is granted, warn and record the

@@ -278,3 +278,15 @@ def test_a_link_in_place_of_a_jobs_log_is_not_followed(jobs: JobService, home: P
     job = jobs.submit("lee", {"command": "true", "gpus": 1})
     Path(job["log"]).symlink_to(secret)
     assert jobs.logs(job["id"])["text"] == ""
+
+
+def test_a_job_lease_no_job_holds_is_released_at_start(jobs: JobService, home: Path) -> None:
+    """A broker that stopped between making a job's lease and recording it
+    leaves a lease no job holds; the next start releases it."""
+    (home / "max").mkdir(parents=True)
+    kept = jobs.submit("max", {"command": ["sleep", "60"], "gpus": 1})
+    orphan = jobs.broker.request_lease("max", "", 1, holder_kind="job")
+    assert jobs.release_orphans() == [orphan["id"]]
+    assert jobs.broker.get_lease(orphan["id"])["state"] == "released"
+    assert jobs.broker.get_lease(kept["lease_id"])["state"] == "granted"
+    asyncio.run(jobs.cancel(kept["id"], "done", actor="max"))
