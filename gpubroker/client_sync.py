@@ -88,6 +88,14 @@ class SyncBrokerClient:
         return dict(self.call("DELETE", f"/jobs/{quote(str(int(job_id)))}"))
 
 
+def job_body(what: dict[str, Any], **options: Any) -> dict[str, Any]:
+    """A ``POST /jobs`` body: ``what`` (``notebook`` and ``params``, or
+    ``command``) and the options that are set (``gpus``, ``mig_profile``,
+    ``memory_gib``, ``time``, ``kernel``, ``pool``, ``priority_class``,
+    ``retries``; ``None``, ``0`` and ``""`` are left out)."""
+    return dict(what) | {key: value for key, value in options.items() if value}
+
+
 def _message(body: bytes) -> str:
     try:
         return str(json.loads(body)["message"])

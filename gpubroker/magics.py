@@ -31,7 +31,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from .client import BrokerClientError
-from .client_sync import SyncBrokerClient
+from .client_sync import SyncBrokerClient, job_body
 
 #: the columns of ``%gpu_jobs``
 JOB_COLUMNS = ("id", "state", "kind", "what", "devices", "created", "reason")
@@ -104,17 +104,17 @@ class GPUMagics(Magics):
         chosen = [n for n in ("gpus", "mig", "memory") if getattr(args, n) is not None]
         if len(chosen) != 1:
             raise UsageError("%gpu_submit: give exactly one of --gpus, --mig and --memory")
-        body: dict[str, Any] = {"notebook": notebook, "params": list(args.param)}
-        body |= {"gpus": args.gpus} if args.gpus is not None else {}
-        body |= {"mig_profile": args.mig} if args.mig else {}
-        body |= {"memory_gib": args.memory} if args.memory is not None else {}
-        for key, value in (("time", args.time), ("kernel", args.kernel), ("pool", args.pool)):
-            if value:
-                body[key] = value
-        if args.retries:
-            body["retries"] = args.retries
-        if args.priority_class:
-            body["priority_class"] = args.priority_class
+        body = job_body(
+            {"notebook": notebook, "params": list(args.param)},
+            gpus=args.gpus,
+            mig_profile=args.mig,
+            memory_gib=args.memory,
+            time=args.time,
+            kernel=args.kernel,
+            pool=args.pool,
+            priority_class=args.priority_class,
+            retries=args.retries,
+        )
         job = self._call("submit_job", body)
         queue = job.get("queue") or {}
         print(f"job {job['id']} {job['state']}: {queue.get('message') or 'starting'}")

@@ -14,7 +14,7 @@ from traitlets import Bool, Float, Int, List, Unicode
 from traitlets.config import Application
 
 from ..client import BrokerClientError
-from ..client_sync import SyncBrokerClient
+from ..client_sync import SyncBrokerClient, job_body
 
 
 class _JobsCall(Application):
@@ -89,29 +89,24 @@ class SubmitCommand(_JobsCall):
     }
 
     def start(self) -> None:
-        body: dict[str, Any] = {}
         if self.command:
-            body["command"] = self.command
+            what: dict[str, Any] = {"command": self.command}
         elif len(self.extra_args) == 1:
-            body["notebook"] = self.extra_args[0]
-            body["params"] = list(self.param)
+            what = {"notebook": self.extra_args[0], "params": list(self.param)}
         else:
             self.log.critical("give one notebook, or --command")
             self.exit(2)
-        for key, value in (
-            ("gpus", self.gpus),
-            ("mig_profile", self.mig),
-            ("memory_gib", self.memory),
-        ):
-            if value:
-                body[key] = value
-        for key, value in (("time", self.time), ("kernel", self.kernel), ("pool", self.pool)):
-            if value:
-                body[key] = value
-        if self.priority_class:
-            body["priority_class"] = self.priority_class
-        if self.retries:
-            body["retries"] = self.retries
+        body = job_body(
+            what,
+            gpus=self.gpus,
+            mig_profile=self.mig,
+            memory_gib=self.memory,
+            time=self.time,
+            kernel=self.kernel,
+            pool=self.pool,
+            priority_class=self.priority_class,
+            retries=self.retries,
+        )
         self.show(self.run(lambda: self.client().submit_job(body)))
 
 
