@@ -34,17 +34,7 @@ class NoticesMixin:
             if deadline:
                 detail["deadline"] = isoformat(deadline)
             self._rec(session, now).note(lease, kind, message, detail)  # type: ignore[attr-defined]
-            session.add(
-                Notice(
-                    lease_id=lease.id,
-                    user=lease.user,
-                    server_name=lease.server_name,
-                    kind=kind,
-                    message=message,
-                    created=dt.datetime.now(dt.timezone.utc),
-                    deadline=deadline,
-                )
-            )
+            session.add(_notice(lease, kind, message, now, deadline))
         self.log.info("Notice for %s/%s (%s): %s", lease.user, lease.server_name, kind, message)
 
     @command("broker")
@@ -68,16 +58,7 @@ class NoticesMixin:
             lease = self._get(session, lease_id)  # type: ignore[attr-defined]
             self._rec(session, now).note(lease, kind, reason, detail)  # type: ignore[attr-defined]
             if notify:
-                session.add(
-                    Notice(
-                        lease_id=lease.id,
-                        user=lease.user,
-                        server_name=lease.server_name,
-                        kind=kind,
-                        message=reason,
-                        created=now,
-                    )
-                )
+                session.add(_notice(lease, kind, reason, now))
 
     def notices(self, user: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Newest first; only ``user``'s when given."""
@@ -98,3 +79,18 @@ class NoticesMixin:
                 }
                 for n in session.scalars(stmt)
             ]
+
+
+def _notice(
+    lease: Lease, kind: str, message: str, now: dt.datetime, deadline: dt.datetime | None = None
+) -> Notice:
+    """A notice row for ``lease``'s holder."""
+    return Notice(
+        lease_id=lease.id,
+        user=lease.user,
+        server_name=lease.server_name,
+        kind=kind,
+        message=message,
+        created=now,
+        deadline=deadline,
+    )

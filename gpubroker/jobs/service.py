@@ -35,6 +35,7 @@ import pwd
 import signal as signal_module
 import stat
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -379,16 +380,19 @@ class JobService(LoggingConfigurable):
         ends of running ones, cancel queued jobs whose lease ended. Engine
         calls run in a worker thread. Returns how many jobs changed."""
         with self.sessions() as session:
-            pending = [(j.id, j.state, j.lease_id, _handle(j)) for j in repo.unfinished(session)]
+            pending = [
+                (j.id, j.state, j.lease_id, _handle(j), _Watch.of(j))
+                for j in repo.unfinished(session)
+            ]
         changed = 0
-        for job_id, state, lease_id, handle in pending:
+        for job_id, state, lease_id, handle, watch in pending:
             if job_id in self._cancelling:
                 continue
             lease = self.broker.get_lease(lease_id) if lease_id is not None else None
             if state == model.QUEUED:
                 changed += await self._tick_queued(job_id, lease)
             elif state == model.RUNNING and handle is not None:
-                changed += await self._tick_running(job_id, lease, handle)
+                changed += await self._tick_running(job_id, lease, handle, watch)
         return changed
 
     async def _tick_queued(self, job_id: int, lease: dict[str, Any] | None) -> int:
@@ -411,11 +415,13 @@ class JobService(LoggingConfigurable):
             return 1
         return 0
 
-    async def _tick_running(self, job_id: int, lease: dict[str, Any] | None, handle: Handle) -> int:
+    async def _tick_running(
+        self, job_id: int, lease: dict[str, Any] | None, handle: Handle, watch: _Watch
+    ) -> int:
         loop = asyncio.get_running_loop()
         status = await loop.run_in_executor(None, self.engine.poll, handle)
         if status.running and lease is not None and lease["state"] == "granted":
-            await self._maybe_warn(job_id, lease, handle)
+            await self._maybe_warn(job_id, lease, handle, watch)
             return 0
         if status.running:  # its lease ended (time limit, preemption, a release)
             status = await loop.run_in_executor(None, self.engine.stop, handle, self.stop_grace)
@@ -439,17 +445,16 @@ class JobService(LoggingConfigurable):
             self._finish(job_id, state_now, _describe(state_now, status), status)
         return 1
 
-    async def _maybe_warn(self, job_id: int, lease: dict[str, Any], handle: Handle) -> None:
+    async def _maybe_warn(
+        self, job_id: int, lease: dict[str, Any], handle: Handle, watch: _Watch
+    ) -> None:
         """Send a command job's processes the warning signal once,
         ``warn_before`` seconds before the time limit, or when a
         preemption's grace period starts. Notebook jobs get none: papermill
         and its kernel would end on it (their output is saved per cell)."""
         now = dt.datetime.now(dt.timezone.utc)
-        with self.sessions() as session:
-            job = self._get(session, job_id)
-            warned, started, limit = job.warned_at, job.started_at, job.spec.get("time_limit")
-            kind = job.kind
-        if warned is not None or kind != "command":
+        warned, started, limit = watch.warned_at, watch.started_at, watch.time_limit
+        if warned is not None or watch.kind != "command":
             return
         # a limit shorter than the warning gets none (it would come at the start)
         near = limit is not None and started is not None and limit > self.warn_before
@@ -626,6 +631,20 @@ def _recorded(status: Any, job_id: int, sessions: Any) -> Any:
     except (OSError, ValueError):
         return status
     return dataclasses.replace(status, state="exited", exit_code=code)
+
+
+@dataclass(frozen=True)
+class _Watch:
+    """What the supervisor needs of a running job to warn it (read once per check)."""
+
+    kind: str
+    started_at: dt.datetime | None
+    warned_at: dt.datetime | None
+    time_limit: float | None
+
+    @classmethod
+    def of(cls, job: Any) -> _Watch:
+        return cls(job.kind, job.started_at, job.warned_at, job.spec.get("time_limit"))
 
 
 def _uid_of(user: str) -> int | None:

@@ -129,7 +129,6 @@ class Ledger(LoggingConfigurable):
         self.backend = backend
         self.pool_of = pool_of
         self.clock = clock
-        self._mark = 0
         self._open: list[tuple[int, str, str, str, float, float, float | None]] = []
         self._sampled_at: dict[int, float] = {}
         self._accrued: dict[int, tuple[float, float]] = {}
@@ -210,7 +209,6 @@ class Ledger(LoggingConfigurable):
         except Exception:
             self._add(accrued)  # kept for the next try
             raise
-        self._mark = event_id
         return len(entries)
 
     # --- sampling -------------------------------------------------------------
