@@ -182,10 +182,10 @@ class BrokerService:
         # a service started with `&` inherits "ignore SIGINT": set our own handlers
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        if self.ledger.enabled:  # first: leases adopted below are charged from its intervals
+            self.ledger.start(booted)
         self.broker.sync_inventory()
         self.broker.adopt()
-        if self.ledger.enabled:
-            self.ledger.start(booted)
         web_app = make_app(
             self.broker,
             base_url=self.app.base_url,

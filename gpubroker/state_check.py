@@ -25,8 +25,8 @@ from sqlalchemy.orm import Session
 from .model.lifecycle import IllegalTransition, replay
 from .scheduler import UsageRecord
 from .store.models import ACTIVE_STATES, Allocation, Device, HolderKind, Lease, LeaseEvent
+from .store.usage_repo import load_usage
 from .transitions import as_events
-from .usage.decayed import load_usage
 
 
 class StateInvalid(AssertionError):
@@ -132,7 +132,7 @@ def usage_matches(
     session: Session, memory: Mapping[str, UsageRecord], half_life: float
 ) -> list[str]:
     """How the broker's usage records differ from what a restart would load
-    (:func:`gpubroker.usage.load_usage`; equal to rounding)."""
+    (:func:`gpubroker.store.usage_repo.load_usage`; equal to rounding)."""
     loaded, _stored, _behind = load_usage(session, half_life)
     found = [
         f"usage of {u}: in memory, not loadable" for u in sorted(memory.keys() - loaded.keys())

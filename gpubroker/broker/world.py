@@ -38,7 +38,8 @@ from ..store.models import (
     LeaseEvent,
     QuotaRow,
 )
-from ..usage.decayed import add_use, lease_units, load_usage, write_usage
+from ..store.usage_repo import lease_charge, load_usage, write_usage
+from ..usage.decayed import add_charge
 from .inputs import SchedulerInputs
 
 
@@ -68,6 +69,9 @@ class World:
         #: users with a stored usage row, and users whose row is behind memory
         self.usage_stored: set[str] = set()
         self.usage_behind: set[str] = set()
+        #: leases granted before this broker started (found granted at the
+        #: first load): charged from the ledger's intervals (:meth:`charge`)
+        self.adopted: set[int] | None = None
         #: stored quotas (admin API), by (kind, name)
         self.quotas: dict[tuple[str, str], QuotaRow] = {}
         #: open ``stop-server`` intents by lease id
@@ -228,6 +232,8 @@ class World:
             if lease_id in kept and lease.state == "pending":
                 _restore(lease, kept[lease_id])
         self.devices, self.leases, self.usage = devices, leases, usage
+        if self.adopted is None:
+            self.adopted = {i for i, x in leases.items() if x.state == "granted"}
         self.usage_stored, self.usage_behind = stored, behind
         self.quotas, self.stops = quotas, stops
         self._next_lease_id = max(self._next_lease_id, top + 1)
@@ -262,12 +268,15 @@ class World:
     def charge(self, lease: Lease, now: Any) -> None:
         """Add the use of granted ``lease``, released at ``now`` (aware UTC),
         to its user's record, in memory (written at the next
-        :meth:`write_usage`; a reload adds it again from the lease row)."""
+        :meth:`write_usage`; a reload charges it again, by the same rule:
+        :mod:`gpubroker.usage.decayed`). A lease granted before this broker
+        started is charged from the usage ledger's intervals of it (one
+        query), so the time the broker was down is left out."""
         assert lease.granted_at is not None
         user = lease.user
-        self.usage[user] = add_use(
-            self.usage.get(user), lease_units(lease), lease.granted_at, now, self.half_life
-        )
+        adopted = self.adopted is not None and lease.id in self.adopted
+        used = lease_charge(self.session, lease, now, self.half_life, from_ledger=adopted)
+        self.usage[user] = add_charge(self.usage.get(user), used, now, self.half_life)
         self.usage_behind.add(user)
 
     @property

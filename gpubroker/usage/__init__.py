@@ -4,5 +4,6 @@ the decayed usage fair share reads.
 * :mod:`~gpubroker.usage.intervals`: the ledger's rule (pure);
 * :mod:`~gpubroker.usage.ledger`: the ledger of a running broker;
 * :mod:`~gpubroker.usage.report`: reports per user, group, pool, model or day;
-* :mod:`~gpubroker.usage.decayed`: the decayed usage of fair share.
+* :mod:`~gpubroker.usage.decayed`: fair share's decayed usage, charged from the
+  ledger's intervals (pure).
 """

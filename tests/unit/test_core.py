@@ -335,7 +335,7 @@ def test_priority_class_of_a_pending_request_can_change(broker: Broker) -> None:
 
 
 def test_usage_is_recorded_for_fair_share_on_release(broker: Broker) -> None:
-    from gpubroker.usage.decayed import load_usage
+    from gpubroker.store.usage_repo import load_usage
 
     lease = broker.request_lease("ann", "", 2)
     broker.release_lease(lease["id"], "done")

@@ -64,6 +64,17 @@ def ledger_of(broker: Broker, clock: Clock, **options: float) -> Ledger:
     return ledger
 
 
+def restart(db_url: str, clock: Clock, booted: float) -> Broker:
+    """A broker started on ``db_url`` the service's way: the ledger catches
+    up and reopens what was open first, then the inventory and adoption."""
+    backend = FakeDeviceBackend(inventory=["8 x H100"], node_name="node-a")
+    broker = Broker(session_factory=make_session_factory(make_engine(db_url)), backend=backend)
+    Ledger(broker.session_factory, backend, clock=clock.epoch).start(booted)
+    broker.sync_inventory()
+    broker.adopt()
+    return broker
+
+
 def report(
     broker: Broker,
     clock: Clock,
@@ -187,6 +198,41 @@ def test_a_crash_closes_at_the_heartbeat_and_the_lease_counts_once(
     # a second start-up (nothing open any more but what is active) counts nothing twice
     ledger_of(again, clock).start()
     assert report(again, clock)["dan"].gpu_hours_allocated == pytest.approx(2 * held)
+
+
+def test_fair_share_charges_what_the_ledger_holds_across_a_crash(db_url: str, clock: Clock) -> None:
+    from gpubroker.store.usage_repo import load_usage
+    from gpubroker.usage.decayed import held_usage
+
+    broker = make_broker(db_url)
+    ledger = ledger_of(broker, clock)
+    lease = broker.request_lease("eve", "", 2, holder_kind="external")
+    granted = clock.epoch()
+    clock.advance(HOUR)
+    ledger.flush()  # the last heartbeat
+    last_alive = clock.epoch()
+    clock.advance(dt.timedelta(seconds=50))  # SIGKILL, then down
+    booted = clock.epoch()
+    again = restart(db_url, clock, booted)
+    clock.advance(HOUR)
+    again.release_lease(lease["id"], "done")
+    released = clock.epoch()
+    half_life = again.policy.fairshare_half_life
+    held = [(2.0, granted, last_alive), (2.0, booted, released)]
+    memory = again._world.usage["eve"]
+    assert memory.gpu_seconds == pytest.approx(held_usage(held, released, half_life))
+    # the 50 s the broker was down are not charged (a whole run would be)
+    whole = held_usage([(2.0, granted, None)], released, half_life)
+    assert whole - memory.gpu_seconds == pytest.approx(2 * 50, rel=1e-2)  # decayed 1 h
+    # what a restart loads, before the ledger folds the release and after
+    assert again.validate_state() == []
+    Ledger(again.session_factory, again.backend, clock=clock.epoch).flush()
+    with again.session_factory() as session:
+        loaded, _, _ = load_usage(session, half_life)
+    assert loaded["eve"].gpu_seconds == pytest.approx(memory.gpu_seconds, rel=1e-12)
+    # undecayed, fair share's charge is the report's allocated GPU-hours
+    allocated = report(again, clock)["eve"].gpu_hours_allocated * 3600
+    assert held_usage(held, released, 0.0) == pytest.approx(allocated)
 
 
 @pytest.mark.parametrize(
@@ -339,14 +385,22 @@ def test_a_restart_counts_no_downtime_for_leases_its_adoption_changes(
     ledger.flush()  # the last heartbeat, then SIGKILL
     clock.advance(5 * HOUR)  # down for 5 h
     booted = clock.epoch()
-    again = make_broker(db_url)  # adopt(): amy's time limit has passed; bob is granted
+    again = restart(db_url, clock, booted)  # adopt(): amy's time limit has passed
     assert again.get_lease(amy["id"])["state"] == "released"
-    Ledger(again.session_factory, again.backend, clock=clock.epoch).start(booted)
+    assert again.get_lease(bob["id"])["state"] == "granted"
     clock.advance(HOUR)
     again.release_lease(bob["id"], "done")
     Ledger(again.session_factory, again.backend, clock=clock.epoch).flush()
     rows = report(again, clock)
     assert rows["amy"].gpu_hours_allocated == pytest.approx(8.0)  # 1 h x 8 before the crash
+    # fair share charges amy the same hour, not the 5 h the broker was down
+    from gpubroker.usage.decayed import held_usage
+
+    half_life = again.policy.fairshare_half_life
+    charged = held_usage([(8.0, T0.timestamp(), (T0 + HOUR).timestamp())], booted, half_life)
+    amy_record = again._world.usage["amy"]
+    assert amy_record.as_of.timestamp() == booted
+    assert amy_record.gpu_seconds == pytest.approx(charged)
     assert rows["bob"].wait_hours == pytest.approx(1.0)
     assert rows["bob"].gpu_hours_allocated == pytest.approx(8.0)
 
