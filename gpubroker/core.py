@@ -440,6 +440,19 @@ class Broker(
                 per_node[device.node] = per_node.get(device.node, 0) + 1
         return max(per_node.values(), default=0)
 
+    def _check_purpose(self, pool: str | None, holder_kind: str) -> None:
+        """Only jobs run on a pool whose purpose is ``batch`` (Pools).
+
+        Raises:
+            BadRequest: ``pool`` is a batch pool and the holder is not a job.
+        """
+        spec = None if pool is None else self.pools.spec(pool)
+        if spec is not None and spec.purpose == "batch" and holder_kind != HolderKind.job.value:
+            raise BadRequest(
+                f"pool: {pool!r} is a batch pool: only batch jobs run there "
+                "(submit a job: gpubroker jobs submit, or %gpu_submit)"
+            )
+
     def pool_devices(self) -> list[tuple[Device, PoolSpec]]:
         """Every present device (detached row) with its pool."""
         return [(d, self.pool_spec(d.uuid)) for d in self._world.present_devices()]
@@ -516,6 +529,7 @@ class Broker(
         if [gpus, mig_profile, memory_gib].count(None) != 2:
             raise BadRequest("gpus/mig_profile/memory_gib: give exactly one of them")
         shape = self.shape(gpus, mig_profile, memory_gib, count, pool)
+        self._check_purpose(pool, holder_kind)
         policy = self._policy()
         self.class_for_caller(priority_class, admin, policy)
         cls = priority_class or self.policy.default_priority_class

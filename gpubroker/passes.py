@@ -66,6 +66,7 @@ def _slot(
         static=static,
         foreign=foreign,
         mig_static=mig_static,
+        batch=spec is not None and spec.purpose == "batch",
     )
 
 

@@ -74,6 +74,11 @@ class SharingOpsMixin:
         """Recompute each device's pool and re-read the MIG instances."""
         devices = [d for d in session.scalars(select(Device)) if d.present]
         self._pools = self._pool_of(devices)
+        batch = any(spec.purpose == "batch" for spec in self._pools.values())
+        inputs = self._world.inputs
+        if inputs.batch_pools != batch:  # interactive requests keep off batch pools
+            inputs.batch_pools = batch
+            inputs.forget()
         inventory: dict[str, list[Instance]] = {}
         for device in devices:
             if device.mig_enabled:

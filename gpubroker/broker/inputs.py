@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from .. import scheduler
-from ..store.models import Allocation, Lease, LeaseState
+from ..store.models import Allocation, HolderKind, Lease, LeaseState
 
 
 def part_of(allocation: Allocation) -> scheduler.Part:
@@ -61,8 +61,14 @@ def running_of(lease: Lease) -> scheduler.Running:
     )
 
 
-def request_of(lease: Lease) -> scheduler.Request:
-    """The scheduler's value of a pending lease."""
+def request_of(lease: Lease, batch_pools: bool = False) -> scheduler.Request:
+    """The scheduler's value of a pending lease; ``batch_pools``: some pool
+    is a batch pool, so a lease that is not a job and names no pool asks
+    for :data:`~gpubroker.scheduler.types.INTERACTIVE_POOLS` (jobs only run
+    on batch pools)."""
+    pool = lease.pool
+    if pool is None and batch_pools and lease.holder_kind != HolderKind.job.value:
+        pool = scheduler.INTERACTIVE_POOLS
     return scheduler.Request(
         lease_id=lease.id,
         user=lease.user,
@@ -75,7 +81,7 @@ def request_of(lease: Lease) -> scheduler.Request:
         kind=lease.kind,
         mig_profile=lease.mig_profile or "",
         memory_mib=lease.memory_mib or 0,
-        pool=lease.pool,
+        pool=pool,
         weight=lease.weight,
         prefer=tuple(lease.prefer_devices or ()),
     )
@@ -89,6 +95,9 @@ class SchedulerInputs:
         self.running: dict[int, scheduler.Running] = {}
         #: pending leases' values, by id (ids grow: insertion is id order)
         self.pending: dict[int, scheduler.Request] = {}
+        #: some pool is a batch pool (set by the broker from its pools;
+        #: :func:`request_of`)
+        self.batch_pools = False
         #: the last wait a pass set on each pending lease (what it holds now)
         self.waits: dict[int, scheduler.Wait] = {}
         self._changed: set[int] = set()
@@ -159,7 +168,7 @@ class SchedulerInputs:
                 and bool(self.pending)
                 and lease_id < next(reversed(self.pending))
             )
-            self.pending[lease_id] = request_of(lease)
+            self.pending[lease_id] = request_of(lease, self.batch_pools)
             if out_of_order:  # keep id order
                 self.pending = dict(sorted(self.pending.items()))
         else:
@@ -236,7 +245,7 @@ class SchedulerInputs:
             if state == LeaseState.granted.value:
                 fresh: Any = running_of(lease)  # type: ignore[arg-type]
             elif state == LeaseState.pending.value:
-                fresh = request_of(lease)  # type: ignore[arg-type]
+                fresh = request_of(lease, self.batch_pools)  # type: ignore[arg-type]
             else:
                 fresh = None
             if kept != fresh:

@@ -11,6 +11,7 @@ from .fifo import schedule as fifo_schedule
 from .policy import queue_order, schedule
 from .types import (
     DEFAULT_CLASSES,
+    INTERACTIVE_POOLS,
     Decisions,
     Eviction,
     Grant,
@@ -30,10 +31,12 @@ from .types import (
     UsageRecord,
     Wait,
     WaitReason,
+    in_pool,
 )
 
 __all__ = [
     "DEFAULT_CLASSES",
+    "INTERACTIVE_POOLS",
     "Applied",
     "ApplyError",
     "Decisions",
@@ -58,6 +61,7 @@ __all__ = [
     "WaitReason",
     "apply",
     "fifo_schedule",
+    "in_pool",
     "queue_order",
     "release",
     "schedule",

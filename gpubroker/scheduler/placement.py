@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from .types import Slot, Topology
+from .types import Slot, Topology, in_pool
 
 #: a time later than any other, for devices with no known end
 NEVER = dt.datetime.max.replace(tzinfo=dt.timezone.utc)
@@ -228,7 +228,7 @@ class Pool:
         return [
             s
             for s in self.free.get(node, {}).values()
-            if ends <= self.reserved_from.get(s.uuid, NEVER) and (pool is None or s.pool == pool)
+            if ends <= self.reserved_from.get(s.uuid, NEVER) and in_pool(s, pool)
         ]
 
     def place(
@@ -283,7 +283,7 @@ class Pool:
         if cached is not None and (cached[0] == self.version or not cached[1]):
             return cached[1]  # free devices only go during a pass: a "no" stays "no"
         fits = any(
-            sum(1 for s in free.values() if s.pool == pool) >= gpus for free in self.free.values()
+            sum(1 for s in free.values() if in_pool(s, pool)) >= gpus for free in self.free.values()
         )
         self._fits[(gpus, pool)] = (self.version, fits)
         return fits
@@ -321,9 +321,7 @@ class Pool:
             return None
         start, node = found
         candidates = [
-            s
-            for s in self.by_node[node]
-            if s.uuid not in self.earmarked and (pool is None or s.pool == pool)
+            s for s in self.by_node[node] if s.uuid not in self.earmarked and in_pool(s, pool)
         ]
         chosen = sorted(candidates, key=lambda s: (self.available_from[s.uuid], s.index))[:gpus]
         hold_from = start if start < NEVER else self.now
@@ -375,7 +373,7 @@ class Pool:
             times = sorted(
                 self.available_from[s.uuid]
                 for s in self.by_node[node]
-                if s.uuid not in self.earmarked and s.pool == pool
+                if s.uuid not in self.earmarked and in_pool(s, pool)
             )
             per_pool[pool] = times
         return times

@@ -37,6 +37,7 @@ from .placement import NEVER, Pool
 from .preemption import VictimIndex, find_victims
 from .sharing import Miss, SharingPool
 from .types import (
+    INTERACTIVE_POOLS,
     Decisions,
     Eviction,
     Grant,
@@ -49,6 +50,10 @@ from .types import (
     Wait,
     WaitReason,
 )
+
+#: the pools a request may name and still preempt or reclaim (victims are
+#: looked for on every device it may use: a pool named is not searched)
+_ANY_POOL = (None, INTERACTIVE_POOLS)
 
 
 def queue_order(state: SchedulerState, now: dt.datetime) -> list[Request]:
@@ -392,6 +397,7 @@ def _preempt(p: _Pass, request: Request, window: bool) -> bool:
     cls = policy.class_of(request.priority_class)
     key = (
         request.gpus,
+        request.pool,
         in_guarantee,
         request.user if in_guarantee else None,
         cls.preempting,
@@ -553,7 +559,7 @@ def _walk(p: _Pass, order: list[Request]) -> None:
             # possible
             if not (
                 has_guarantees
-                and request.pool is None
+                and request.pool in _ANY_POOL
                 and acct.within_guarantee(user, group, amount)
             ):
                 wait_plain(request, _PRIORITY)
@@ -590,7 +596,7 @@ def _walk(p: _Pass, order: list[Request]) -> None:
         # step 4 (outside the window, only a request within guarantee may preempt)
         window = p.reservations < max_reservations
         if (
-            request.pool is None
+            request.pool in _ANY_POOL
             and (window or (has_guarantees and acct.within_guarantee(user, group, amount)))
             and _preempt(p, request, window)
         ):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .accounting import Accounting
 from .placement import Pool
-from .types import Policy, PriorityClass, Request, Running
+from .types import Policy, PriorityClass, Request, Running, in_pool
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,14 @@ def find_victims(
     for node in with_spare + sorted(set(index.by_node) - set(with_spare)):
         if len(pool.by_node.get(node, ())) < request.gpus:
             continue
-        free = tuple(sorted(pool.free.get(node, {})))[: request.gpus]
-        spares = tuple(d for d in (spare or {}).get(node, ()) if d not in pool.earmarked)
+        wanted = request.pool
+        free = tuple(sorted(u for u, s in pool.free.get(node, {}).items() if in_pool(s, wanted)))
+        free = free[: request.gpus]
+        spares = tuple(
+            d
+            for d in (spare or {}).get(node, ())
+            if d not in pool.earmarked and d in pool.slots and in_pool(pool.slots[d], wanted)
+        )
         spares = spares[: request.gpus - len(free)]
         need = request.gpus - len(free) - len(spares)
         victims: list[Running] = []
@@ -135,8 +141,15 @@ def find_victims(
                 cls.preempting and index.rank[victim.lease_id] < cls.rank
             ):
                 continue
+            theirs = [
+                d
+                for d in victim.devices
+                if pool.node_of(d) == node and d in pool.slots and in_pool(pool.slots[d], wanted)
+            ]
+            if not theirs:
+                continue  # its devices are in pools the request may not use
             victims.append(victim)
-            devices += [d for d in victim.devices if pool.node_of(d) == node]
+            devices += theirs
         if len(devices) < need or not (victims or spares):
             continue
         plan = Plan(node, tuple(victims), free, spares, tuple(devices[:need]))

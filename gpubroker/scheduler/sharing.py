@@ -41,7 +41,18 @@ from typing import Any
 from ..devices import mig
 from . import packing
 from .placement import Best
-from .types import Instance, Part, PoolMode, Request, Running, Slot, SlotKind, WaitReason
+from .types import (
+    INTERACTIVE_POOLS,
+    Instance,
+    Part,
+    PoolMode,
+    Request,
+    Running,
+    Slot,
+    SlotKind,
+    WaitReason,
+    in_pool,
+)
 
 #: MIG placement strategies: the broker's, and the first-fit baseline
 STRATEGIES = ("least-fragmentation", "first-fit")
@@ -388,7 +399,7 @@ class SharingPool:
                         for d in self.devices.values()
                         if d.slot.mode == mode
                         and (drained or not d.slot.drained)
-                        and (pool is None or d.slot.pool == pool)
+                        and in_pool(d.slot, pool)
                     ),
                     key=lambda d: (d.slot.node, d.slot.index),
                 )
@@ -406,7 +417,7 @@ class SharingPool:
             instance UUID for a static layout), or ``(None, miss)``.
         """
         profile, pool = request.mig_profile, request.pool
-        where = f"pool {pool}" if pool else "the MIG pools"
+        where = _where(pool, "MIG")
         drained = self._mig_drained(profile, pool, where)
         if drained is not None:
             return None, drained
@@ -530,7 +541,7 @@ class SharingPool:
         with ``lightest``, the devices where the share weighs least (the
         largest), for a request a limit would hold on smaller devices."""
         need, count, pool = request.memory_mib, request.gpus, request.pool
-        where = f"pool {pool}" if pool else "the time-sliced pools"
+        where = _where(pool, "time-sliced")
         by_node, drained = self._share_nodes(need, count, pool, where)
         if drained is not None:
             return None, drained
@@ -645,3 +656,12 @@ class SharingPool:
             self._room_best[pool] = best
         found = best.best()
         return 0 if found is None else -found[0][0]
+
+
+def _where(pool: str | None, mode: str) -> str:
+    """The pools a request asks for, in words (for wait messages)."""
+    if pool is None:
+        return f"the {mode} pools"
+    if pool == INTERACTIVE_POOLS:
+        return f"the interactive {mode} pools"
+    return f"pool {pool}"

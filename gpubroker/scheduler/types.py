@@ -201,6 +201,8 @@ class Slot:
         mig_static: the device's pool has a static layout: only ``static``
             instances are ever granted, none is created (even when
             ``static`` is empty).
+        batch: its pool's purpose is ``batch``: only requests that may use
+            batch pools (jobs) are placed on it (:func:`in_pool`).
     """
 
     uuid: str
@@ -215,6 +217,23 @@ class Slot:
     static: tuple[Instance, ...] = ()
     foreign: tuple[Instance, ...] = ()
     mig_static: bool = False
+    batch: bool = field(default=False, repr=False)  # repr: as before (golden data)
+
+
+#: the pool a request names to mean "any pool whose purpose is not batch"
+#: (an interactive server, where batch pools exist: jobs only run there)
+INTERACTIVE_POOLS = "@interactive"
+
+
+def in_pool(slot: Slot, pool: str | None) -> bool:
+    """Whether ``slot`` is in the pool a request asks for: any (``None``),
+    the one named, or, for :data:`INTERACTIVE_POOLS`, any pool that is not
+    a batch pool (a pool's purpose, DESIGN.md "pool")."""
+    if pool is None:
+        return True
+    if pool == INTERACTIVE_POOLS:
+        return not slot.batch
+    return slot.pool == pool
 
 
 @dataclass(frozen=True)
@@ -295,7 +314,9 @@ class Request:
             shares of ``memory_mib`` each, on distinct devices of one node).
         mig_profile: the MIG profile asked for (``mig`` only).
         memory_mib: memory of each share, MiB (``share`` only).
-        pool: the pool asked for; ``None``: any pool of the right mode.
+        pool: the pool asked for; ``None``: any pool of the right mode;
+            :data:`INTERACTIVE_POOLS`: any of the right mode that is not a
+            batch pool.
         weight: device units charged to quotas while it waits and when
             granted (whole devices: ``gpus``; else the broker's estimate from
             the pool's devices, see :func:`gpubroker.scheduler.sharing.mig_weight` and

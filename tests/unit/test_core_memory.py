@@ -389,7 +389,7 @@ def test_scheduler_values_are_built_again_only_for_changed_leases(
     broker.check_state = "off"  # the check builds every value afresh
     built: list[int] = []
     real = inputs.request_of
-    monkeypatch.setattr(inputs, "request_of", lambda x: built.append(x.id) or real(x))
+    monkeypatch.setattr(inputs, "request_of", lambda x, *a: built.append(x.id) or real(x, *a))
     lease = broker.request_lease("late", "", gpus=1)
     broker.release_lease(lease["id"], "done")
     # the new request is built (its first pass); none of the 30 others
