@@ -11,7 +11,8 @@ UUIDs, ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, ``GPUBROKER_LEASE_ID``), the job's
 own variables and ``GPUBROKER_JOB_ID``, ``HOME``, ``USER`` and ``PATH``;
 nothing of the broker's own environment (trust rule).
 
-A notebook job runs ``python -m papermill IN OUT -y PARAMS`` (papermill
+A notebook job runs papermill (``IN OUT -y PARAMS``, through
+:mod:`gpubroker.jobs.nbrun`, which interrupts its kernel on a warning; papermill
 saves the output notebook after every cell, so a failed or cancelled job
 leaves its partial output with the error cell marked); its output is
 ``<name>.<job id>.ipynb`` beside the input, its log (papermill's, with the
@@ -27,6 +28,7 @@ Every change is an event in the lease's transition log (``job-started``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -437,6 +439,13 @@ class JobService(LoggingConfigurable):
             status = _recorded(status, job_id, self.sessions)
         lost = status.state == "lost"
         state_now = model.outcome(status.exit_code, status.signal, status.timed_out, lost)
+        preempted = lease is not None and lease["state"] == "granted" and lease.get("preemption")
+        if preempted and state_now != model.SUCCEEDED and self._restarts_left(job_id, True):
+            # it ended in its grace period (on the warning, checkpointed): run it again
+            why = str(lease["preemption"].get("reason") or "preempted")  # type: ignore[index]
+            self.broker.release_lease(lease["id"], f"job {job_id} {why}", actor="broker")
+            self._requeue(job_id, why, status)
+            return 1
         if lease is not None and lease["state"] == "granted":
             self.broker.release_lease(lease["id"], f"job {job_id} {state_now}", actor="broker")
         if state_now == model.FAILED and self._restarts_left(job_id, False):
@@ -448,13 +457,14 @@ class JobService(LoggingConfigurable):
     async def _maybe_warn(
         self, job_id: int, lease: dict[str, Any], handle: Handle, watch: _Watch
     ) -> None:
-        """Send a command job's processes the warning signal once,
-        ``warn_before`` seconds before the time limit, or when a
-        preemption's grace period starts. Notebook jobs get none: papermill
-        and its kernel would end on it (their output is saved per cell)."""
+        """Warn a job once, ``warn_before`` seconds before its time limit,
+        or when a preemption's grace period starts: a command job's
+        processes get the warning signal; a notebook job's kernel is
+        interrupted (its runner, :mod:`gpubroker.jobs.nbrun`, sees the
+        warning file appear), so the running cell gets ``KeyboardInterrupt``."""
         now = dt.datetime.now(dt.timezone.utc)
         warned, started, limit = watch.warned_at, watch.started_at, watch.time_limit
-        if warned is not None or watch.kind != "command":
+        if warned is not None:
             return
         # a limit shorter than the warning gets none (it would come at the start)
         near = limit is not None and started is not None and limit > self.warn_before
@@ -463,12 +473,14 @@ class JobService(LoggingConfigurable):
         if not (near or preempting):
             return
         signum = int(getattr(signal_module, self.warn_signal))
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.signal, handle, signum
-            )
-        except EngineError as err:
-            self.log.warning("Job %s: warning signal: %s", job_id, err)
+            if watch.kind == "command":
+                await loop.run_in_executor(None, self.engine.signal, handle, signum)
+            else:  # its runner interrupts the kernel (gpubroker/jobs/nbrun.py)
+                await loop.run_in_executor(None, _flag, _warn_file(watch.log))
+        except (EngineError, OSError) as err:
+            self.log.warning("Job %s: warning: %s", job_id, err)
         with self.sessions.begin() as session:
             self._get(session, job_id).warned_at = now
         why = "its lease is being preempted" if preempting else "its time limit is near"
@@ -544,8 +556,7 @@ class JobService(LoggingConfigurable):
             cwd = root / spec["cwd"] if spec["cwd"] else notebook.parent
             argv = [
                 self.python,
-                "-m",
-                "papermill",
+                str(Path(__file__).with_name("nbrun.py")),  # papermill, interrupted on a warning
                 str(notebook),
                 output,
                 "--log-output",
@@ -561,6 +572,8 @@ class JobService(LoggingConfigurable):
         # after the job ended still learns its real outcome
         env["GPUBROKER_JOB_EXIT_FILE"] = f"{log}.exit"
         env["GPUBROKER_WARN_SIGNAL"] = self.warn_signal.removeprefix("SIG")
+        env["GPUBROKER_WARN_FILE"] = _warn_file(log)
+        _unlink(_warn_file(log))  # a run before a requeue was warned: this one is not yet
         argv = ["/bin/sh", "-c", _RECORD_EXIT, "gpubroker-job", *argv]
         return LaunchSpec(
             argv=tuple(argv),
@@ -641,10 +654,37 @@ class _Watch:
     started_at: dt.datetime | None
     warned_at: dt.datetime | None
     time_limit: float | None
+    log: str = ""
 
     @classmethod
     def of(cls, job: Any) -> _Watch:
-        return cls(job.kind, job.started_at, job.warned_at, job.spec.get("time_limit"))
+        limit = job.spec.get("time_limit")
+        return cls(job.kind, job.started_at, job.warned_at, limit, job.log_path or "")
+
+
+def _warn_file(log: str) -> str:
+    """The file whose appearance warns a notebook job's runner."""
+    return f"{log}.warn"
+
+
+def _flag(path: str) -> None:
+    """Create ``path`` (empty), never through a link or over a file already
+    there (it is in the user's directory; the broker may be root).
+
+    Raises:
+        OSError: it cannot be created (one already there is fine)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        return
+    os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    """Remove ``path`` if it is there (a link is removed, not followed)."""
+    # not there, or not ours to remove (then the runner is warned at once)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def _uid_of(user: str) -> int | None:

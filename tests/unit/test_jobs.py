@@ -207,6 +207,31 @@ def test_a_command_job_gets_the_warning_signal_before_its_time_limit(
     assert "job-warned" in kinds
 
 
+def test_a_notebook_jobs_kernel_is_interrupted_before_its_time_limit(
+    jobs: JobService, home: Path
+) -> None:
+    """The warning interrupts the running cell (KeyboardInterrupt), which
+    saves a checkpoint; the job is then stopped at its limit and timed out,
+    its output notebook saved."""
+    jobs.warn_before = 6
+    notebook(
+        home / "ivy" / "train.ipynb",
+        [
+            "import time",
+            "try:\n    while True:\n        time.sleep(0.1)\n"
+            "except KeyboardInterrupt:\n    open('warned.txt', 'w').write('interrupted')\n"
+            "while True:\n    time.sleep(0.1)",
+        ],
+    )
+    job = jobs.submit("ivy", {"notebook": "train.ipynb", "gpus": 1, "time": "12s"})
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "timed-out"
+    assert (home / "ivy" / "warned.txt").read_text() == "interrupted"
+    assert "kernel interrupted" in (home / "ivy" / f"train.{job['id']}.log").read_text()
+    kinds = [e["kind"] for e in jobs.broker.lease_events(done["lease_id"])]
+    assert "job-warned" in kinds
+
+
 def test_a_failed_job_is_retried_with_its_restart_count(jobs: JobService, home: Path) -> None:
     (home / "jay").mkdir(parents=True)
     script = 'echo "$GPUBROKER_RESTART_COUNT" >> runs.txt; exit 1'
@@ -267,6 +292,63 @@ def test_a_preempted_job_is_warned_requeued_and_resumes_from_its_checkpoint(
     done = run_until_done(service, job["id"])
     assert done["state"] == "succeeded"
     assert (home / "kim" / "runs.txt").read_text() == "run 0\nrun 1\nresumed\n"
+
+
+def test_a_preempted_notebook_checkpoints_on_the_interrupt_and_is_requeued(
+    db_url: str, home: Path
+) -> None:
+    """The grace period's warning interrupts the notebook's cell, which saves
+    a checkpoint and stops; the job ended in its grace period, so it is
+    queued again and resumes from the checkpoint."""
+    import time
+
+    from .test_core import quota_broker
+
+    broker = quota_broker(
+        db_url,
+        group_quotas={"A": {"guaranteed": 4}, "B": {"guaranteed": 4}},
+        priority_classes=[
+            {"name": "interactive", "rank": 100},
+            {"name": "batch", "rank": 50, "grace": 60},
+        ],
+    )
+    service = JobService(broker, broker.engine, run_as_self=True)
+    service.root_dir_template = str(home / "{username}")
+    for i in range(7):
+        broker.request_lease(f"b{i}", "", 1, holder_kind="external", groups=["B"], group="B")
+    notebook(
+        home / "kim" / "train.ipynb",
+        [
+            "import os, pathlib, time\n"
+            "state = pathlib.Path(os.environ['GPUBROKER_CHECKPOINT_DIR']) / 'state'\n"
+            "open('started', 'w').write('yes')",
+            "if state.exists():\n    open('runs.txt', 'a').write('resumed\\n')\n"
+            "else:\n    try:\n        while True:\n            time.sleep(0.1)\n"
+            "    except KeyboardInterrupt:\n        state.write_text('saved')\n"
+            "        open('runs.txt', 'a').write('saved\\n')\n        raise",
+        ],
+    )
+    job = service.submit("kim", {"notebook": "train.ipynb", "gpus": 1, "group": "B"}, ["B"])
+    asyncio.run(service.tick())
+    for _ in range(300):  # the kernel runs the loop
+        if (home / "kim" / "started").exists():
+            break
+        time.sleep(0.1)
+    alice = broker.request_lease("alice", "", 1, holder_kind="external", groups=["A"], group="A")
+    assert alice["queue"]["reason"] == "Preempting"
+    for _ in range(300):  # warned, interrupted, ended in its grace period: queued again
+        asyncio.run(service.tick())
+        if service.get(job["id"])["state"] == "queued":
+            break
+        time.sleep(0.2)
+    again = service.get(job["id"])
+    assert again["state"] == "queued" and again["restarts"] == 1, again["reason"]
+    broker.schedule_now()
+    assert broker.get_lease(alice["id"])["state"] == "granted"
+    broker.release_lease(alice["id"], "done")
+    done = run_until_done(service, job["id"])
+    assert done["state"] == "succeeded"
+    assert (home / "kim" / "runs.txt").read_text() == "saved\nresumed\n"
 
 
 def test_a_link_in_place_of_a_jobs_log_is_not_followed(jobs: JobService, home: Path) -> None:
