@@ -83,6 +83,11 @@ class SyncBrokerClient:
         path = f"/jobs/{int(job_id)}/logs"
         return dict(self.call("GET", path, params=params, timeout=self.timeout + wait))
 
+    def release_lease(self, lease_id: int, reason: str) -> dict[str, Any]:
+        """``DELETE /leases/{id}`` with ``reason``: a running server's lease
+        is released once the hub has stopped the server."""
+        return dict(self.call("DELETE", f"/leases/{int(lease_id)}", {"reason": reason}))
+
     def cancel_job(self, job_id: int) -> dict[str, Any]:
         """``DELETE /jobs/{id}``."""
         return dict(self.call("DELETE", f"/jobs/{quote(str(int(job_id)))}"))

@@ -4,10 +4,19 @@
   notices (cull warnings, preemptions, finished jobs);
 * ``%gpu_submit [NOTEBOOK] --gpus N | --mig PROFILE | --memory GIB
   [--time 12h] [--param k=v ...] [--kernel NAME] [--retries N] [--pool P]
-  [--class C]``:
+  [--class C] [--release [--yes]]``:
   run a notebook (default: the one this kernel belongs to, as last saved) as
   a batch job on a lease of its own;
+* ``%%gpu_job --gpus N | --mig PROFILE | --memory GIB [--time 1h] ...``:
+  run the cell's code as a script job (this kernel's Python);
 * ``%gpu_jobs``; ``%gpu_logs ID [--follow]``; ``%gpu_cancel ID``.
+
+``%gpu_submit --release`` ends this server's GPU lease once the job is
+accepted (after a confirmation; ``--yes`` skips it): the hub stops this
+server and its GPUs go to whoever waits. By default the job's kernel is this
+kernel's Python (``sys.executable``), not only the name in the notebook's
+metadata; ``--kernel NAME`` names another. A notebook with cells run here
+that are not in its saved file gets a warning: the job runs the saved file.
 
 They call the broker over HTTP with the server's own token
 (``$JUPYTERHUB_API_TOKEN``: the user's rights only) through
@@ -26,7 +35,7 @@ import time
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
@@ -50,6 +59,49 @@ def _table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
         for r in rows
     )
     display({"text/plain": plain, "text/html": f"<table><tr>{head}</tr>{body}</table>"}, raw=True)
+
+
+def _resources(func: Any) -> Any:
+    """The options of what a job asks for (``%gpu_submit``, ``%%gpu_job``)."""
+    for option in reversed(
+        [
+            argument("--gpus", type=int, help="whole GPUs"),
+            argument("--mig", help="a MIG profile, e.g. 1g.10gb"),
+            argument("--memory", type=float, help="a share of this many GiB"),
+            argument("--time", help="time limit: seconds, or 90s, 10m, 12h, 2d"),
+            argument("--retries", type=int, help="run again after a failure, this many times"),
+            argument("--pool", help="the pool"),
+            argument("--class", dest="priority_class", help="the priority class (default: batch)"),
+        ]
+    ):
+        func = option(func)
+    return func
+
+
+def _relative_cwd() -> str | None:
+    """This kernel's directory relative to the home directory (the job's
+    root), or ``None`` (the root) when it is not inside it."""
+    home, here = os.path.realpath(os.path.expanduser("~")), os.path.realpath(os.getcwd())
+    if here == home or not here.startswith(home + os.sep):
+        return None
+    return os.path.relpath(here, home)
+
+
+def unsaved_cells(shell: Any, notebook: str) -> int:
+    """How many distinct code cells run in ``shell`` this session are not in
+    ``notebook``'s saved file (0 when it cannot be read). Magics and blank
+    inputs are left out."""
+    import nbformat
+
+    try:
+        saved = nbformat.read(notebook, as_version=4)
+    except (OSError, ValueError):
+        return 0
+    sources = {c.source.strip() for c in saved.cells if c.cell_type == "code"}
+    history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", [])
+    ran = {str(x).strip() for x in history[1:]}
+    ran = {x for x in ran if x and not x.startswith("%")}
+    return len(ran - sources)
 
 
 @magics_class
@@ -85,15 +137,15 @@ class GPUMagics(Magics):
 
     @magic_arguments()
     @argument("notebook", nargs="?", help="the notebook (default: this kernel's, as last saved)")
-    @argument("--gpus", type=int, help="whole GPUs")
-    @argument("--mig", help="a MIG profile, e.g. 1g.10gb")
-    @argument("--memory", type=float, help="a share of this many GiB")
-    @argument("--time", help="time limit: seconds, or 90s, 10m, 12h, 2d")
+    @_resources
     @argument("--param", action="append", default=[], help="a parameter NAME=VALUE (repeat)")
-    @argument("--kernel", help="the kernel (default: the notebook's)")
-    @argument("--retries", type=int, help="run again after a failure, this many times")
-    @argument("--pool", help="the pool")
-    @argument("--class", dest="priority_class", help="the priority class (default: batch)")
+    @argument("--kernel", help="the kernel (default: this kernel's Python)")
+    @argument(
+        "--release",
+        action="store_true",
+        help="end this server's GPU lease once the job is accepted (the server stops)",
+    )
+    @argument("--yes", action="store_true", help="with --release: do not ask first")
     @line_magic
     def gpu_submit(self, line: str) -> dict[str, Any]:
         """Run a notebook as a batch job on GPUs of its own."""
@@ -101,24 +153,77 @@ class GPUMagics(Magics):
         notebook = args.notebook or os.environ.get("JPY_SESSION_NAME")
         if not notebook:
             raise UsageError("%gpu_submit: name the notebook (this kernel's is not known)")
+        release = self._release_lease(args)
+        self._warn_unsaved(notebook)
+        what = {"notebook": notebook, "params": list(args.param)}
+        if not args.kernel:
+            what["python"] = sys.executable
+        job = self._submit("%gpu_submit", args, what, kernel=args.kernel)
+        if release is not None:
+            self._call("release_lease", release, f"released for job {job['id']} (%gpu_submit)")
+            print(f"lease {release} released: this server stops now")
+        return job
+
+    @magic_arguments()
+    @_resources
+    @cell_magic
+    def gpu_job(self, line: str, cell: str) -> dict[str, Any]:
+        """``%%gpu_job --gpus 1 --time 1h``: run the cell's code as a script
+        job, with this kernel's Python, in this kernel's directory."""
+        args = parse_argstring(self.gpu_job, line)
+        if not cell.strip():
+            raise UsageError("%%gpu_job: the cell is empty")
+        what = {"command": [sys.executable, "-c", cell], "cwd": _relative_cwd()}
+        return self._submit("%%gpu_job", args, what)
+
+    def _submit(self, name: str, args: Any, what: dict[str, Any], **more: Any) -> dict[str, Any]:
         chosen = [n for n in ("gpus", "mig", "memory") if getattr(args, n) is not None]
         if len(chosen) != 1:
-            raise UsageError("%gpu_submit: give exactly one of --gpus, --mig and --memory")
+            raise UsageError(f"{name}: give exactly one of --gpus, --mig and --memory")
         body = job_body(
-            {"notebook": notebook, "params": list(args.param)},
+            {k: v for k, v in what.items() if v is not None},
             gpus=args.gpus,
             mig_profile=args.mig,
             memory_gib=args.memory,
             time=args.time,
-            kernel=args.kernel,
             pool=args.pool,
             priority_class=args.priority_class,
             retries=args.retries,
+            **more,
         )
         job = self._call("submit_job", body)
         queue = job.get("queue") or {}
         print(f"job {job['id']} {job['state']}: {queue.get('message') or 'starting'}")
         return dict(job)
+
+    def _release_lease(self, args: Any) -> int | None:
+        """The lease ``--release`` will end (asked first, unless ``--yes``)."""
+        if not args.release:
+            return None
+        lease_id = os.environ.get("GPUBROKER_LEASE_ID")
+        if not lease_id:
+            raise UsageError("%gpu_submit --release: this server holds no GPU lease")
+        if not args.yes:
+            answer = input(
+                f"Release lease {lease_id} once the job is accepted? This server stops "
+                "(save your work first). [y/N] "
+            )
+            if answer.strip().lower() not in ("y", "yes"):
+                raise UsageError("%gpu_submit: not submitted (--release was not confirmed)")
+        return int(lease_id)
+
+    def _warn_unsaved(self, notebook: str) -> None:
+        """Warn when code run in this kernel is missing from the saved notebook
+        (the job runs the file as last saved)."""
+        if notebook != os.environ.get("JPY_SESSION_NAME"):
+            return  # another notebook: this kernel's history says nothing of it
+        missing = unsaved_cells(self.shell, notebook)
+        if missing:
+            print(
+                f"Warning: {missing} cell(s) run in this kernel are not in {notebook} as "
+                "saved; the job runs the saved file (save it first to include them).",
+                file=sys.stderr,
+            )
 
     @line_magic
     def gpu_jobs(self, line: str) -> list[dict[str, Any]]:

@@ -35,8 +35,10 @@ def connect(hub: RunningHub, user: str, token: str, kernel_id: str) -> websocket
     )
 
 
-def execute(ws: websocket.WebSocket, code: str, wait: bool = True) -> None:
-    """Send ``code`` for execution; with ``wait``, return when the kernel is idle again."""
+def execute(ws: websocket.WebSocket, code: str, wait: bool = True) -> list[str]:
+    """Send ``code`` for execution; with ``wait``, return when the kernel is
+    idle again, with the errors it raised (``"Name: value"``; empty: none)."""
+    errors: list[str] = []
     msg_id = uuid.uuid4().hex
     ws.send(
         json.dumps(
@@ -66,9 +68,11 @@ def execute(ws: websocket.WebSocket, code: str, wait: bool = True) -> None:
     )
     while wait:
         msg = json.loads(ws.recv())
-        if (
-            msg.get("parent_header", {}).get("msg_id") == msg_id
-            and msg.get("msg_type") == "status"
-            and msg["content"].get("execution_state") == "idle"
-        ):
-            return
+        if msg.get("parent_header", {}).get("msg_id") != msg_id:
+            continue
+        content = msg.get("content", {})
+        if msg.get("msg_type") == "execute_reply" and content.get("status") == "error":
+            errors.append(f"{content.get('ename')}: {content.get('evalue')}")
+        if msg.get("msg_type") == "status" and msg["content"].get("execution_state") == "idle":
+            return errors
+    return errors

@@ -273,7 +273,7 @@ def lease_request(data: dict[str, Any]) -> dict[str, Any]:
 
 #: fields of a ``POST /jobs`` body
 JOB_FIELDS = frozenset(
-    {"user", "notebook", "command", "params", "kernel", "cwd", "env", "time", "retries"}
+    {"user", "notebook", "command", "params", "kernel", "python", "cwd", "env", "time", "retries"}
     | {"gpus", "mig_profile", "memory_gib", "count", "pool", "priority_class", "group"}
 )
 

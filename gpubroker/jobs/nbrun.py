@@ -10,6 +10,9 @@ line with those arguments. Two things are added:
   ignored across ``exec``): the broker's signal to the job's process group
   must not end papermill or the kernel midway. Code in the notebook may
   still install a handler of its own.
+* ``$GPUBROKER_KERNEL_PYTHON`` (the Python of the kernel the notebook was
+  submitted from) without a ``-k``: the notebook runs in a kernel of that
+  Python, through a kernelspec made for it in a temporary directory.
 * When the broker warns (the file ``$GPUBROKER_WARN_FILE`` appears: a time
   limit is near, or the job's lease is being preempted), the kernel is
   interrupted (SIGINT to this process's children), as Jupyter's
@@ -22,9 +25,11 @@ line with those arguments. Two things are added:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -62,8 +67,24 @@ def watch(flag: Path, interval: float = 0.5) -> None:
     )
 
 
+def kernel_of(python: str, where: Path) -> str:
+    """Make a kernelspec, under ``where``, that runs ``python``'s ipykernel;
+    returns its name (``where`` goes on ``JUPYTER_PATH``)."""
+    spec = where / "kernels" / "gpubroker-job"
+    spec.mkdir(parents=True, exist_ok=True)
+    argv = [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    kernel = {"argv": argv, "display_name": f"Python ({python})", "language": "python"}
+    (spec / "kernel.json").write_text(json.dumps(kernel))
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(
+        p for p in (str(where), os.environ.get("JUPYTER_PATH", "")) if p
+    )
+    return spec.name
+
+
 def main(argv: list[str]) -> None:
-    """Run papermill's command line on ``argv``, warned as described above."""
+    """Run papermill's command line on ``argv``, warned as described above;
+    with ``$GPUBROKER_KERNEL_PYTHON`` (and no ``-k``), the notebook runs in a
+    kernel of that Python (the one it was submitted from)."""
     warn = os.environ.get("GPUBROKER_WARN_SIGNAL", "")
     if warn:
         signal.signal(getattr(signal, f"SIG{warn}"), signal.SIG_IGN)
@@ -72,7 +93,11 @@ def main(argv: list[str]) -> None:
         threading.Thread(target=watch, args=(Path(flag),), daemon=True).start()
     from papermill.cli import papermill
 
-    papermill.main(args=argv, prog_name="papermill")
+    python = os.environ.get("GPUBROKER_KERNEL_PYTHON", "")
+    with tempfile.TemporaryDirectory(prefix="gpubroker-kernel-") as where:
+        if python and "-k" not in argv:
+            argv = [*argv, "-k", kernel_of(python, Path(where))]
+        papermill.main(args=argv, prog_name="papermill")
 
 
 if __name__ == "__main__":

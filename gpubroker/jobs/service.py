@@ -212,6 +212,10 @@ class JobService(LoggingConfigurable):
                 raise model.JobError("notebook", f"no such notebook: {spec.notebook!r}")
             if spec.kernel and spec.kernel not in _kernel_names():
                 raise model.JobError("kernel", f"no such kernel: {spec.kernel!r}")
+            if spec.python and not (
+                os.path.isfile(spec.python) and os.access(spec.python, os.X_OK)
+            ):
+                raise model.JobError("python", f"not an executable file: {spec.python!r}")
             cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else notebook.parent
             return {"notebook": notebook, "cwd": cwd}
         cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else self.root_of(user)
@@ -565,6 +569,8 @@ class JobService(LoggingConfigurable):
             argv += ["--cwd", str(cwd), "-y", json.dumps(spec["params"])]
             if spec["kernel"]:
                 argv += ["-k", spec["kernel"]]
+            elif spec.get("python"):  # nbrun makes a kernel of it
+                env["GPUBROKER_KERNEL_PYTHON"] = spec["python"]
         else:
             cwd = root / spec["cwd"] if spec["cwd"] else root
             argv = list(spec["command"])

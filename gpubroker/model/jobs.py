@@ -153,6 +153,10 @@ class JobSpec:
         time_limit: seconds the job may run (``None``: no limit).
         retries: how often a failed run is started again (0 to
             :data:`MAX_RETRIES`).
+        python: the Python whose ``ipykernel`` runs the notebook when no
+            ``kernel`` is named (an absolute path: the kernel the notebook
+            was submitted from, ``%gpu_submit``); ``""``: the kernel in the
+            notebook's metadata.
     """
 
     kind: str
@@ -164,6 +168,7 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     time_limit: float | None = None
     retries: int = 0
+    python: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """The spec as stored (JSON)."""
@@ -177,6 +182,7 @@ class JobSpec:
             "env": dict(self.env),
             "time_limit": self.time_limit,
             "retries": self.retries,
+            "python": self.python,
         }
 
 
@@ -197,7 +203,7 @@ def relative_path(value: Any, field_name: str) -> str:
 
 def parse_spec(data: Mapping[str, Any]) -> JobSpec:
     """A job spec from a request's fields (``notebook`` or ``command``,
-    ``params``, ``kernel``, ``cwd``, ``env``, ``time``).
+    ``params``, ``kernel``, ``python``, ``cwd``, ``env``, ``time``).
 
     Raises:
         JobError: naming the field that is wrong.
@@ -215,6 +221,11 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
     kernel = data.get("kernel") or ""
     if not isinstance(kernel, str) or (kernel and not re.match(r"^[A-Za-z0-9._-]{1,64}$", kernel)):
         raise JobError("kernel", f"not a kernel name: {kernel!r}")
+    python = data.get("python") or ""
+    if not isinstance(python, str) or (
+        python and not (python.startswith("/") and len(python) <= 4096 and "\x00" not in python)
+    ):
+        raise JobError("python", f"must be an absolute path to a Python, got {python!r}")
     cwd = relative_path(data["cwd"], "cwd") if data.get("cwd") else ""
     raw_time = data.get("time")
     time_limit = None if raw_time in (None, "") else parse_time(raw_time)
@@ -231,13 +242,16 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
         path = relative_path(notebook, "notebook")
         if not path.endswith(".ipynb"):
             raise JobError("notebook", f"must be a .ipynb file: {notebook!r}")
-        return JobSpec("notebook", path, (), params, kernel, cwd, dict(env), time_limit, retries)
+        python = "" if kernel else python  # a kernel named wins
+        return JobSpec(
+            "notebook", path, (), params, kernel, cwd, dict(env), time_limit, retries, python
+        )
     if isinstance(command, str):
         command = ["/bin/sh", "-c", command]
     if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
         raise JobError("command", "must be a shell line or a list of arguments")
-    if params:
-        raise JobError("param", "parameters are for notebook jobs")
+    if params or python:
+        raise JobError("param" if params else "python", "is for notebook jobs")
     return JobSpec("command", "", tuple(command), {}, "", cwd, dict(env), time_limit, retries)
 
 

@@ -38,7 +38,7 @@ def test_gpu_submit_runs_the_notebook_as_a_job_that_outlives_the_server(
     hub.wait_for_server(user)
     ws = connect(hub, user, token, start_kernel(hub, user, token))
     try:
-        execute(
+        assert not execute(
             ws,
             "%load_ext gpubroker\n"
             "import json\n"
@@ -104,3 +104,78 @@ def test_gpu_submit_runs_the_notebook_as_a_job_that_outlives_the_server(
     assert [(j["id"], j["state"]) for j in jobs] == [(job["id"], "succeeded")]
     hub.api("DELETE", f"/users/{user}/server")
     hub.wait_for_no_server(user)
+
+
+def test_a_cell_job_and_submit_release_free_the_servers_gpu_for_a_waiting_user(
+    clean_hub: RunningHub,
+) -> None:
+    """%%gpu_job runs a cell as a script job on a GPU of its own; then, with
+    every other GPU held, %gpu_submit --release --yes: the job is accepted,
+    the hub stops the server, and the user waiting first gets its GPU."""
+    hub = clean_hub
+    user = "promoter"
+    token = hub.create_user(user)
+    home = hub.workdir / "home" / user
+    home.mkdir(parents=True, exist_ok=True)
+    write_notebook(home / "train.ipynb", ["print('trained')"])
+    assert spawn(hub, user, {"gpus": 1}).status_code in (201, 202)
+    hub.wait_for_server(user)
+    ws = connect(hub, user, token, start_kernel(hub, user, token))
+    try:
+        assert not execute(
+            ws,
+            "%load_ext gpubroker\n"
+            "import json\n"
+            "cell = get_ipython().run_cell_magic('gpu_job', '--gpus 1 --time 5m',\n"
+            "    \"import os\\nopen('cell.txt', 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])\")\n"
+            "open('cell.json', 'w').write(json.dumps(cell))\n",
+        )
+        cell = wait_until(lambda: _read_json(home / "cell.json"), timeout=30)
+        assert cell["kind"] == "command"
+        ended = wait_until(
+            lambda: (
+                (j := hub.broker_api("GET", f"/jobs/{cell['id']}", token=token).json())["state"]
+                not in ("queued", "running")
+                and j
+            ),
+            timeout=120,
+        )
+        assert ended["state"] == "succeeded", ended
+        assert (home / "cell.txt").read_text().startswith("GPU-")
+        fillers = [
+            hub.broker_api(
+                "POST", "/leases", json={"user": "filler", "gpus": 1, "holder_kind": "external"}
+            ).json()
+            for _ in range(7)
+        ]
+        assert all(f["state"] == "granted" for f in fillers)
+        waiter = hub.broker_api(
+            "POST", "/leases", json={"user": "waiter", "gpus": 1, "holder_kind": "external"}
+        ).json()
+        assert waiter["state"] == "pending"
+        assert not execute(
+            ws,
+            "job = %gpu_submit train.ipynb --gpus 1 --release --yes\n"
+            "open('released.json', 'w').write(json.dumps(job))\n",
+        )
+        job = wait_until(lambda: _read_json(home / "released.json"), timeout=30)
+    finally:
+        ws.close()
+    hub.wait_for_no_server(user)
+    granted = wait_until(
+        lambda: hub.broker_api("GET", f"/leases/{waiter['id']}").json()["state"] == "granted",
+        timeout=60,
+    )
+    assert granted
+    assert hub.broker_api("GET", f"/jobs/{job['id']}", token=token).json()["state"] == "queued"
+    for lease in [*fillers, waiter]:
+        hub.broker_api("DELETE", f"/leases/{lease['id']}")
+    done = wait_until(
+        lambda: (
+            (j := hub.broker_api("GET", f"/jobs/{job['id']}", token=token).json())["state"]
+            not in ("queued", "running")
+            and j
+        ),
+        timeout=120,
+    )
+    assert done["state"] == "succeeded", done

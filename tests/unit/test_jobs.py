@@ -232,6 +232,32 @@ def test_a_notebook_jobs_kernel_is_interrupted_before_its_time_limit(
     assert "job-warned" in kinds
 
 
+def test_a_notebook_runs_in_a_kernel_of_the_python_it_was_submitted_from(
+    jobs: JobService, home: Path
+) -> None:
+    """``python`` (what %gpu_submit sends: the submitting kernel's
+    sys.executable) makes the kernel, whatever the notebook's metadata says;
+    a kernel named wins; a path that is not an executable is a 400."""
+    import sys
+
+    env = home / "ann" / "env"
+    env.mkdir(parents=True)
+    python = env / "python"
+    python.write_text(f'#!/bin/sh\necho "$0" > "{env}/used"\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    notebook(home / "ann" / "nb.ipynb", ["print('ran')"])
+    job = jobs.submit("ann", {"notebook": "nb.ipynb", "gpus": 1, "python": str(python)})
+    assert run_until_done(jobs, job["id"])["state"] == "succeeded"
+    assert (env / "used").read_text().strip() == str(python)
+    with pytest.raises(BadRequest) as bad:
+        jobs.submit("ann", {"notebook": "nb.ipynb", "gpus": 1, "python": str(env / "nope")})
+    assert bad.value.message.startswith("python: not an executable file")
+    with pytest.raises(BadRequest) as bad:
+        jobs.submit("ann", {"notebook": "nb.ipynb", "gpus": 1, "python": "python3"})
+    assert bad.value.message.startswith("python: must be an absolute path")
+    assert [j["id"] for j in jobs.list("ann")] == [job["id"]]
+
+
 def test_a_failed_job_is_retried_with_its_restart_count(jobs: JobService, home: Path) -> None:
     (home / "jay").mkdir(parents=True)
     script = 'echo "$GPUBROKER_RESTART_COUNT" >> runs.txt; exit 1'

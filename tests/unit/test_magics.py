@@ -1,0 +1,99 @@
+"""The notebook magics' parsing in an IPython shell, against a client that
+records what would be sent (the real broker, hub and kernel are in
+tests/integration/test_magics_hub.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from gpubroker.magics import GPUMagics, unsaved_cells
+
+from ..nbutil import write_notebook
+
+
+class Recorder:
+    """The calls the magics make of :class:`~gpubroker.client_sync.SyncBrokerClient`."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def submit_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("submit_job", (body,)))
+        return {"id": 7, "state": "queued", "queue": {"message": "waiting"}}
+
+    def release_lease(self, lease_id: int, reason: str) -> dict[str, Any]:
+        self.calls.append(("release_lease", (lease_id, reason)))
+        return {"id": lease_id, "state": "granted"}
+
+
+@pytest.fixture
+def shell() -> tuple[InteractiveShell, Recorder]:
+    ip = InteractiveShell.instance()
+    recorder = Recorder()
+    ip.register_magics(GPUMagics(ip, client=recorder))  # type: ignore[arg-type]
+    yield ip, recorder
+    InteractiveShell.clear_instance()
+
+
+def test_a_cell_job_runs_the_cell_with_this_kernels_python(shell: Any) -> None:
+    ip, recorder = shell
+    ip.run_cell_magic("gpu_job", "--gpus 1 --time 1h --retries 2", "print('hi')\n")
+    (name, (body,)), *_ = recorder.calls
+    assert name == "submit_job"
+    assert body["command"] == [sys.executable, "-c", "print('hi')\n"]
+    assert (body["gpus"], body["time"], body["retries"]) == (1, "1h", 2)
+    with pytest.raises(UsageError, match="give exactly one of --gpus"):
+        ip.run_cell_magic("gpu_job", "--time 1h", "print('hi')")
+    with pytest.raises(UsageError, match="the cell is empty"):
+        ip.run_cell_magic("gpu_job", "--gpus 1", "  \n")
+    assert len(recorder.calls) == 1
+
+
+def test_submit_sends_this_kernels_python_unless_a_kernel_is_named(shell: Any) -> None:
+    ip, recorder = shell
+    ip.run_line_magic("gpu_submit", "train.ipynb --gpus 1 --param epochs=2")
+    ip.run_line_magic("gpu_submit", "train.ipynb --gpus 1 --kernel julia-1.10")
+    first, second = (call[1][0] for call in recorder.calls)
+    assert first["python"] == sys.executable and first["params"] == ["epochs=2"]
+    assert "python" not in second and second["kernel"] == "julia-1.10"
+
+
+def test_release_asks_first_and_ends_the_lease_after_the_job_is_accepted(
+    shell: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ip, recorder = shell
+    monkeypatch.setenv("GPUBROKER_LEASE_ID", "42")
+    asked: list[str] = []
+    monkeypatch.setattr("builtins.input", lambda prompt: asked.append(prompt) or "n")
+    with pytest.raises(UsageError, match="not submitted"):
+        ip.run_line_magic("gpu_submit", "train.ipynb --gpus 1 --release")
+    assert recorder.calls == [] and "Release lease 42" in asked[0]
+    monkeypatch.setattr("builtins.input", lambda prompt: "y")
+    ip.run_line_magic("gpu_submit", "train.ipynb --gpus 1 --release")
+    assert [c[0] for c in recorder.calls] == ["submit_job", "release_lease"]
+    assert recorder.calls[1][1] == (42, "released for job 7 (%gpu_submit)")
+    ip.run_line_magic("gpu_submit", "train.ipynb --gpus 1 --release --yes")  # no question
+    assert [c[0] for c in recorder.calls][-2:] == ["submit_job", "release_lease"]
+    monkeypatch.delenv("GPUBROKER_LEASE_ID")
+    with pytest.raises(UsageError, match="holds no GPU lease"):
+        ip.run_line_magic("gpu_submit", "train.ipynb --gpus 1 --release --yes")
+
+
+def test_cells_run_but_not_saved_are_counted(tmp_path: Path) -> None:
+    path = tmp_path / "nb.ipynb"
+    write_notebook(path, ["x = 1", "print(x)"])
+
+    class History:
+        input_hist_raw = ["", "x = 1", "print(x)", "%gpu", "y = 2", "y = 2", "  "]
+
+    class Shell:
+        history_manager = History()
+
+    assert unsaved_cells(Shell(), str(path)) == 1  # "y = 2" (magics and blanks left out)
+    assert unsaved_cells(Shell(), str(tmp_path / "missing.ipynb")) == 0
