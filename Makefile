@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PROXY := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: help setup postgres demo test lint format typecheck unit docs bench clean
+.PHONY: help setup postgres docker-engine demo test lint format typecheck unit docs bench clean
 
 help:
 	@echo "make demo   - set up, then run JupyterHub + broker on simulated GPUs (http://127.0.0.1:8000)"
@@ -18,12 +18,20 @@ help:
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,docs,sim,report]'
+	$(BIN)/python -m pip install --quiet -e '.[test,docs,sim,report,docker]'
 	touch $@
 
 $(PROXY): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
+
+# The Docker engine, for the docker job runner's tests (Debian's package;
+# installed only where it is missing; the tests start their own dockerd)
+docker-engine:
+	@test -x /usr/sbin/dockerd || command -v dockerd >/dev/null || \
+	  { echo "installing the Docker engine (apt-get install docker.io)"; \
+	    apt-get update -q >/dev/null; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io >/dev/null; }
 
 # PostgreSQL server binaries, for the store tests on a real PostgreSQL
 # (Debian's package; installed only where they are missing)
@@ -56,7 +64,7 @@ docs: setup
 	rm -rf docs/_build
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
-test: lint typecheck docs postgres
+test: lint typecheck docs postgres docker-engine
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: setup

@@ -75,6 +75,20 @@ class JobService(LoggingConfigurable):
         "servers), not as the job's user. For demos and tests on one account only.",
     ).tag(config=True)
 
+    runner = Unicode(
+        "local",
+        help="Where jobs run: 'local' (a process on the broker's host, as the job's "
+        "user) or 'docker' (a container per job, configure DockerEngine: image, "
+        "network). Running jobs keep the runner they started with.",
+    ).tag(config=True)
+
+    @validate("runner")
+    def _valid_runner(self, proposal: Any) -> str:
+        value = str(proposal["value"])
+        if value not in RUNNERS:
+            raise TraitError(f"JobService.runner: must be one of {RUNNERS}, not {value!r}")
+        return value
+
     python = Unicode(
         sys.executable,
         help="The Python that runs papermill for notebook jobs (the users' environment).",
@@ -120,9 +134,26 @@ class JobService(LoggingConfigurable):
     def __init__(self, broker: Any, engine: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.broker = broker
-        self.engine = engine
+        #: the engines jobs run on, by name (the docker one made on first use)
+        self.engines: dict[str, Any] = {engine.name: engine}
         self.sessions = broker.session_factory
         self._cancelling: set[int] = set()
+
+    def _engine(self, name: str) -> Any:
+        """The engine ``name`` (``local``, ``docker``).
+
+        Raises:
+            EngineError: a runner this broker has no engine for.
+        """
+        engine = self.engines.get(name)
+        if engine is None and name == "docker":
+            from ..engines.docker import DockerEngine
+
+            engine = DockerEngine(nbrun=str(_NBRUN), parent=self.parent)
+            self.engines[name] = engine
+        if engine is None:
+            raise EngineError(f"no {name!r} engine here")
+        return engine
 
     # --- paths ------------------------------------------------------------------
 
@@ -249,7 +280,7 @@ class JobService(LoggingConfigurable):
                 loop = asyncio.get_running_loop()
                 try:
                     status = await loop.run_in_executor(
-                        None, self.engine.stop, handle, self.stop_grace
+                        None, self._engine(handle.engine).stop, handle, self.stop_grace
                     )
                 except EngineError as err:
                     self.log.warning("Job %s: stopping its process: %s", job_id, err)
@@ -406,7 +437,7 @@ class JobService(LoggingConfigurable):
             spec = self._launch_spec(job_id, lease)
             try:
                 handle = await asyncio.get_running_loop().run_in_executor(
-                    None, self.engine.launch, spec
+                    None, self._engine(self.runner).launch, spec
                 )
             except EngineError as err:
                 self._finish(job_id, model.FAILED, f"could not start: {err}", None)
@@ -425,12 +456,14 @@ class JobService(LoggingConfigurable):
         self, job_id: int, lease: dict[str, Any] | None, handle: Handle, watch: _Watch
     ) -> int:
         loop = asyncio.get_running_loop()
-        status = await loop.run_in_executor(None, self.engine.poll, handle)
+        status = await loop.run_in_executor(None, self._engine(handle.engine).poll, handle)
         if status.running and lease is not None and lease["state"] == "granted":
             await self._maybe_warn(job_id, lease, handle, watch)
             return 0
         if status.running:  # its lease ended (time limit, preemption, a release)
-            status = await loop.run_in_executor(None, self.engine.stop, handle, self.stop_grace)
+            status = await loop.run_in_executor(
+                None, self._engine(handle.engine).stop, handle, self.stop_grace
+            )
             why = str((lease or {}).get("release_reason") or "")
             if why.startswith(("preempted", "reclaimed")) and self._restarts_left(job_id, True):
                 self._requeue(job_id, why, status)
@@ -480,7 +513,7 @@ class JobService(LoggingConfigurable):
         loop = asyncio.get_running_loop()
         try:
             if watch.kind == "command":
-                await loop.run_in_executor(None, self.engine.signal, handle, signum)
+                await loop.run_in_executor(None, self._engine(handle.engine).signal, handle, signum)
             else:  # its runner interrupts the kernel (gpubroker/jobs/nbrun.py)
                 await loop.run_in_executor(None, _flag, _warn_file(watch.log))
         except (EngineError, OSError) as err:
@@ -558,9 +591,14 @@ class JobService(LoggingConfigurable):
         if spec["kind"] == "notebook":
             notebook = root / spec["notebook"]
             cwd = root / spec["cwd"] if spec["cwd"] else notebook.parent
+            python, nbrun = (self.python, str(_NBRUN))
+            if self.runner == "docker":  # the image's Python, the runner mounted
+                from ..engines.docker import NBRUN_PATH
+
+                python, nbrun = self._engine("docker").python, NBRUN_PATH
             argv = [
-                self.python,
-                str(Path(__file__).with_name("nbrun.py")),  # papermill, interrupted on a warning
+                python,
+                nbrun,  # papermill, interrupted on a warning
                 str(notebook),
                 output,
                 "--log-output",
@@ -569,7 +607,7 @@ class JobService(LoggingConfigurable):
             argv += ["--cwd", str(cwd), "-y", json.dumps(spec["params"])]
             if spec["kernel"]:
                 argv += ["-k", spec["kernel"]]
-            elif spec.get("python"):  # nbrun makes a kernel of it
+            elif spec.get("python") and self.runner == "local":  # nbrun makes a kernel of it
                 env["GPUBROKER_KERNEL_PYTHON"] = spec["python"]
         else:
             cwd = root / spec["cwd"] if spec["cwd"] else root
@@ -632,6 +670,12 @@ class JobService(LoggingConfigurable):
 
 
 #: the job's shell: run the program, write its exit code, exit with it
+#: the runners of jobs (``JobService.runner``)
+RUNNERS = ("local", "docker")
+
+#: the notebook jobs' runner script (papermill, interrupted on a warning)
+_NBRUN = Path(__file__).with_name("nbrun.py")
+
 _RECORD_EXIT = (
     # the shell itself outlives the warning signal (its program gets it)
     'trap : "$GPUBROKER_WARN_SIGNAL"; mkdir -p "$GPUBROKER_CHECKPOINT_DIR"; "$@"; code=$?; '

@@ -168,7 +168,7 @@ def test_a_restarted_broker_adopts_a_running_job_and_learns_its_real_outcome(
     assert again.get_lease(done["lease_id"])["state"] == "released"
     with jobs.sessions() as session:  # the first engine reaps the process it started
         row = jobs_repo.get(session, job["id"])
-        jobs.engine.poll(Handle(row.handle_engine, row.handle_id, row.handle_node))
+        jobs.engines["local"].poll(Handle(row.handle_engine, row.handle_id, row.handle_node))
 
 
 def test_a_job_whose_lease_reaches_its_time_limit_first_is_timed_out(

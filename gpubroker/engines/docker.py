@@ -1,0 +1,307 @@
+"""The Docker engine: a holder's process runs in a container of its own.
+
+Used by the batch jobs' ``docker`` runner (``JobService.runner``). For
+each :class:`~gpubroker.engines.base.LaunchSpec` it creates a container
+with the Docker SDK:
+
+* **devices**: a device request (driver ``nvidia``, capabilities
+  ``[["gpu"]]``) naming exactly the lease's UUIDs (``GPU-…`` or ``MIG-…``),
+  none when the lease has no devices; the NVIDIA container toolkit then
+  exposes only those devices;
+* the image ``DockerEngine.image`` (the users' image), the network
+  ``DockerEngine.network`` (``none`` by default), ``docker-init`` as PID 1
+  (so a stop's SIGTERM reaches the job);
+* the spec's user as ``UID:GID`` (from the host's user database), its
+  environment exactly (nothing of the broker's), its working directory;
+* the user's home directory (``$HOME`` of the spec) mounted read-write at the
+  same path, so the job's files, log and checkpoints are where the broker
+  reads them; the log is written by the job (standard output and error
+  appended to ``spec.stdout``).
+
+The container is kept after it exits (labelled ``gpubroker.lease``), so its
+exit code survives a broker restart; :meth:`DockerEngine.remove` deletes
+it. Time limits are enforced at :meth:`DockerEngine.poll` (from the
+container's start time and its ``gpubroker.time_limit`` label, so they hold
+across restarts too). The inventory and telemetry come from the broker's
+device backend (the engine runs on the broker's host): :meth:`nodes` and
+:meth:`telemetry` give nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import pwd
+import signal as signal_module
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+from traitlets import TraitError, Unicode, validate
+from traitlets.config import LoggingConfigurable
+
+from ..devices.base import DeviceUsage
+from .base import EngineError, Handle, LaunchSpec, Node, Status
+
+#: where a notebook job's runner (``gpubroker/jobs/nbrun.py``) is mounted
+NBRUN_PATH = "/opt/gpubroker/nbrun.py"
+
+# the job's output goes to its log file (inside the mounted home directory)
+_LOGGED = 'exec "$@" >> "$GPUBROKER_LOG" 2>&1'
+
+
+class DockerEngine(LoggingConfigurable):
+    """Runs each holder's process in a container (see the module's documentation).
+
+    Args:
+        nbrun: the host path of the notebook runner, mounted read-only at
+            :data:`NBRUN_PATH` in every container.
+    """
+
+    name = "docker"
+
+    image = Unicode(
+        "",
+        help="The image jobs run in (built or loaded on the Docker host; nothing is "
+        "pulled). It needs /bin/sh and mkdir, and python with papermill for notebook jobs.",
+    ).tag(config=True)
+
+    network = Unicode(
+        "none",
+        help="The containers' network: none (default), host, or the name of a Docker network.",
+    ).tag(config=True)
+
+    docker_url = Unicode(
+        "",
+        help="The Docker engine's address (e.g. unix:///var/run/docker.sock); empty: "
+        "from DOCKER_HOST, as the docker command does.",
+    ).tag(config=True)
+
+    python = Unicode(
+        "python3",
+        help="The Python of the image that runs papermill for notebook jobs.",
+    ).tag(config=True)
+
+    @validate("network")
+    def _valid_network(self, proposal: Any) -> str:
+        value = str(proposal["value"])
+        if not value or any(c.isspace() for c in value):
+            raise TraitError(f"DockerEngine.network: not a network name: {value!r}")
+        return value
+
+    def __init__(self, nbrun: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.nbrun = nbrun
+        self.node = socket.gethostname()
+        self._client: Any = None
+
+    # --- the Docker client ------------------------------------------------------
+
+    def client(self) -> Any:
+        """The Docker SDK client (made once).
+
+        Raises:
+            EngineError: the SDK is not installed or the engine cannot be reached.
+        """
+        if self._client is None:
+            try:
+                import docker
+            except ImportError as err:
+                raise EngineError(
+                    "the docker runner needs the Docker SDK: pip install docker"
+                ) from err
+            try:
+                self._client = (
+                    docker.DockerClient(base_url=self.docker_url)
+                    if self.docker_url
+                    else docker.from_env()
+                )
+            except Exception as err:
+                raise EngineError(f"cannot reach the Docker engine: {err}") from err
+        return self._client
+
+    def _container(self, handle: Handle) -> Any:
+        """The container of ``handle``, or ``None`` when Docker knows none."""
+        if handle.engine != self.name:
+            raise EngineError(f"handle of engine {handle.engine!r}, not {self.name!r}")
+        import docker.errors
+
+        try:
+            return self.client().containers.get(handle.id)
+        except docker.errors.NotFound:
+            return None
+        except docker.errors.DockerException as err:
+            raise EngineError(f"cannot read container {handle.id[:12]}: {err}") from err
+
+    # --- the protocol -----------------------------------------------------------
+
+    def nodes(self) -> list[Node]:
+        """No nodes of its own: the broker's device backend has the inventory."""
+        return []
+
+    def telemetry(self, uuids: Iterable[str]) -> dict[str, DeviceUsage]:
+        """Nothing: the broker's device backend reads the devices' use."""
+        return {}
+
+    def launch(self, spec: LaunchSpec) -> Handle:
+        """Create and start the container of ``spec`` (see the module's documentation).
+
+        Raises:
+            EngineError: no image is configured, the user is unknown on the
+                host, or Docker refused (no such image, no NVIDIA runtime for
+                the device request, ...): the message says which.
+        """
+        if not self.image:
+            raise EngineError("DockerEngine.image is not set: no image to run jobs in")
+        import docker.errors
+        from docker.types import DeviceRequest
+
+        try:
+            account = pwd.getpwnam(spec.user)
+        except KeyError as err:
+            raise EngineError(f"no such user on this host: {spec.user!r}") from err
+        home = spec.env.get("HOME") or spec.cwd
+        volumes = {home: {"bind": home, "mode": "rw"}}
+        if self.nbrun:
+            volumes[self.nbrun] = {"bind": NBRUN_PATH, "mode": "ro"}
+        env = dict(spec.env) | {"GPUBROKER_LOG": spec.stdout or "/dev/null"}
+        requests = (
+            [DeviceRequest(driver="nvidia", device_ids=list(spec.devices), capabilities=[["gpu"]])]
+            if spec.devices
+            else []
+        )
+        labels = {"gpubroker.lease": str(spec.lease_id), "gpubroker.user": spec.user}
+        if spec.time_limit is not None:
+            labels["gpubroker.time_limit"] = repr(float(spec.time_limit))
+        try:
+            container = self.client().containers.create(
+                self.image,
+                command=["/bin/sh", "-c", _LOGGED, "gpubroker-log", *spec.argv],
+                environment=env,
+                working_dir=spec.cwd,
+                user=f"{account.pw_uid}:{account.pw_gid}",
+                volumes=volumes,
+                device_requests=requests,
+                network_mode=self.network,
+                labels=labels,
+                init=True,
+                detach=True,
+            )
+        except docker.errors.DockerException as err:
+            raise EngineError(f"cannot create a container of {self.image}: {err}") from err
+        try:
+            container.start()
+        except docker.errors.DockerException as err:
+            raise EngineError(f"cannot start container {container.id[:12]}: {err}") from err
+        self.log.info(
+            "Docker: started container %s of lease %s (%s)",
+            container.id[:12],
+            spec.lease_id,
+            ", ".join(spec.devices) or "no devices",
+        )
+        return Handle(self.name, container.id, self.node)
+
+    def poll(self, handle: Handle) -> Status:
+        """The container's status; one past its time limit is stopped
+        (SIGTERM, then SIGKILL after 10 s) and reported ``timed_out``.
+
+        Raises:
+            EngineError: the handle is not of this engine, or Docker cannot be read.
+        """
+        container = self._container(handle)
+        if container is None:
+            return Status("lost")
+        status = _status(container.attrs)
+        limit = container.attrs.get("Config", {}).get("Labels", {}).get("gpubroker.time_limit")
+        if status.state == "running" and limit and status.started is not None:
+            ran = (dt.datetime.now(dt.timezone.utc) - status.started).total_seconds()
+            if ran >= float(limit):
+                ended = self.stop(handle, 10.0)
+                return Status(
+                    ended.state, ended.exit_code, ended.signal, ended.started, ended.ended, True
+                )
+        return status
+
+    def signal(self, handle: Handle, signum: int) -> None:
+        """Send ``signum`` to every process of the container but its init
+        (``kill -SIG -1`` inside it), as the local engine signals a
+        process group. Does nothing when the container is not running.
+
+        Raises:
+            EngineError: the handle is not of this engine, or Docker refused.
+        """
+        container = self._container(handle)
+        if container is None or container.status != "running":
+            return
+        name = signal_module.Signals(signum).name.removeprefix("SIG")
+        import docker.errors
+
+        try:
+            done = container.exec_run(["/bin/sh", "-c", f"kill -{name} -1"], user="0")
+        except docker.errors.DockerException as err:
+            raise EngineError(f"cannot signal container {handle.id[:12]}: {err}") from err
+        if done.exit_code != 0:
+            why = done.output.decode("utf-8", "replace").strip()
+            raise EngineError(f"cannot signal container {handle.id[:12]}: {why}")
+
+    def stop(self, handle: Handle, grace: float) -> Status:
+        """Stop the container (SIGTERM, SIGKILL after ``grace`` seconds) and
+        return its final status.
+
+        Raises:
+            EngineError: the handle is not of this engine, or Docker refused.
+        """
+        container = self._container(handle)
+        if container is None:
+            return Status("lost")
+        import docker.errors
+
+        try:
+            container.stop(timeout=max(int(grace + 0.999), 0))
+            container.reload()
+        except docker.errors.NotFound:
+            return Status("lost")
+        except docker.errors.DockerException as err:
+            raise EngineError(f"cannot stop container {handle.id[:12]}: {err}") from err
+        return _status(container.attrs)
+
+    def close(self) -> None:
+        """Close the connection to the Docker engine (a later call opens one)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def remove(self, handle: Handle) -> None:
+        """Delete the (ended) container of ``handle``; nothing when it is gone."""
+        container = self._container(handle)
+        if container is not None:
+            container.remove(force=True)
+
+
+def _time(text: str | None) -> dt.datetime | None:
+    """A Docker timestamp (RFC 3339, nanoseconds) as aware UTC; ``None`` for
+    none or Docker's zero time."""
+    if not text or text.startswith("0001-"):
+        return None
+    head, _, rest = text.partition(".")
+    return (
+        dt.datetime.fromisoformat(head).replace(tzinfo=dt.timezone.utc)
+        if not rest
+        else (
+            dt.datetime.fromisoformat(f"{head}.{rest.rstrip('Z')[:6]}").replace(
+                tzinfo=dt.timezone.utc
+            )
+        )
+    )
+
+
+def _status(attrs: dict[str, Any]) -> Status:
+    """A :class:`Status` from a container's inspect data. An exit code above
+    128 is a signal's (``128 + N``, the shell's rule)."""
+    state = attrs.get("State", {})
+    started, ended = _time(state.get("StartedAt")), _time(state.get("FinishedAt"))
+    if state.get("Running") or state.get("Status") in ("created", "restarting"):
+        return Status("running", started=started)
+    code = int(state.get("ExitCode", 0))
+    if code > 128:
+        return Status("exited", None, code - 128, started, ended)
+    return Status("exited", code, None, started, ended)

@@ -1,0 +1,109 @@
+"""The docker job runner against a real Docker engine started by the test
+(tests/dockerutil.py: the allowed flags only, an image built here): a
+container per job whose device request names exactly the leased UUIDs;
+results, time limits, warnings and cancel recorded as with the local runner."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker as sdk
+import pytest
+
+from gpubroker.jobs.service import JobService
+from gpubroker.model import jobs as model
+
+from .. import dockerutil
+from ..conftest import make_broker
+
+
+@pytest.fixture(scope="module")
+def private_docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dockerutil.PrivateDocker]:
+    reason = dockerutil.why_not()
+    if reason:
+        pytest.skip(f"no Docker engine can start here: {reason}")
+    running = dockerutil.start(tmp_path_factory.mktemp("docker"))
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def jobs(
+    db_url: str, tmp_path: Path, private_docker: dockerutil.PrivateDocker
+) -> Iterator[JobService]:
+    broker = make_broker(db_url)
+    service = JobService(
+        broker, broker.engine, run_as_self=True, runner="docker", poll_interval=0.2
+    )
+    service.root_dir_template = str(tmp_path / "home" / "{username}")
+    engine = service._engine("docker")
+    engine.docker_url, engine.image = private_docker.url, private_docker.image
+    yield service
+    engine.close()
+
+
+def run_until_done(jobs: JobService, job_id: int, timeout: float = 60) -> dict:
+    async def loop() -> dict:
+        for _ in range(int(timeout / 0.2)):
+            await jobs.tick()
+            view = jobs.get(job_id)
+            if view["state"] in model.FINAL:
+                return view
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"job {job_id} still {jobs.get(job_id)['state']}")
+
+    return asyncio.run(loop())
+
+
+def container_of(jobs: JobService, job_id: int, url: str) -> dict:
+    with jobs.sessions() as session:
+        handle_id = jobs._get(session, job_id).handle_id
+    client = sdk.DockerClient(base_url=url)
+    try:
+        return dict(client.containers.get(handle_id).attrs)
+    finally:
+        client.close()
+
+
+def test_a_container_job_gets_exactly_its_leased_gpus_and_its_result_is_recorded(
+    jobs: JobService, tmp_path: Path, private_docker: dockerutil.PrivateDocker
+) -> None:
+    home = tmp_path / "home" / "ann"
+    home.mkdir(parents=True)
+    script = 'echo "$NVIDIA_VISIBLE_DEVICES" > seen.txt; echo "$CUDA_VISIBLE_DEVICES" >> seen.txt'
+    job = jobs.submit("ann", {"command": script, "gpus": 2})
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "succeeded" and done["exit_code"] == 0, done
+    leased = [s["uuid"] for s in jobs.broker.get_lease(done["lease_id"])["slots"]]
+    attrs = container_of(jobs, job["id"], private_docker.url)
+    (request,) = attrs["HostConfig"]["DeviceRequests"]
+    assert request["Driver"] == "nvidia" and request["DeviceIDs"] == leased
+    assert request["Capabilities"] == [["gpu"]]
+    assert attrs["HostConfig"]["NetworkMode"] == "none"
+    assert attrs["Config"]["Labels"]["gpubroker.lease"] == str(done["lease_id"])
+    seen = (home / "seen.txt").read_text().split()
+    assert seen == [",".join(leased)] * 2
+    assert jobs.broker.get_lease(done["lease_id"])["state"] == "released"
+    failed = run_until_done(jobs, jobs.submit("ann", {"command": "exit 3", "gpus": 1})["id"])
+    assert (failed["state"], failed["exit_code"]) == ("failed", 3)
+
+
+def test_a_container_job_is_warned_then_timed_out_and_cancel_stops_one(
+    jobs: JobService, tmp_path: Path
+) -> None:
+    home = tmp_path / "home" / "bob"
+    home.mkdir(parents=True)
+    jobs.warn_before = 2.5
+    script = "trap 'echo warned > warned.txt' USR1; while true; do sleep 0.1; done"
+    job = jobs.submit("bob", {"command": script, "gpus": 1, "time": "4s"})
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "timed-out", done
+    assert (home / "warned.txt").read_text() == "warned\n"
+    long = jobs.submit("bob", {"command": "sleep 600", "gpus": 1})
+    asyncio.run(jobs.tick())
+    assert jobs.get(long["id"])["state"] == "running"
+    cancelled = asyncio.run(jobs.cancel(long["id"], "cancelled by bob", "bob"))
+    assert cancelled["state"] == "cancelled"
+    assert jobs.broker.get_lease(long["lease_id"])["state"] == "released"
