@@ -106,8 +106,11 @@ class AdmissionMixin:
         memory_gib: float | None,
         count: int | None,
         pool: str | None,
+        interactive: bool = False,
     ) -> Shape:
-        """Check what a request asks for against the pools and devices.
+        """Check what a request asks for against the pools and devices;
+        ``interactive``: the holder is not a job, so a request naming no pool
+        is checked against the pools that are not batch pools only.
 
         Raises:
             BadRequest: more GPUs than the request limit; a pool that does
@@ -118,6 +121,25 @@ class AdmissionMixin:
         """
         _check_numbers(gpus, memory_gib, count)
         devices: list[tuple[Device, PoolSpec]] = self.pool_devices()  # type: ignore[attr-defined]
+        if interactive and pool is None:
+            kept = [(d, spec) for d, spec in devices if spec.purpose != "batch"]
+            if len(kept) < len(devices):
+                try:
+                    return self._shape(kept, gpus, mig_profile, memory_gib, count, pool)
+                except BadRequest as err:
+                    raise BadRequest(f"{err.message} (batch pools take only jobs)") from None
+        return self._shape(devices, gpus, mig_profile, memory_gib, count, pool)
+
+    def _shape(
+        self,
+        devices: list[tuple[Device, PoolSpec]],
+        gpus: int | None,
+        mig_profile: str | None,
+        memory_gib: float | None,
+        count: int | None,
+        pool: str | None,
+    ) -> Shape:
+        """:meth:`shape` on ``devices``."""
         if gpus is not None:
             if pool is not None:
                 _pool_devices(devices, "exclusive", pool, "gpus")

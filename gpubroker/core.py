@@ -528,8 +528,9 @@ class Broker(
         """
         if [gpus, mig_profile, memory_gib].count(None) != 2:
             raise BadRequest("gpus/mig_profile/memory_gib: give exactly one of them")
-        shape = self.shape(gpus, mig_profile, memory_gib, count, pool)
         self._check_purpose(pool, holder_kind)
+        interactive = holder_kind != HolderKind.job.value
+        shape = self.shape(gpus, mig_profile, memory_gib, count, pool, interactive)
         policy = self._policy()
         self.class_for_caller(priority_class, admin, policy)
         cls = priority_class or self.policy.default_priority_class

@@ -78,6 +78,13 @@ def _resources(func: Any) -> Any:
     return func
 
 
+def _one_resource(name: str, args: Any) -> None:
+    """Raises ``UsageError`` unless exactly one of --gpus, --mig, --memory is given."""
+    chosen = [n for n in ("gpus", "mig", "memory") if getattr(args, n) is not None]
+    if len(chosen) != 1:
+        raise UsageError(f"{name}: give exactly one of --gpus, --mig and --memory")
+
+
 def _relative_cwd() -> str | None:
     """This kernel's directory relative to the home directory (the job's
     root), or ``None`` (the root) when it is not inside it."""
@@ -153,6 +160,7 @@ class GPUMagics(Magics):
         notebook = args.notebook or os.environ.get("JPY_SESSION_NAME")
         if not notebook:
             raise UsageError("%gpu_submit: name the notebook (this kernel's is not known)")
+        _one_resource("%gpu_submit", args)
         release = self._release_lease(args)
         self._warn_unsaved(notebook)
         what = {"notebook": notebook, "params": list(args.param)}
@@ -177,9 +185,7 @@ class GPUMagics(Magics):
         return self._submit("%%gpu_job", args, what)
 
     def _submit(self, name: str, args: Any, what: dict[str, Any], **more: Any) -> dict[str, Any]:
-        chosen = [n for n in ("gpus", "mig", "memory") if getattr(args, n) is not None]
-        if len(chosen) != 1:
-            raise UsageError(f"{name}: give exactly one of --gpus, --mig and --memory")
+        _one_resource(name, args)
         body = job_body(
             {k: v for k, v in what.items() if v is not None},
             gpus=args.gpus,

@@ -175,8 +175,10 @@ class BrokerService:
                 nothing was changed.
         """
         self._parent = os.getppid()
-        booted = time.time()
         await self._take_lock()
+        # after the lock: a broker that waited for it must not reopen the
+        # ledger's intervals from before the previous broker's last heartbeat
+        booted = time.time()
         self._build()
         loop = asyncio.get_running_loop()
         # a service started with `&` inherits "ignore SIGINT": set our own handlers

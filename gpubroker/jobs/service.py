@@ -193,7 +193,7 @@ class JobService(LoggingConfigurable):
             Forbidden, Conflict: from the lease request (quota, limits).
         """
         try:
-            spec = model.parse_spec(data)
+            spec, note = self._python_here(model.parse_spec(data))
             paths = self._paths_of(user, spec)
         except model.JobError as err:
             raise BadRequest(str(err)) from None
@@ -211,6 +211,7 @@ class JobService(LoggingConfigurable):
         stored["groups"] = list(groups) if groups is not None else None
         with self.sessions.begin() as session:
             job = repo.add(session, user, spec.kind, stored, now)
+            job.reason = note
             job_id = job.id
         try:
             lease = self.broker.request_lease(
@@ -236,6 +237,21 @@ class JobService(LoggingConfigurable):
         self.log.info("Job %s of %s queued on lease %s", job_id, user, lease["id"])
         return view
 
+    def _python_here(self, spec: model.JobSpec) -> tuple[model.JobSpec, str]:
+        """``spec`` with its ``python`` kept only where it can be used (the
+        local runner, an executable on this host: a server in a container
+        sends a path of the container), and a note saying when it was not."""
+        python = spec.python
+        if not python:
+            return spec, ""
+        if self.runner != "local":
+            note = f"python {python} not used by the {self.runner} runner: the notebook's kernel"
+        elif not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            note = f"python {python} is not on the broker's host: the notebook's kernel runs it"
+        else:
+            return spec, ""
+        return dataclasses.replace(spec, python=""), note[:500]
+
     def _paths_of(self, user: str, spec: model.JobSpec) -> dict[str, Path]:
         if spec.kind == "notebook":
             notebook = self._inside(user, spec.notebook, "notebook")
@@ -243,10 +259,6 @@ class JobService(LoggingConfigurable):
                 raise model.JobError("notebook", f"no such notebook: {spec.notebook!r}")
             if spec.kernel and spec.kernel not in _kernel_names():
                 raise model.JobError("kernel", f"no such kernel: {spec.kernel!r}")
-            if spec.python and not (
-                os.path.isfile(spec.python) and os.access(spec.python, os.X_OK)
-            ):
-                raise model.JobError("python", f"not an executable file: {spec.python!r}")
             cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else notebook.parent
             return {"notebook": notebook, "cwd": cwd}
         cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else self.root_of(user)
@@ -477,7 +489,8 @@ class JobService(LoggingConfigurable):
         lost = status.state == "lost"
         state_now = model.outcome(status.exit_code, status.signal, status.timed_out, lost)
         preempted = lease is not None and lease["state"] == "granted" and lease.get("preemption")
-        if preempted and state_now != model.SUCCEEDED and self._restarts_left(job_id, True):
+        ended_itself = state_now not in (model.SUCCEEDED, model.TIMED_OUT)
+        if preempted and ended_itself and self._restarts_left(job_id, True):
             # it ended in its grace period (on the warning, checkpointed): run it again
             why = str(lease["preemption"].get("reason") or "preempted")  # type: ignore[index]
             self.broker.release_lease(lease["id"], f"job {job_id} {why}", actor="broker")
@@ -515,7 +528,8 @@ class JobService(LoggingConfigurable):
             if watch.kind == "command":
                 await loop.run_in_executor(None, self._engine(handle.engine).signal, handle, signum)
             else:  # its runner interrupts the kernel (gpubroker/jobs/nbrun.py)
-                await loop.run_in_executor(None, _flag, _warn_file(watch.log))
+                root = self.root_of(watch.user)
+                await loop.run_in_executor(None, _flag, root, _warn_file(watch.log))
         except (EngineError, OSError) as err:
             self.log.warning("Job %s: warning: %s", job_id, err)
         with self.sessions.begin() as session:
@@ -617,7 +631,7 @@ class JobService(LoggingConfigurable):
         env["GPUBROKER_JOB_EXIT_FILE"] = f"{log}.exit"
         env["GPUBROKER_WARN_SIGNAL"] = self.warn_signal.removeprefix("SIG")
         env["GPUBROKER_WARN_FILE"] = _warn_file(log)
-        _unlink(_warn_file(log))  # a run before a requeue was warned: this one is not yet
+        _unlink(root, _warn_file(log))  # a run before a requeue was warned: not this one
         argv = ["/bin/sh", "-c", _RECORD_EXIT, "gpubroker-job", *argv]
         return LaunchSpec(
             argv=tuple(argv),
@@ -705,11 +719,12 @@ class _Watch:
     warned_at: dt.datetime | None
     time_limit: float | None
     log: str = ""
+    user: str = ""
 
     @classmethod
     def of(cls, job: Any) -> _Watch:
         limit = job.spec.get("time_limit")
-        return cls(job.kind, job.started_at, job.warned_at, limit, job.log_path or "")
+        return cls(job.kind, job.started_at, job.warned_at, limit, job.log_path or "", job.user)
 
 
 def _warn_file(log: str) -> str:
@@ -717,24 +732,58 @@ def _warn_file(log: str) -> str:
     return f"{log}.warn"
 
 
-def _flag(path: str) -> None:
-    """Create ``path`` (empty), never through a link or over a file already
-    there (it is in the user's directory; the broker may be root).
+def _dir_inside(root: Path, path: str) -> int:
+    """A descriptor of the directory of ``path``, opened from ``root`` one
+    component at a time without following any link, so a link the user put
+    anywhere on the way cannot lead the broker (maybe root) outside.
+
+    Raises:
+        OSError: ``path`` is not under ``root``, or a component is a link or
+            not a directory."""
+    parent = Path(path).parent
+    parts = parent.relative_to(root).parts  # ValueError: not under root
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts:
+            step = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = step
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _flag(root: Path, path: str) -> None:
+    """Create ``path`` (empty) under ``root``, never through a link or over
+    a file already there (it is in the user's directory; the broker may be
+    root).
 
     Raises:
         OSError: it cannot be created (one already there is fine)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        where = _dir_inside(root, path)
+    except ValueError as err:
+        raise OSError(f"{path} is not under {root}") from err
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        os.close(os.open(Path(path).name, flags, 0o644, dir_fd=where))
     except FileExistsError:
-        return
-    os.close(fd)
+        pass
+    finally:
+        os.close(where)
 
 
-def _unlink(path: str) -> None:
-    """Remove ``path`` if it is there (a link is removed, not followed)."""
+def _unlink(root: Path, path: str) -> None:
+    """Remove ``path`` under ``root`` if it is there (a link is removed, not
+    followed; nothing is removed through a link on the way)."""
     # not there, or not ours to remove (then the runner is warned at once)
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+    with contextlib.suppress(OSError, ValueError):
+        where = _dir_inside(root, path)
+        try:
+            os.unlink(Path(path).name, dir_fd=where)
+        finally:
+            os.close(where)
 
 
 def _uid_of(user: str) -> int | None:

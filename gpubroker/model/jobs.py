@@ -221,11 +221,13 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
     kernel = data.get("kernel") or ""
     if not isinstance(kernel, str) or (kernel and not re.match(r"^[A-Za-z0-9._-]{1,64}$", kernel)):
         raise JobError("kernel", f"not a kernel name: {kernel!r}")
-    python = data.get("python") or ""
+    python = data.get("python")
+    python = "" if python is None else python
     if not isinstance(python, str) or (
         python and not (python.startswith("/") and len(python) <= 4096 and "\x00" not in python)
     ):
-        raise JobError("python", f"must be an absolute path to a Python, got {python!r}")
+        shown = repr(python)[:200]
+        raise JobError("python", f"must be an absolute path to a Python (<= 4096), got {shown}")
     cwd = relative_path(data["cwd"], "cwd") if data.get("cwd") else ""
     raw_time = data.get("time")
     time_limit = None if raw_time in (None, "") else parse_time(raw_time)

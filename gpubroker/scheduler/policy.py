@@ -49,6 +49,7 @@ from .types import (
     SchedulerState,
     Wait,
     WaitReason,
+    in_pool,
 )
 
 #: the pools a request may name and still preempt or reclaim (victims are
@@ -115,6 +116,8 @@ class _Pass:
     #: waits so far by (slot kind, pool asked for; None: any pool)
     waiting: dict[tuple[str, str | None], int] = field(default_factory=lambda: defaultdict(int))
     waiting_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: the names of the batch pools (:attr:`Slot.batch`), set by :func:`schedule`
+    batch_pools: frozenset[str] = frozenset()
     #: message parts by (reason, eta, detail, whole)
     _messages: dict[tuple[WaitReason, dt.datetime | None, str, bool], tuple[str, str]] = field(
         default_factory=dict
@@ -142,16 +145,27 @@ class _Pass:
             )
         return self._victims
 
+    def _ahead(self, kind: str, pool: str) -> int:
+        """Waits so far of ``kind`` that compete with a request of ``pool``
+        (a pool's name, or :data:`INTERACTIVE_POOLS`): those asking for any
+        pool, for the same one, and, between the interactive pools and one
+        of them, each other (batch pools are not interactive ones)."""
+        waiting = self.waiting
+        batch = self.batch_pools
+        if pool == INTERACTIVE_POOLS:
+            return self.waiting_kind[kind] - sum(waiting[(kind, b)] for b in batch)
+        ahead = waiting[(kind, pool)] + waiting[(kind, None)]
+        if batch and pool not in batch:
+            ahead += waiting[(kind, INTERACTIVE_POOLS)]
+        return ahead
+
     def position(self, request: Request) -> int:
         """1-based place among the waits so far that compete with ``request``:
         the same kind of slot (whole devices, MIG instances, shares) and a
         pool that overlaps (either asks for any pool, or both the same)."""
         kind, pool = request.kind, request.pool
         waiting = self.waiting
-        if pool is None:
-            ahead = self.waiting_kind[kind]
-        else:
-            ahead = waiting[(kind, pool)] + waiting[(kind, None)]
+        ahead = self.waiting_kind[kind] if pool is None else self._ahead(kind, pool)
         waiting[(kind, pool)] += 1
         self.waiting_kind[kind] += 1
         return ahead + 1
@@ -168,10 +182,7 @@ class _Pass:
         shared by the requests that wait for the same reason."""
         kind, pool = request.kind, request.pool  # position(request), inlined (hot)
         waiting = self.waiting
-        if pool is None:
-            position = self.waiting_kind[kind] + 1
-        else:
-            position = waiting[(kind, pool)] + waiting[(kind, None)] + 1
+        position = (self.waiting_kind[kind] if pool is None else self._ahead(kind, pool)) + 1
         waiting[(kind, pool)] += 1
         self.waiting_kind[kind] += 1
         if self.explain:
@@ -204,10 +215,7 @@ class _Pass:
         case: thousands per pass), with less work per call; the same Wait."""
         kind, pool = request.kind, request.pool
         waiting = self.waiting
-        if pool is None:
-            position = self.waiting_kind[kind] + 1
-        else:
-            position = waiting[(kind, pool)] + waiting[(kind, None)] + 1
+        position = (self.waiting_kind[kind] if pool is None else self._ahead(kind, pool)) + 1
         waiting[(kind, pool)] += 1
         self.waiting_kind[kind] += 1
         wait = _NEW(Wait)
@@ -304,7 +312,8 @@ def _start(state: SchedulerState, now: dt.datetime) -> _Pass:
         state.share_sizes,
     )
     acct = Accounting.of(state.policy, state.running)
-    return _Pass(state, now, acct, pool, running, sharing, explain=state.explain)
+    batch = frozenset(s.pool for s in state.slots if s.batch)
+    return _Pass(state, now, acct, pool, running, sharing, explain=state.explain, batch_pools=batch)
 
 
 def _fractional(p: _Pass, request: Request) -> Miss | None:
@@ -577,7 +586,9 @@ def _walk(p: _Pass, order: list[Request]) -> None:
                 missed[(shape, request.pool)] = (sharing.version, miss)
             continue
         # step 2
-        if request.earmarked and all(d in slots for d in request.earmarked):
+        if request.earmarked and all(
+            d in slots and in_pool(slots[d], request.pool) for d in request.earmarked
+        ):
             _earmarked(p, request)
             continue
         # step 3

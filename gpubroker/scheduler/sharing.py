@@ -219,10 +219,12 @@ def pool_mixes(
     running: Iterable[Running],
     pending: Iterable[Request] = (),
     sizes: Iterable[int] = (),
+    batch: frozenset[str] = frozenset(),
 ) -> dict[str, packing.Mix]:
     """:func:`share_mix` per time-sliced pool: a lease counts in the pool of
     its devices (``pool_of``: device UUID -> pool), a request in the pool it
-    names (every pool when it names none), ``sizes`` in every pool."""
+    names (every pool when it names none; every pool but the ``batch``
+    ones for :data:`INTERACTIVE_POOLS`), ``sizes`` in every pool."""
     names = list(pools)
     held: dict[str, list[Running]] = {name: [] for name in names}
     for lease in running:
@@ -233,7 +235,7 @@ def pool_mixes(
     sizes = list(sizes)
     waiting = [r for r in pending if r.kind == "share"]
     return {
-        name: share_mix(held[name], [r for r in waiting if r.pool in (None, name)], sizes)
+        name: share_mix(held[name], [r for r in waiting if _asks(r.pool, name, batch)], sizes)
         for name in names
     }
 
@@ -330,7 +332,10 @@ class SharingPool:
             devices[slot.uuid] = dev
         pool = cls(devices, strategy)
         shared = {d.slot.uuid: d.slot.pool for d in devices.values() if d.slot.mode == "timeslice"}
-        mixes = pool_mixes(sorted(set(shared.values())), shared, running, pending, share_sizes)
+        batch = frozenset(d.slot.pool for d in devices.values() if d.slot.batch)
+        mixes = pool_mixes(
+            sorted(set(shared.values())), shared, running, pending, share_sizes, batch
+        )
         pool.set_share_mix(mixes, share_placement)
         for lease in running:  # nothing is indexed yet: record without invalidating
             for part in lease.parts:
@@ -656,6 +661,13 @@ class SharingPool:
             self._room_best[pool] = best
         found = best.best()
         return 0 if found is None else -found[0][0]
+
+
+def _asks(wanted: str | None, name: str, batch: frozenset[str]) -> bool:
+    """Whether a request for ``wanted`` may be placed in pool ``name``."""
+    if wanted is None or wanted == name:
+        return True
+    return wanted == INTERACTIVE_POOLS and name not in batch
 
 
 def _where(pool: str | None, mode: str) -> str:

@@ -5,6 +5,7 @@ external leases never land there, jobs may land anywhere; on a real broker
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 import pytest
 from traitlets.config import Config
@@ -125,3 +126,69 @@ def test_the_pure_scheduler_keeps_interactive_requests_off_batch_devices() -> No
     assert granted[1] == ("a0",)
     assert 2 not in granted  # waits for the notebooks pool
     assert sorted(granted[3]) == ["b1", "b2"]
+
+
+# -- found by a review ------------------------------------------------------------
+
+
+def test_queue_positions_count_the_interactive_pools_and_a_named_one_together(
+    db_url: str,
+) -> None:
+    """A request naming the notebooks pool and one naming no pool (the
+    interactive pools) compete for the same devices: the second is 2nd."""
+    broker = batch_broker(db_url)
+    broker.request_lease("ann", "", 4)  # the notebooks pool is full
+    named = broker.request_lease("bob", "", 1, pool="notebooks")
+    anywhere = broker.request_lease("cy", "", 1)
+    assert broker.get_lease(named["id"])["queue"]["position"] == 1
+    assert broker.get_lease(anywhere["id"])["queue"]["position"] == 2
+    later = broker.request_lease("dan", "", 1, pool="notebooks")
+    assert broker.get_lease(later["id"])["queue"]["position"] == 3
+    job = broker.request_lease("eve", "job-1", 8, holder_kind="job", pool="train")
+    assert broker.get_lease(job["id"])["queue"]["position"] == 1  # other devices
+
+
+def test_a_server_asking_for_mig_where_only_a_batch_pool_has_mig_is_refused(
+    db_url: str, tmp_path: Path
+) -> None:
+    config = Config()
+    config.Pools.pools = [
+        {"name": "notebooks", "devices": ["node-a:2-7"]},
+        {"name": "migtrain", "mode": "mig", "purpose": "batch", "devices": ["node-a:0-1"]},
+    ]
+    backend = FakeDeviceBackend(
+        inventory=["8 x H100"],
+        node_name="node-a",
+        mig_enabled=[0, 1],
+        state_file=str(tmp_path / "fake.json"),
+    )
+    broker = Broker(
+        session_factory=make_session_factory(make_engine(db_url)), backend=backend, config=config
+    )
+    broker.sync_inventory()
+    broker.adopt()
+    with pytest.raises(BadRequest, match=r"^mig_profile: .*\(batch pools take only jobs\)$"):
+        broker.request_lease("ann", "", mig_profile="1g.10gb")
+    assert broker.list_leases() == []
+    job = broker.request_lease("ann", "job-1", mig_profile="1g.10gb", holder_kind="job")
+    assert job["state"] == "granted"
+
+
+def test_waiting_interactive_shares_count_in_the_share_mix_of_interactive_pools() -> None:
+    from gpubroker.scheduler.sharing import pool_mixes
+
+    now = dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)
+    request = scheduler.Request(
+        1, "a", 1, now, kind="share", memory_mib=10240, pool=INTERACTIVE_POOLS
+    )
+    mixes = pool_mixes(["shared", "batchshare"], {}, [], [request], batch=frozenset({"batchshare"}))
+    assert mixes["shared"] and not mixes["batchshare"]
+
+
+def test_an_earmark_on_a_device_an_interactive_request_may_not_use_is_not_granted() -> None:
+    now = dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)
+    slots = (slot("a0", 0, "notebooks"), slot("b1", 1, "train", True))
+    pending = (scheduler.Request(1, "ann", 1, now, pool=INTERACTIVE_POOLS, earmarked=("b1",)),)
+    state = scheduler.SchedulerState(slots=slots, running=(), pending=pending)
+    decisions = scheduler.schedule(state, now)
+    assert [g.devices for g in decisions.grants] == [("a0",)]

@@ -237,7 +237,8 @@ def test_a_notebook_runs_in_a_kernel_of_the_python_it_was_submitted_from(
 ) -> None:
     """``python`` (what %gpu_submit sends: the submitting kernel's
     sys.executable) makes the kernel, whatever the notebook's metadata says;
-    a kernel named wins; a path that is not an executable is a 400."""
+    a kernel named wins; a path that is not an executable here is not used;
+    a value that is not an absolute path is a 400."""
     import sys
 
     env = home / "ann" / "env"
@@ -249,13 +250,18 @@ def test_a_notebook_runs_in_a_kernel_of_the_python_it_was_submitted_from(
     job = jobs.submit("ann", {"notebook": "nb.ipynb", "gpus": 1, "python": str(python)})
     assert run_until_done(jobs, job["id"])["state"] == "succeeded"
     assert (env / "used").read_text().strip() == str(python)
-    with pytest.raises(BadRequest) as bad:
-        jobs.submit("ann", {"notebook": "nb.ipynb", "gpus": 1, "python": str(env / "nope")})
-    assert bad.value.message.startswith("python: not an executable file")
-    with pytest.raises(BadRequest) as bad:
-        jobs.submit("ann", {"notebook": "nb.ipynb", "gpus": 1, "python": "python3"})
-    assert bad.value.message.startswith("python: must be an absolute path")
-    assert [j["id"] for j in jobs.list("ann")] == [job["id"]]
+    # a path that is not here (a server in a container sent its own): the
+    # notebook's kernel runs it, and the job says so
+    elsewhere = jobs.submit("ann", {"notebook": "nb.ipynb", "gpus": 1, "python": "/opt/x/python"})
+    assert elsewhere["spec"]["python"] == ""
+    assert elsewhere["reason"].startswith("python /opt/x/python is not on the broker's host")
+    assert run_until_done(jobs, elsewhere["id"])["state"] == "succeeded"
+    for bad_value in ("python3", [], 0, False, "/" + "x" * 5000):
+        with pytest.raises(BadRequest) as bad:
+            jobs.submit("ann", {"notebook": "nb.ipynb", "gpus": 1, "python": bad_value})
+        assert bad.value.message.startswith("python: must be an absolute path")
+        assert len(bad.value.message) < 300
+    assert {j["id"] for j in jobs.list("ann")} == {job["id"], elsewhere["id"]}
 
 
 def test_a_failed_job_is_retried_with_its_restart_count(jobs: JobService, home: Path) -> None:
@@ -398,3 +404,30 @@ def test_a_job_lease_no_job_holds_is_released_at_start(jobs: JobService, home: P
     assert jobs.broker.get_lease(orphan["id"])["state"] == "released"
     assert jobs.broker.get_lease(kept["lease_id"])["state"] == "granted"
     asyncio.run(jobs.cancel(kept["id"], "done", actor="max"))
+
+
+def test_the_warning_file_is_never_made_or_removed_through_a_link(tmp_path: Path) -> None:
+    """The broker (maybe root) makes and removes a notebook job's warning
+    file in the user's directory: a link anywhere on the way is not followed
+    (found by a review)."""
+    from gpubroker.jobs.service import _flag, _unlink
+
+    root = tmp_path / "home" / "ann"
+    root.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "x.7.log.warn").write_text("keep")
+    (root / "proj").symlink_to(victim)
+    with pytest.raises(OSError):
+        _flag(root, str(root / "proj" / "y.7.log.warn"))
+    assert not (victim / "y.7.log.warn").exists()
+    _unlink(root, str(root / "proj" / "x.7.log.warn"))
+    assert (victim / "x.7.log.warn").read_text() == "keep"
+    with pytest.raises(OSError):
+        _flag(root, str(tmp_path / "outside.warn"))
+    (root / "real" / "deep").mkdir(parents=True)
+    _flag(root, str(root / "real" / "deep" / "z.warn"))
+    _flag(root, str(root / "real" / "deep" / "z.warn"))  # already there: fine
+    assert (root / "real" / "deep" / "z.warn").exists()
+    _unlink(root, str(root / "real" / "deep" / "z.warn"))
+    assert not (root / "real" / "deep" / "z.warn").exists()
