@@ -914,6 +914,13 @@ class Broker(
         self._notify()
 
     @command("broker")
+    def load_held_usage(self) -> int:
+        """Charge the leases held across this broker's restart, in fair
+        share, as the usage ledger counts them (:meth:`World.load_held`); the
+        service calls it once ``Ledger.start`` has reopened their intervals.
+        Returns how many leases it found."""
+        return self._world.load_held()
+
     def write_usage(self) -> int:
         """Write the fair-share usage records that changed since the last
         write (``usage_write_interval``; the service calls it when it

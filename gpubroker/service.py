@@ -186,6 +186,7 @@ class BrokerService:
             loop.add_signal_handler(sig, self._stop.set)
         if self.ledger.enabled:  # first: leases adopted below are charged from its intervals
             self.ledger.start(booted)
+            self.broker.load_held_usage()
         self.broker.sync_inventory()
         self.broker.adopt()
         web_app = make_app(

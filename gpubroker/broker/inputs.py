@@ -23,6 +23,7 @@ with a build from scratch (:meth:`SchedulerInputs.drift`).
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -44,8 +45,12 @@ def part_of(allocation: Allocation) -> scheduler.Part:
     )
 
 
-def running_of(lease: Lease) -> scheduler.Running:
-    """The scheduler's value of a granted lease."""
+def running_of(
+    lease: Lease, held: tuple[scheduler.UsageRecord, dt.datetime] | None = None
+) -> scheduler.Running:
+    """The scheduler's value of a granted lease; ``held``: for a lease held
+    across a broker restart, what the usage ledger holds it for before the
+    restart and when its open interval began (fair share charges that)."""
     assert lease.granted_at is not None
     active = [a for a in lease.allocations if a.active]
     return scheduler.Running(
@@ -58,6 +63,8 @@ def running_of(lease: Lease) -> scheduler.Running:
         ends=lease.ends_at,
         preempt_deadline=lease.preempt_deadline,
         parts=tuple(part_of(a) for a in active if a.kind != "device"),
+        held_before=held[0] if held else None,
+        held_since=held[1] if held else None,
     )
 
 
@@ -95,6 +102,9 @@ class SchedulerInputs:
         self.running: dict[int, scheduler.Running] = {}
         #: pending leases' values, by id (ids grow: insertion is id order)
         self.pending: dict[int, scheduler.Request] = {}
+        #: leases held across a broker restart: the ledger's figure before it
+        #: and the start of their open interval (:meth:`World.load_held`)
+        self.held: dict[int, tuple[scheduler.UsageRecord, dt.datetime]] = {}
         #: some pool is a batch pool (set by the broker from its pools;
         #: :func:`request_of`)
         self.batch_pools = False
@@ -157,7 +167,7 @@ class SchedulerInputs:
             assert lease is not None
             self.pending.pop(lease_id, None)
             self.waits.pop(lease_id, None)
-            self.running[lease_id] = running_of(lease)
+            self.running[lease_id] = running_of(lease, self.held.get(lease_id))
             self._invalidate()
         elif state == LeaseState.pending.value:
             assert lease is not None
@@ -243,7 +253,7 @@ class SchedulerInputs:
             state = None if lease is None else lease.state
             kept: Any = self.running.get(lease_id) or self.pending.get(lease_id)
             if state == LeaseState.granted.value:
-                fresh: Any = running_of(lease)  # type: ignore[arg-type]
+                fresh: Any = running_of(lease, self.held.get(lease_id))  # type: ignore[arg-type]
             elif state == LeaseState.pending.value:
                 fresh = request_of(lease, self.batch_pools)  # type: ignore[arg-type]
             else:

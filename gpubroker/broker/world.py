@@ -19,6 +19,7 @@ single-threaded: commands never interleave).
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,8 +39,8 @@ from ..store.models import (
     LeaseEvent,
     QuotaRow,
 )
-from ..store.usage_repo import lease_charge, load_usage, write_usage
-from ..usage.decayed import add_charge
+from ..store.usage_repo import lease_charge, ledger_segments, load_usage, write_usage
+from ..usage.decayed import add_charge, held_usage
 from .inputs import SchedulerInputs
 
 
@@ -276,8 +277,32 @@ class World:
         user = lease.user
         adopted = self.adopted is not None and lease.id in self.adopted
         used = lease_charge(self.session, lease, now, self.half_life, from_ledger=adopted)
+        self.inputs.held.pop(lease.id, None)
         self.usage[user] = add_charge(self.usage.get(user), used, now, self.half_life)
         self.usage_behind.add(user)
+
+    def load_held(self) -> int:
+        """Read, from the usage ledger, what each lease held across the
+        broker's restart was held for before it (closed intervals) and when
+        its open interval began, so fair share charges a running lease as
+        the ledger counts it (the time the broker was down left out). Call
+        it once the ledger has reopened its intervals (``Ledger.start``).
+        Returns how many leases it found."""
+        granted = [i for i in self.adopted or () if i in self.leases]
+        with self.factory() as session:
+            ledger = ledger_segments(session, granted)
+        found = 0
+        for lease_id, segments in ledger.items():
+            closed = [(w, s, e) for w, s, e in segments if e is not None]
+            opened = [s for _w, s, e in segments if e is None]
+            if not closed or not opened:
+                continue
+            end = max(e for _w, _s, e in closed)
+            before = UsageRecord(held_usage(closed, end, self.half_life), _utc(end))
+            self.inputs.held[lease_id] = (before, _utc(max(opened)))
+            self.inputs.changed(lease_id)
+            found += 1
+        return found
 
     @property
     def half_life(self) -> float:
@@ -344,3 +369,8 @@ def _restore(lease: Lease, kept: dict[str, Any]) -> None:
     for name in _MEMORY_ONLY:
         set_committed_value(lease, name, kept[name])
     set_committed_value(lease, "version", max(lease.version, kept["version"]) + 1)
+
+
+def _utc(epoch_s: float) -> dt.datetime:
+    """UTC epoch seconds as an aware datetime."""
+    return dt.datetime.fromtimestamp(epoch_s, dt.timezone.utc)

@@ -193,7 +193,11 @@ def charge(
     past = (
         0.0 if old is None else decay(old.gpu_seconds, (now - old.as_of).total_seconds(), half_life)
     )
-    total = past + running_usage(lease.gpus, lease.started, now, half_life)
+    start = lease.held_since or lease.started
+    total = past + running_usage(lease.gpus, start, now, half_life)
+    before = lease.held_before
+    if before is not None:  # held before a broker restart (the ledger's figure)
+        total += decay(before.gpu_seconds, (now - before.as_of).total_seconds(), half_life)
     return {**usage, lease.user: UsageRecord(total, now)}
 
 

@@ -50,8 +50,10 @@ def decayed_usage(
 ) -> dict[str, float]:
     """Decayed GPU-seconds per user at ``now``: past records plus running leases.
 
-    Each lease adds :func:`running_usage` (the same float, computed once per
-    distinct start time: many leases of a pass share one)."""
+    Each lease adds :func:`running_usage` from ``held_since`` (else its
+    start; the same float, computed once per distinct start time: many
+    leases of a pass share one), plus its ``held_before`` decayed (a lease
+    held across a broker restart: what the usage ledger holds before it)."""
     usage = {
         user: decay(r.gpu_seconds, (now - r.as_of).total_seconds(), half_life)
         for user, r in records.items()
@@ -59,7 +61,13 @@ def decayed_usage(
     # running_usage(g, s, now, h) == g * h / ln 2 * term(s) for h > 0
     terms: dict[dt.datetime, float | None] = {}
     for lease in running:
-        started = lease.started
+        started = lease.held_since or lease.started
+        before = lease.held_before
+        if before is not None:  # held before a broker restart (the ledger's figure)
+            elapsed = (now - before.as_of).total_seconds()
+            usage[lease.user] = usage.get(lease.user, 0.0) + decay(
+                before.gpu_seconds, elapsed, half_life
+            )
         if started in terms:
             term = terms[started]
         else:

@@ -278,6 +278,11 @@ class Running:
             will be evicted.
         parts: the MIG instances or shares it holds (then ``devices`` is
             empty: it holds no whole device).
+        held_before: for a lease held across a broker restart, the decayed
+            GPU-seconds the usage ledger holds it for before the restart
+            (as of the end of that time); ``None``: none.
+        held_since: when fair share's charge of it runs from (the start of
+            its open ledger interval, after a restart); ``None``: ``started``.
     """
 
     lease_id: int
@@ -289,6 +294,8 @@ class Running:
     ends: dt.datetime | None = None
     preempt_deadline: dt.datetime | None = None
     parts: tuple[Part, ...] = ()
+    held_before: UsageRecord | None = field(default=None, repr=False)
+    held_since: dt.datetime | None = field(default=None, repr=False)
 
     @property
     def gpus(self) -> float:

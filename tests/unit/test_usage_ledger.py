@@ -70,6 +70,7 @@ def restart(db_url: str, clock: Clock, booted: float) -> Broker:
     backend = FakeDeviceBackend(inventory=["8 x H100"], node_name="node-a")
     broker = Broker(session_factory=make_session_factory(make_engine(db_url)), backend=backend)
     Ledger(broker.session_factory, backend, clock=clock.epoch).start(booted)
+    broker.load_held_usage()
     broker.sync_inventory()
     broker.adopt()
     return broker
@@ -494,3 +495,28 @@ def test_html_reports_take_any_user_name(db_url: str, clock: Clock) -> None:
     assert page.count("<svg") == 3 and "$\\foo$" in page
     csv_text = render.as_csv(request, rows)
     assert "\n'=cmd" in csv_text  # not a formula in a spreadsheet
+
+
+def test_a_running_lease_held_across_a_restart_is_charged_as_the_ledger_counts_it(
+    db_url: str, clock: Clock
+) -> None:
+    """While it runs, fair share charges an adopted lease without the time
+    the broker was down, so its usage does not drop at its release (found
+    by a review)."""
+    from gpubroker.scheduler import fairshare
+
+    broker = make_broker(db_url)
+    ledger = ledger_of(broker, clock)
+    lease = broker.request_lease("eve", "", 8, holder_kind="external")
+    clock.advance(HOUR)
+    ledger.flush()  # the last heartbeat
+    clock.advance(5 * HOUR)  # down
+    again = restart(db_url, clock, clock.epoch())
+    clock.advance(HOUR)
+    half_life = again.policy.fairshare_half_life
+    state, _ = again._scheduler_state()
+    running = fairshare.decayed_usage(state.usage, state.running, clock.now, half_life)["eve"]
+    again.release_lease(lease["id"], "done")
+    released = again._world.usage["eve"].gpu_seconds
+    assert running == pytest.approx(released, rel=1e-9)
+    assert released == pytest.approx(8 * 2 * 3600, rel=0.03)  # 2 h held (decayed), not 7
