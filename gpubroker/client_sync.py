@@ -60,6 +60,14 @@ class SyncBrokerClient:
         """``GET /leases/{id}``."""
         return dict(self.call("GET", f"/leases/{int(lease_id)}"))
 
+    def devices(self) -> list[Any]:
+        """``GET /devices``: every device, what it does and its use now."""
+        return list(self.call("GET", "/devices")["devices"])
+
+    def pools(self) -> dict[str, Any]:
+        """``GET /pools``: the pools with what is free, and the caller's quota room."""
+        return dict(self.call("GET", "/pools"))
+
     def notices(self) -> list[Any]:
         """``GET /notices``: the caller's notices, newest first."""
         return list(self.call("GET", "/notices")["notices"])

@@ -1,7 +1,8 @@
 """Notebook magics: ``%load_ext gpubroker``, then
 
-* ``%gpu``: what this kernel's server holds (devices, state, age) and its
-  notices (cull warnings, preemptions, finished jobs);
+* ``%gpu``: what this kernel's server holds (devices with their use now,
+  state, age), the quota left, and the notices (cull warnings,
+  preemptions, finished jobs);
 * ``%gpu_submit [NOTEBOOK] --gpus N | --mig PROFILE | --memory GIB
   [--time 12h] [--param k=v ...] [--kernel NAME] [--retries N] [--pool P]
   [--class C] [--release [--yes]]``:
@@ -42,6 +43,9 @@ from IPython.display import display
 from .client import BrokerClientError
 from .client_sync import SyncBrokerClient, job_body
 
+#: the columns of ``%gpu``'s table of held slots
+SLOT_COLUMNS = ("uuid", "kind", "profile", "utilization", "memory used")
+
 #: the columns of ``%gpu_jobs``
 JOB_COLUMNS = ("id", "state", "kind", "what", "devices", "created", "reason")
 
@@ -76,6 +80,39 @@ def _resources(func: Any) -> Any:
     ):
         func = option(func)
     return func
+
+
+def _age(since: str) -> str:
+    """How long ago ``since`` (ISO 8601, UTC) was, as ``2h05m`` (or ``""``)."""
+    import datetime as dt
+
+    try:
+        then = dt.datetime.fromisoformat(since.replace("Z", "+00:00"))
+    except (TypeError, ValueError):
+        return ""
+    seconds = int(max((dt.datetime.now(dt.timezone.utc) - then).total_seconds(), 0))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _slot_rows(slots: list[dict[str, Any]], devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per held slot, with its device's use now (NVML's, from the
+    broker: a MIG instance or a share shows its whole device's)."""
+    by_uuid = {d["uuid"]: d.get("usage") or {} for d in devices}
+    rows = []
+    for slot in slots:
+        usage = by_uuid.get(slot.get("device") or slot["uuid"], {})
+        util, used = usage.get("utilization_gpu"), usage.get("memory_used_mib")
+        rows.append(
+            {
+                "uuid": slot["uuid"],
+                "kind": slot["kind"],
+                "profile": slot.get("profile") or "",
+                "utilization": "-" if util is None else f"{util}%",
+                "memory used": "-" if used is None else f"{used / 1024:.1f} GiB",
+            }
+        )
+    return rows
 
 
 def _one_resource(name: str, args: Any) -> None:
@@ -133,10 +170,22 @@ class GPUMagics(Magics):
         if lease is None:
             print("This server holds no GPU lease (no GPUBROKER_LEASE_ID).")
         else:
-            devices = ", ".join(s["uuid"] for s in lease.get("slots") or []) or "-"
             since = lease["granted_at"] or lease["created"]
-            print(f"lease {lease['id']}: {lease['summary']}, {lease['state']} since {since}")
-            print(f"devices: {devices}")
+            age = _age(since)
+            print(
+                f"lease {lease['id']}: {lease['summary']}, {lease['state']} since {since}"
+                f"{f' ({age})' if age else ''}"
+            )
+            slots = lease.get("slots") or []
+            if slots:
+                _table(_slot_rows(slots, self._call("devices")), SLOT_COLUMNS)
+        quota = self._call("pools").get("quota") or {}
+        if quota:
+            left = quota.get("remaining")
+            print(
+                f"quota: {quota['held']:g} held, {quota['pending']:g} pending, "
+                f"{'no limit' if left is None else f'{left:g} left'} (device units)"
+            )
         notices = self._call("notices")[:5]
         if notices:
             _table(notices, ("created", "kind", "message"))

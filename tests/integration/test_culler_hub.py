@@ -22,6 +22,7 @@ from gpubroker.devices.fake import FakeDeviceBackend
 
 from ..hubutil import RunningHub
 from ..kernelutil import connect, execute, start_kernel
+from ..nbutil import write_notebook
 from .test_spawn import lease_of, spawn, wait_for_release, wait_until
 
 CULLER = """
@@ -180,6 +181,41 @@ def test_idle_tab_holding_memory_is_warned_then_culled_and_told(hub: RunningHub)
     assert kinds(hub, "vip", vip_token) == []
     hub.api("DELETE", "/users/vip/server")
     wait_for_release(hub, vip_lease["id"])
+
+
+def test_a_culled_server_leaves_its_promoted_job_running(hub: RunningHub) -> None:
+    """%gpu_submit from an idle server, which is then culled: the job holds a
+    lease of its own and runs to the end."""
+    token, lease, kernel = start(hub, "promoted", util=0, memory_gib=20)
+    home = hub.workdir / "home" / "promoted"
+    home.mkdir(parents=True, exist_ok=True)
+    write_notebook(home / "train.ipynb", ["import time\ntime.sleep(40)\nprint('trained')"])
+    ws = connect(hub, "promoted", token, kernel)
+    try:
+        errors = execute(
+            ws,
+            "%load_ext gpubroker\nimport json\n"
+            "job = %gpu_submit train.ipynb --gpus 1 --time 10m\n"
+            "open('job.json', 'w').write(json.dumps(job))\n",
+        )
+    finally:
+        ws.close()
+    assert not errors
+    job = json.loads((home / "job.json").read_text())
+    released = wait_for_release(hub, lease["id"], timeout=60)
+    assert released["release_reason"].startswith("culled: ")
+    wait_until(lambda: hub.server("promoted") is None, timeout=30)
+    assert hub.broker_api("GET", f"/jobs/{job['id']}").json()["state"] in ("queued", "running")
+    done = wait_until(
+        lambda: (
+            (j := hub.broker_api("GET", f"/jobs/{job['id']}").json())["state"]
+            not in ("queued", "running")
+            and j
+        ),
+        timeout=120,
+    )
+    assert done["state"] == "succeeded", done
+    assert "culled" in kinds(hub, "promoted", token)
 
 
 def test_activity_during_the_grace_period_withdraws_the_warning(hub: RunningHub) -> None:

@@ -27,6 +27,27 @@ class Recorder:
         self.calls.append(("submit_job", (body,)))
         return {"id": 7, "state": "queued", "queue": {"message": "waiting"}}
 
+    def lease(self, lease_id: int) -> dict[str, Any]:
+        self.calls.append(("lease", (lease_id,)))
+        slot = {"uuid": "MIG-1", "device": "GPU-A", "kind": "mig", "profile": "1g.10gb"}
+        return {
+            "id": lease_id,
+            "summary": "1 x MIG 1g.10gb",
+            "state": "granted",
+            "granted_at": "2026-12-01T08:00:00Z",
+            "created": "2026-12-01T08:00:00Z",
+            "slots": [slot],
+        }
+
+    def devices(self) -> list[dict[str, Any]]:
+        return [{"uuid": "GPU-A", "usage": {"utilization_gpu": 37, "memory_used_mib": 5120}}]
+
+    def pools(self) -> dict[str, Any]:
+        return {"quota": {"held": 0.1429, "pending": 0, "remaining": 1.8571}}
+
+    def notices(self) -> list[dict[str, Any]]:
+        return [{"created": "2026-12-01T09:00:00Z", "kind": "job-ended", "message": "job 7"}]
+
     def release_lease(self, lease_id: int, reason: str) -> dict[str, Any]:
         self.calls.append(("release_lease", (lease_id, reason)))
         return {"id": lease_id, "state": "granted"}
@@ -97,3 +118,17 @@ def test_cells_run_but_not_saved_are_counted(tmp_path: Path) -> None:
 
     assert unsaved_cells(Shell(), str(path)) == 1  # "y = 2" (magics and blanks left out)
     assert unsaved_cells(Shell(), str(tmp_path / "missing.ipynb")) == 0
+
+
+def test_gpu_shows_the_slots_with_their_use_the_quota_left_and_notices(
+    shell: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ip, recorder = shell
+    monkeypatch.setenv("GPUBROKER_LEASE_ID", "5")
+    lease = ip.run_line_magic("gpu", "")
+    out = capsys.readouterr().out
+    assert lease["id"] == 5
+    assert "lease 5: 1 x MIG 1g.10gb, granted since 2026-12-01T08:00:00Z (" in out
+    assert "MIG-1" in out and "37%" in out and "5.0 GiB" in out
+    assert "quota: 0.1429 held, 0 pending, 1.8571 left (device units)" in out
+    assert "job-ended" in out
