@@ -166,6 +166,16 @@ class RunningHub:
         headers = {"Authorization": f"token {token or self.token}"}
         return requests.request(method, f"{self.broker}{path}", headers=headers, timeout=60, **kw)
 
+    def wait_for_job(self, job_id: int, token: str | None = None, timeout: float = 120) -> dict:
+        """The job's view once it has ended (``TimeoutError`` if it has not)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.broker_api("GET", f"/jobs/{job_id}", token=token).json()
+            if job["state"] not in ("queued", "running"):
+                return dict(job)
+            time.sleep(0.3)
+        raise TimeoutError(f"job {job_id} has not ended in {timeout} s")
+
     def create_user(self, name: str) -> str:
         """Create ``name`` (if new) and return a token of theirs."""
         r = self.api("POST", f"/users/{name}")

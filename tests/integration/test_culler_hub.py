@@ -206,14 +206,7 @@ def test_a_culled_server_leaves_its_promoted_job_running(hub: RunningHub) -> Non
     assert released["release_reason"].startswith("culled: ")
     wait_until(lambda: hub.server("promoted") is None, timeout=30)
     assert hub.broker_api("GET", f"/jobs/{job['id']}").json()["state"] in ("queued", "running")
-    done = wait_until(
-        lambda: (
-            (j := hub.broker_api("GET", f"/jobs/{job['id']}").json())["state"]
-            not in ("queued", "running")
-            and j
-        ),
-        timeout=120,
-    )
+    done = hub.wait_for_job(job["id"], None, timeout=120)
     assert done["state"] == "succeeded", done
     assert "culled" in kinds(hub, "promoted", token)
 

@@ -13,10 +13,10 @@ import docker as sdk
 import pytest
 
 from gpubroker.jobs.service import JobService
-from gpubroker.model import jobs as model
 
 from .. import dockerutil
 from ..conftest import make_broker
+from ..unit.test_jobs import run_until_done
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +42,6 @@ def jobs(
     engine.docker_url, engine.image = private_docker.url, private_docker.image
     yield service
     engine.close()
-
-
-def run_until_done(jobs: JobService, job_id: int, timeout: float = 60) -> dict:
-    async def loop() -> dict:
-        for _ in range(int(timeout / 0.2)):
-            await jobs.tick()
-            view = jobs.get(job_id)
-            if view["state"] in model.FINAL:
-                return view
-            await asyncio.sleep(0.2)
-        raise AssertionError(f"job {job_id} still {jobs.get(job_id)['state']}")
-
-    return asyncio.run(loop())
 
 
 def container_of(jobs: JobService, job_id: int, url: str) -> dict:

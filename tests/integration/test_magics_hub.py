@@ -75,14 +75,7 @@ def test_gpu_submit_runs_the_notebook_as_a_job_that_outlives_the_server(
         ws.close()
     hub.api("DELETE", f"/users/{user}/server")
     hub.wait_for_no_server(user)
-    done = wait_until(
-        lambda: (
-            (j := hub.broker_api("GET", f"/jobs/{job['id']}", token=token).json())["state"]
-            not in ("queued", "running")
-            and j
-        ),
-        timeout=120,
-    )
+    done = hub.wait_for_job(job["id"], token, timeout=120)
     assert done["state"] == "succeeded", done
     out = nbformat.read(home / f"train.{job['id']}.ipynb", as_version=4)
     printed = "".join(o.get("text", "") for o in out.cells[-1].outputs)
@@ -132,14 +125,7 @@ def test_a_cell_job_and_submit_release_free_the_servers_gpu_for_a_waiting_user(
         )
         cell = wait_until(lambda: _read_json(home / "cell.json"), timeout=30)
         assert cell["kind"] == "command"
-        ended = wait_until(
-            lambda: (
-                (j := hub.broker_api("GET", f"/jobs/{cell['id']}", token=token).json())["state"]
-                not in ("queued", "running")
-                and j
-            ),
-            timeout=120,
-        )
+        ended = hub.wait_for_job(cell["id"], token, timeout=120)
         assert ended["state"] == "succeeded", ended
         assert (home / "cell.txt").read_text().startswith("GPU-")
         fillers = [
@@ -170,12 +156,5 @@ def test_a_cell_job_and_submit_release_free_the_servers_gpu_for_a_waiting_user(
     assert hub.broker_api("GET", f"/jobs/{job['id']}", token=token).json()["state"] == "queued"
     for lease in [*fillers, waiter]:
         hub.broker_api("DELETE", f"/leases/{lease['id']}")
-    done = wait_until(
-        lambda: (
-            (j := hub.broker_api("GET", f"/jobs/{job['id']}", token=token).json())["state"]
-            not in ("queued", "running")
-            and j
-        ),
-        timeout=120,
-    )
+    done = hub.wait_for_job(job["id"], token, timeout=120)
     assert done["state"] == "succeeded", done

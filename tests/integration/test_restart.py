@@ -196,3 +196,36 @@ def test_a_sigkilled_broker_counts_a_lease_once_with_no_gap_beyond_the_heartbeat
     after = (ended - back).total_seconds()
     assert held <= (ended - granted).total_seconds() - 0.5  # the time it was down is not counted
     assert held >= before - 0.5 - 0.2 + after  # at most one heartbeat lost before the kill
+
+
+def test_a_job_running_when_the_broker_is_sigkilled_is_adopted_and_runs_once(
+    clean_hub: RunningHub,
+) -> None:
+    """The job's process outlives the broker; the restarted broker adopts it
+    (still running, its log goes on), learns its real outcome, and never
+    starts it a second time."""
+    hub = clean_hub
+    token = hub.create_user("survivor")
+    home = hub.workdir / "home" / "survivor"
+    home.mkdir(parents=True, exist_ok=True)
+    script = "echo run >> runs.txt; echo before; sleep 6; echo after; exit 4"
+    r = hub.broker_api("POST", "/jobs", json={"command": script, "gpus": 1}, token=token)
+    assert r.status_code == 201, r.text
+    job = r.json()
+    wait_until(
+        lambda: (
+            hub.broker_api("GET", f"/jobs/{job['id']}", token=token).json()["state"] == "running"
+        ),
+        timeout=60,
+    )
+    old_pid = hub.broker_pid()
+    assert old_pid
+    os.kill(old_pid, signal.SIGKILL)
+    wait_until(lambda: (pid := hub.broker_pid()) and pid != old_pid, timeout=60)
+    wait_until(lambda: hub.broker_api("GET", "/health").status_code == 200, timeout=30)
+    done = hub.wait_for_job(job["id"], token, timeout=90)
+    assert (done["state"], done["exit_code"], done["restarts"]) == ("failed", 4, 0), done
+    assert (home / "runs.txt").read_text() == "run\n"  # started once
+    logs = hub.broker_api("GET", f"/jobs/{job['id']}/logs", token=token).json()["text"]
+    assert "before" in logs and "after" in logs
+    assert hub.broker_api("GET", f"/leases/{done['lease_id']}").json()["state"] == "released"

@@ -127,7 +127,7 @@ def test_gpu_shows_the_slots_with_their_use_the_quota_left_and_notices(
     monkeypatch.setenv("GPUBROKER_LEASE_ID", "5")
     lease = ip.run_line_magic("gpu", "")
     out = capsys.readouterr().out
-    assert lease["id"] == 5
+    assert lease["id"] == 5 and ("lease", (5,)) in recorder.calls
     assert "lease 5: 1 x MIG 1g.10gb, granted since 2026-12-01T08:00:00Z (" in out
     assert "MIG-1" in out and "37%" in out and "5.0 GiB" in out
     assert "quota: 0.1429 held, 0 pending, 1.8571 left (device units)" in out
