@@ -107,6 +107,9 @@ class LaunchSpec:
         stdout: file the process's standard output is appended to, or
             ``None`` to discard it.
         stderr: the same for standard error (may be the same path as stdout).
+        home: the user's root directory on the node, decided by the broker
+            (never by the user): engines that isolate the file system
+            (Docker) mount exactly it; ``None``: none to mount.
 
     Raises:
         ValueError: ``argv`` is empty, ``time_limit`` is not positive, or
@@ -122,6 +125,7 @@ class LaunchSpec:
     time_limit: float | None = None
     stdout: str | None = None
     stderr: str | None = None
+    home: str | None = None
 
     def __post_init__(self) -> None:
         argv = tuple(self.argv)

@@ -13,22 +13,29 @@ with the Docker SDK:
   (so a stop's SIGTERM reaches the job);
 * the spec's user as ``UID:GID`` (from the host's user database), its
   environment exactly (nothing of the broker's), its working directory;
-* the user's home directory (``$HOME`` of the spec) mounted read-write at the
-  same path, so the job's files, log and checkpoints are where the broker
-  reads them; the log is written by the job (standard output and error
-  appended to ``spec.stdout``).
+* the user's root directory (``spec.home``, which the broker decides, never
+  the user) mounted read-write at the same path, so the job's files, log and
+  checkpoints are where the broker reads them; the log is written by the job
+  (standard output and error appended to ``spec.stdout``); the image's
+  ``PATH`` and ``ENV`` stay, Docker adds ``HOSTNAME`` and, for the device
+  request, ``NVIDIA_VISIBLE_DEVICES``, the engine ``GPUBROKER_LOG``.
 
-The container is kept after it exits (labelled ``gpubroker.lease``), so its
-exit code survives a broker restart; :meth:`DockerEngine.remove` deletes
-it. Time limits are enforced at :meth:`DockerEngine.poll` (from the
-container's start time and its ``gpubroker.time_limit`` label, so they hold
-across restarts too). The inventory and telemetry come from the broker's
-device backend (the engine runs on the broker's host): :meth:`nodes` and
-:meth:`telemetry` give nothing.
+A container is removed once the broker has read how it ended (its exit code
+is also in the job's exit file, which a restarted broker reads). Time limits
+are enforced at :meth:`DockerEngine.poll` (from the container's start time
+and its ``gpubroker.time_limit`` label, so they hold across restarts too).
+Signals and stops reach every process of the container but its init
+(``kill -SIG -1`` run inside it as the job's user): a stop sends SIGTERM,
+waits its grace period, then kills the container. The containers run with
+every capability dropped and ``no-new-privileges``. The inventory and
+telemetry come from the broker's device backend (the engine runs on the
+broker's host): :meth:`nodes` and :meth:`telemetry` give nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime as dt
 import pwd
 import signal as signal_module
@@ -36,11 +43,25 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
-from traitlets import TraitError, Unicode, validate
+from traitlets import Float, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
 from ..devices.base import DeviceUsage
 from .base import EngineError, Handle, LaunchSpec, Node, Status
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    """What the Docker SDK raises: its own errors and those of ``requests``
+    (an engine that cannot be reached, a timeout)."""
+    try:
+        import docker.errors
+        import requests
+    except ImportError:
+        return (OSError,)
+    return (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
+
+
+_ERRORS = _errors()
 
 #: where a notebook job's runner (``gpubroker/jobs/nbrun.py``) is mounted
 NBRUN_PATH = "/opt/gpubroker/nbrun.py"
@@ -79,6 +100,12 @@ class DockerEngine(LoggingConfigurable):
     python = Unicode(
         "python3",
         help="The Python of the image that runs papermill for notebook jobs.",
+    ).tag(config=True)
+
+    stop_grace = Float(
+        30.0,
+        help="Seconds between SIGTERM and the kill when a job's time limit passes "
+        "(a cancel or preemption uses JobService.stop_grace).",
     ).tag(config=True)
 
     @validate("network")
@@ -129,7 +156,7 @@ class DockerEngine(LoggingConfigurable):
             return self.client().containers.get(handle.id)
         except docker.errors.NotFound:
             return None
-        except docker.errors.DockerException as err:
+        except _ERRORS as err:
             raise EngineError(f"cannot read container {handle.id[:12]}: {err}") from err
 
     # --- the protocol -----------------------------------------------------------
@@ -152,15 +179,15 @@ class DockerEngine(LoggingConfigurable):
         """
         if not self.image:
             raise EngineError("DockerEngine.image is not set: no image to run jobs in")
-        import docker.errors
         from docker.types import DeviceRequest
 
         try:
             account = pwd.getpwnam(spec.user)
         except KeyError as err:
             raise EngineError(f"no such user on this host: {spec.user!r}") from err
-        home = spec.env.get("HOME") or spec.cwd
-        volumes = {home: {"bind": home, "mode": "rw"}}
+        if not spec.home:
+            raise EngineError("the docker engine needs the user's root directory to mount")
+        volumes = {spec.home: {"bind": spec.home, "mode": "rw"}}
         if self.nbrun:
             volumes[self.nbrun] = {"bind": NBRUN_PATH, "mode": "ro"}
         env = dict(spec.env) | {"GPUBROKER_LOG": spec.stdout or "/dev/null"}
@@ -184,13 +211,17 @@ class DockerEngine(LoggingConfigurable):
                 network_mode=self.network,
                 labels=labels,
                 init=True,
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
                 detach=True,
             )
-        except docker.errors.DockerException as err:
+        except _ERRORS as err:
             raise EngineError(f"cannot create a container of {self.image}: {err}") from err
         try:
             container.start()
-        except docker.errors.DockerException as err:
+        except _ERRORS as err:
+            with contextlib.suppress(*_ERRORS):
+                container.remove(force=True)
             raise EngineError(f"cannot start container {container.id[:12]}: {err}") from err
         self.log.info(
             "Docker: started container %s of lease %s (%s)",
@@ -202,7 +233,8 @@ class DockerEngine(LoggingConfigurable):
 
     def poll(self, handle: Handle) -> Status:
         """The container's status; one past its time limit is stopped
-        (SIGTERM, then SIGKILL after 10 s) and reported ``timed_out``.
+        (SIGTERM, then a kill after ``stop_grace`` seconds) and reported
+        ``timed_out``; an ended one is removed (its end is returned).
 
         Raises:
             EngineError: the handle is not of this engine, or Docker cannot be read.
@@ -215,10 +247,9 @@ class DockerEngine(LoggingConfigurable):
         if status.state == "running" and limit and status.started is not None:
             ran = (dt.datetime.now(dt.timezone.utc) - status.started).total_seconds()
             if ran >= float(limit):
-                ended = self.stop(handle, 10.0)
-                return Status(
-                    ended.state, ended.exit_code, ended.signal, ended.started, ended.ended, True
-                )
+                return dataclasses.replace(self.stop(handle, self.stop_grace), timed_out=True)
+        if status.state != "running":
+            self._remove(container)
         return status
 
     def signal(self, handle: Handle, signum: int) -> None:
@@ -232,16 +263,19 @@ class DockerEngine(LoggingConfigurable):
         container = self._container(handle)
         if container is None or container.status != "running":
             return
-        name = signal_module.Signals(signum).name.removeprefix("SIG")
-        import docker.errors
+        self._kill_all(container, signum)
 
+    def _kill_all(self, container: Any, signum: int) -> None:
+        """``kill -SIG -1`` inside ``container``, as its own user (the job's)."""
+        name = signal_module.Signals(signum).name.removeprefix("SIG")
+        user = container.attrs.get("Config", {}).get("User") or ""
         try:
-            done = container.exec_run(["/bin/sh", "-c", f"kill -{name} -1"], user="0")
-        except docker.errors.DockerException as err:
-            raise EngineError(f"cannot signal container {handle.id[:12]}: {err}") from err
+            done = container.exec_run(["/bin/sh", "-c", f"kill -{name} -1"], user=user)
+        except _ERRORS as err:
+            raise EngineError(f"cannot signal container {container.id[:12]}: {err}") from err
         if done.exit_code != 0:
             why = done.output.decode("utf-8", "replace").strip()
-            raise EngineError(f"cannot signal container {handle.id[:12]}: {why}")
+            raise EngineError(f"cannot signal container {container.id[:12]}: {why}")
 
     def stop(self, handle: Handle, grace: float) -> Status:
         """Stop the container (SIGTERM, SIGKILL after ``grace`` seconds) and
@@ -256,25 +290,35 @@ class DockerEngine(LoggingConfigurable):
         import docker.errors
 
         try:
-            container.stop(timeout=max(int(grace + 0.999), 0))
+            if container.status == "running":
+                with contextlib.suppress(EngineError):  # it may be ending already
+                    self._kill_all(container, signal_module.SIGTERM)
+                try:
+                    container.wait(timeout=max(grace, 0.1))
+                except _ERRORS:  # still running after its grace
+                    container.kill()
+                    container.wait(timeout=30)
             container.reload()
         except docker.errors.NotFound:
             return Status("lost")
-        except docker.errors.DockerException as err:
+        except _ERRORS as err:
             raise EngineError(f"cannot stop container {handle.id[:12]}: {err}") from err
-        return _status(container.attrs)
+        status = _status(container.attrs)
+        self._remove(container)
+        return status
+
+    def _remove(self, container: Any) -> None:
+        """Delete an ended container (its end is read; the job's exit file keeps it)."""
+        try:
+            container.remove(force=True)
+        except _ERRORS as err:
+            self.log.warning("Docker: cannot remove container %s: %s", container.id[:12], err)
 
     def close(self) -> None:
         """Close the connection to the Docker engine (a later call opens one)."""
         if self._client is not None:
             self._client.close()
             self._client = None
-
-    def remove(self, handle: Handle) -> None:
-        """Delete the (ended) container of ``handle``; nothing when it is gone."""
-        container = self._container(handle)
-        if container is not None:
-            container.remove(force=True)
 
 
 def _time(text: str | None) -> dt.datetime | None:
@@ -295,13 +339,14 @@ def _time(text: str | None) -> dt.datetime | None:
 
 
 def _status(attrs: dict[str, Any]) -> Status:
-    """A :class:`Status` from a container's inspect data. An exit code above
-    128 is a signal's (``128 + N``, the shell's rule)."""
+    """A :class:`Status` from a container's inspect data. An exit code of
+    129 to 192 is a signal's (``128 + N``, the shell's rule: the job's shell
+    ends by the signal that ended its program)."""
     state = attrs.get("State", {})
     started, ended = _time(state.get("StartedAt")), _time(state.get("FinishedAt"))
     if state.get("Running") or state.get("Status") in ("created", "restarting"):
         return Status("running", started=started)
     code = int(state.get("ExitCode", 0))
-    if code > 128:
+    if 128 < code <= 192:
         return Status("exited", None, code - 128, started, ended)
     return Status("exited", code, None, started, ended)

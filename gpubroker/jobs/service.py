@@ -468,7 +468,11 @@ class JobService(LoggingConfigurable):
         self, job_id: int, lease: dict[str, Any] | None, handle: Handle, watch: _Watch
     ) -> int:
         loop = asyncio.get_running_loop()
-        status = await loop.run_in_executor(None, self._engine(handle.engine).poll, handle)
+        try:
+            status = await loop.run_in_executor(None, self._engine(handle.engine).poll, handle)
+        except EngineError as err:  # its engine cannot tell now (Docker down): next time
+            self.log.warning("Job %s: cannot read its process: %s", job_id, err)
+            return 0
         if status.running and lease is not None and lease["state"] == "granted":
             await self._maybe_warn(job_id, lease, handle, watch)
             return 0
@@ -591,8 +595,14 @@ class JobService(LoggingConfigurable):
             restarts = job.restarts
         root = self.root_of(user)
         run_as = pwd.getpwuid(os.getuid()).pw_name if self.run_as_self else user
+        # a container keeps its image's PATH (the host's means nothing there)
+        path = (
+            {}
+            if self.runner == "docker"
+            else {"PATH": f"{Path(self.python).parent}:/usr/local/bin:/usr/bin:/bin"}
+        )
         env = {
-            "PATH": f"{Path(self.python).parent}:/usr/local/bin:/usr/bin:/bin",
+            **path,
             "HOME": str(root),
             "USER": run_as,
             "LANG": "C.UTF-8",
@@ -643,6 +653,7 @@ class JobService(LoggingConfigurable):
             time_limit=spec["time_limit"],
             stdout=log,
             stderr=log,
+            home=str(root),
         )
 
     def _started(self, job_id: int, handle: Handle) -> None:
@@ -691,9 +702,13 @@ RUNNERS = ("local", "docker")
 _NBRUN = Path(__file__).with_name("nbrun.py")
 
 _RECORD_EXIT = (
-    # the shell itself outlives the warning signal (its program gets it)
-    'trap : "$GPUBROKER_WARN_SIGNAL"; mkdir -p "$GPUBROKER_CHECKPOINT_DIR"; "$@"; code=$?; '
-    'echo "$code" > "$GPUBROKER_JOB_EXIT_FILE"; exit "$code"'
+    # the shell outlives the warning signal and SIGTERM (its program gets them
+    # and may take its grace period), records the exit code, and ends as its
+    # program did: by the same signal, or with the same code
+    'trap : "$GPUBROKER_WARN_SIGNAL"; trap : TERM; mkdir -p "$GPUBROKER_CHECKPOINT_DIR"; '
+    '"$@"; code=$?; echo "$code" > "$GPUBROKER_JOB_EXIT_FILE"; '
+    'if [ "$code" -gt 128 ] && [ "$code" -le 192 ]; then '
+    'trap - TERM "$GPUBROKER_WARN_SIGNAL"; kill -$((code - 128)) $$; fi; exit "$code"'
 )
 
 

@@ -59,17 +59,29 @@ def test_a_container_job_gets_exactly_its_leased_gpus_and_its_result_is_recorded
 ) -> None:
     home = tmp_path / "home" / "ann"
     home.mkdir(parents=True)
-    script = 'echo "$NVIDIA_VISIBLE_DEVICES" > seen.txt; echo "$CUDA_VISIBLE_DEVICES" >> seen.txt'
-    job = jobs.submit("ann", {"command": script, "gpus": 2})
-    done = run_until_done(jobs, job["id"])
-    assert done["state"] == "succeeded" and done["exit_code"] == 0, done
-    leased = [s["uuid"] for s in jobs.broker.get_lease(done["lease_id"])["slots"]]
+    script = (
+        'echo "$NVIDIA_VISIBLE_DEVICES" > seen.txt; echo "$CUDA_VISIBLE_DEVICES" >> seen.txt; '
+        "sleep 2"
+    )
+    # a HOME of the user's choosing changes nothing the broker mounts
+    job = jobs.submit("ann", {"command": script, "gpus": 2, "env": {"HOME": "/etc"}})
+    asyncio.run(jobs.tick())
+    assert jobs.get(job["id"])["state"] == "running"
     attrs = container_of(jobs, job["id"], private_docker.url)
+    leased = [s["uuid"] for s in jobs.broker.get_lease(job["lease_id"])["slots"]]
     (request,) = attrs["HostConfig"]["DeviceRequests"]
     assert request["Driver"] == "nvidia" and request["DeviceIDs"] == leased
     assert request["Capabilities"] == [["gpu"]]
     assert attrs["HostConfig"]["NetworkMode"] == "none"
-    assert attrs["Config"]["Labels"]["gpubroker.lease"] == str(done["lease_id"])
+    assert attrs["HostConfig"]["CapDrop"] == ["ALL"]
+    assert attrs["HostConfig"]["SecurityOpt"] == ["no-new-privileges"]
+    assert [m["Source"] for m in attrs["Mounts"] if m["Destination"] == str(home)] == [str(home)]
+    assert not [m for m in attrs["Mounts"] if m["Source"] == "/etc"]
+    assert attrs["Config"]["Labels"]["gpubroker.lease"] == str(job["lease_id"])
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "succeeded" and done["exit_code"] == 0, done
+    with pytest.raises(sdk.errors.NotFound):  # removed once its end was read
+        container_of(jobs, job["id"], private_docker.url)
     seen = (home / "seen.txt").read_text().split()
     assert seen == [",".join(leased)] * 2
     assert jobs.broker.get_lease(done["lease_id"])["state"] == "released"
@@ -88,9 +100,13 @@ def test_a_container_job_is_warned_then_timed_out_and_cancel_stops_one(
     done = run_until_done(jobs, job["id"])
     assert done["state"] == "timed-out", done
     assert (home / "warned.txt").read_text() == "warned\n"
-    long = jobs.submit("bob", {"command": "sleep 600", "gpus": 1})
+    # a cancel's SIGTERM reaches the program, which may use its grace period
+    jobs.stop_grace = 10
+    script = "trap 'sleep 1; echo term > term.txt; exit 0' TERM; while true; do sleep 0.1; done"
+    long = jobs.submit("bob", {"command": script, "gpus": 1})
     asyncio.run(jobs.tick())
     assert jobs.get(long["id"])["state"] == "running"
     cancelled = asyncio.run(jobs.cancel(long["id"], "cancelled by bob", "bob"))
     assert cancelled["state"] == "cancelled"
+    assert (home / "term.txt").read_text() == "term\n"
     assert jobs.broker.get_lease(long["lease_id"])["state"] == "released"
