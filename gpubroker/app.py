@@ -24,6 +24,7 @@ from .devices.fake import FakeDeviceBackend
 from .devices.nvml import NVMLDeviceBackend
 from .enforce.mps import MPSControl
 from .enforce.watchdog import ShareWatchdog
+from .engines.docker import DockerEngine
 from .hub import HubClient
 from .jobs.service import JobService
 from .policy_config import SchedulingPolicy
@@ -52,6 +53,7 @@ class GPUBrokerApp(Application):
         Culler,
         Ledger,
         JobService,
+        DockerEngine,
         ShareGuard,
         ShareWatchdog,
         MPSControl,
