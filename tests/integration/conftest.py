@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -49,6 +50,11 @@ def _stop_everything(hub: RunningHub) -> None:
             hub.wait_for_no_server(user["name"], name)
     for lease in hub.leases():
         hub.broker_api("DELETE", f"/leases/{lease['id']}", json={"reason": "test cleanup"})
+    # stored quotas too (a fuzzer may have made some): the next test starts with none
+    quotas = hub.broker_api("GET", "/quotas").json()
+    for kind, key in (("user", "users"), ("group", "groups")):
+        for name in quotas.get(key) or {}:
+            hub.broker_api("DELETE", f"/quotas/{kind}/{quote(name, safe='')}")
 
 
 @pytest.fixture
