@@ -106,14 +106,16 @@ class JobService(LoggingConfigurable):
         "SIGUSR1",
         help="The signal a running command job's processes get warn_before seconds "
         "before its time limit, and when a preemption's grace period starts (Slurm's "
-        "--signal); a name such as SIGUSR1 or SIGTERM.",
+        "--signal); a name such as SIGUSR1. A notebook job's papermill and kernel "
+        "ignore it (its kernel is interrupted instead).",
     ).tag(config=True)
 
     warn_before = Float(
         60.0,
-        help="Seconds before a command job's time limit at which it gets warn_signal "
-        "(a job with a shorter limit gets none). A program that does not catch the "
-        "signal ends on it (failed), as with Slurm's --signal.",
+        help="Seconds before a job's time limit at which it is warned: a command job "
+        "gets warn_signal, a notebook job's kernel is interrupted (a job with a shorter "
+        "limit is not warned). A program that does not catch the signal ends on it "
+        "(failed), as with Slurm's --signal.",
     ).tag(config=True)
 
     max_restarts = Integer(
