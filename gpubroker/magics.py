@@ -28,6 +28,7 @@ are shown as HTML in notebooks and as text in terminals.
 
 from __future__ import annotations
 
+import datetime as dt
 import html
 import os
 import shlex
@@ -84,8 +85,6 @@ def _resources(func: Any) -> Any:
 
 def _age(since: str) -> str:
     """How long ago ``since`` (ISO 8601, UTC) was, as ``2h05m`` (or ``""``)."""
-    import datetime as dt
-
     try:
         then = dt.datetime.fromisoformat(since.replace("Z", "+00:00"))
     except (TypeError, ValueError):

@@ -228,7 +228,7 @@ class Pool:
         return [
             s
             for s in self.free.get(node, {}).values()
-            if ends <= self.reserved_from.get(s.uuid, NEVER) and in_pool(s, pool)
+            if ends <= self.reserved_from.get(s.uuid, NEVER) and (pool is None or in_pool(s, pool))
         ]
 
     def place(
@@ -321,7 +321,9 @@ class Pool:
             return None
         start, node = found
         candidates = [
-            s for s in self.by_node[node] if s.uuid not in self.earmarked and in_pool(s, pool)
+            s
+            for s in self.by_node[node]
+            if s.uuid not in self.earmarked and (pool is None or in_pool(s, pool))
         ]
         chosen = sorted(candidates, key=lambda s: (self.available_from[s.uuid], s.index))[:gpus]
         hold_from = start if start < NEVER else self.now

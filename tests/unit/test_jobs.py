@@ -277,6 +277,27 @@ def test_a_failed_job_is_retried_with_its_restart_count(jobs: JobService, home: 
     assert bad.value.message.startswith("retries: ")
 
 
+def reclaiming_service(db_url: str, home: Path, grace: float) -> tuple[Broker, JobService]:
+    """Groups A and B are guaranteed 4 GPUs each, and B's users hold 7 of 8:
+    a job of B's borrows above B's guarantee, so a request of A's reclaims
+    it (batch's grace period: ``grace`` seconds)."""
+    from .test_core import quota_broker
+
+    broker = quota_broker(
+        db_url,
+        group_quotas={"A": {"guaranteed": 4}, "B": {"guaranteed": 4}},
+        priority_classes=[
+            {"name": "interactive", "rank": 100},
+            {"name": "batch", "rank": 50, "grace": grace},
+        ],
+    )
+    service = JobService(broker, broker.engine, run_as_self=True)
+    service.root_dir_template = str(home / "{username}")
+    for i in range(7):
+        broker.request_lease(f"b{i}", "", 1, holder_kind="external", groups=["B"], group="B")
+    return broker, service
+
+
 def test_a_preempted_job_is_warned_requeued_and_resumes_from_its_checkpoint(
     db_url: str, home: Path
 ) -> None:
@@ -286,21 +307,8 @@ def test_a_preempted_job_is_warned_requeued_and_resumes_from_its_checkpoint(
     checkpoint it wrote."""
     import time
 
-    from .test_core import quota_broker
-
-    broker = quota_broker(
-        db_url,
-        group_quotas={"A": {"guaranteed": 4}, "B": {"guaranteed": 4}},
-        priority_classes=[
-            {"name": "interactive", "rank": 100},
-            {"name": "batch", "rank": 50, "grace": 0.5},
-        ],
-    )
-    service = JobService(broker, broker.engine, run_as_self=True)
-    service.root_dir_template = str(home / "{username}")
+    broker, service = reclaiming_service(db_url, home, grace=0.5)
     (home / "kim").mkdir(parents=True)
-    for i in range(7):
-        broker.request_lease(f"b{i}", "", 1, holder_kind="external", groups=["B"], group="B")
     script = (
         'echo "run $GPUBROKER_RESTART_COUNT" >> runs.txt; '
         'if [ -f "$GPUBROKER_CHECKPOINT_DIR/state" ]; then echo resumed >> runs.txt; exit 0; fi; '
@@ -334,20 +342,7 @@ def test_a_preempted_notebook_checkpoints_on_the_interrupt_and_is_requeued(
     queued again and resumes from the checkpoint."""
     import time
 
-    from .test_core import quota_broker
-
-    broker = quota_broker(
-        db_url,
-        group_quotas={"A": {"guaranteed": 4}, "B": {"guaranteed": 4}},
-        priority_classes=[
-            {"name": "interactive", "rank": 100},
-            {"name": "batch", "rank": 50, "grace": 60},
-        ],
-    )
-    service = JobService(broker, broker.engine, run_as_self=True)
-    service.root_dir_template = str(home / "{username}")
-    for i in range(7):
-        broker.request_lease(f"b{i}", "", 1, holder_kind="external", groups=["B"], group="B")
+    broker, service = reclaiming_service(db_url, home, grace=60)
     notebook(
         home / "kim" / "train.ipynb",
         [
