@@ -134,7 +134,9 @@ class GPUBrokerApp(Application):
     reconcile_interval = Float(
         30,
         help="Seconds between reconciliations with the hub: leases of servers "
-        "the hub no longer lists are released. 0 disables it.",
+        "the hub no longer lists are released, and so are those of "
+        "DockerGPUSpawner servers whose container has exited or is gone "
+        "(asked of the Docker engine at DockerEngine.docker_url). 0 disables it.",
     ).tag(config=True)
 
     schedule_interval = Float(
@@ -148,6 +150,18 @@ class GPUBrokerApp(Application):
         help="Seconds after which a broker whose hub API does not answer exits "
         "(status 3); 0: never. A hub-managed broker whose hub process died "
         "exits within a second anyway (a restarted hub starts a broker of its own).",
+    ).tag(config=True)
+
+    standby = Bool(
+        False,
+        help="Wait for the database lock as long as it takes, as a standby "
+        "broker: while another broker is active, this one only waits (trying "
+        "the lock every second, logging who holds it every minute) and takes "
+        "over once that broker is gone; on PostgreSQL that is within a second "
+        "of the holder's process dying on a live host and within 25 s of its "
+        "host vanishing (the lock session's TCP keepalives). It opens its "
+        "port only once it holds the lock, so it may be given the active "
+        "broker's address.",
     ).tag(config=True)
 
     lock_wait_timeout = Float(

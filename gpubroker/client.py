@@ -137,9 +137,21 @@ class BrokerClient:
         params = {"user": user} if user else None
         return await self._call("GET", "/pools", params=params)  # type: ignore[no-any-return]
 
-    async def set_server_url(self, lease_id: int, url: str) -> dict[str, Any]:
-        """``PATCH /leases/{id}`` with ``server_url`` (admins: the spawner)."""
-        body = {"server_url": url}
+    async def set_server_url(
+        self,
+        lease_id: int,
+        url: str,
+        container_id: str | None = None,
+        docker_engine: str | None = None,
+    ) -> dict[str, Any]:
+        """``PATCH /leases/{id}`` with ``server_url`` and, for a server in a
+        Docker container, its ``container_id`` and the ``docker_engine``'s
+        ID (admins: the spawner)."""
+        body: dict[str, Any] = {"server_url": url}
+        if container_id:
+            body["container_id"] = container_id
+        if docker_engine:
+            body["docker_engine"] = docker_engine
         return await self._call("PATCH", f"/leases/{lease_id}", body)  # type: ignore[no-any-return]
 
     async def notices(self, user: str | None = None) -> list[Any]:

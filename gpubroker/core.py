@@ -755,6 +755,41 @@ class Broker(
             self._notify()
         return released
 
+    def reconcile_containers(self, ended: dict[int, tuple[str, str]]) -> list[int]:
+        """Release server leases whose Docker container has ended or is gone.
+
+        Args:
+            ended: lease id -> (the container id that was checked, what the
+                Docker engine said of it, e.g. ``"exited with status 137"``
+                or ``"is gone"``). A lease whose container has changed since
+                the check (a new start), or that is no longer granted, is
+                left alone.
+
+        Returns:
+            ids of the leases released.
+        """
+        released = []
+        now = utcnow()
+        with self._write() as session:
+            for lease in self._world.active():
+                checked = ended.get(lease.id)
+                if checked is None or lease.state != LeaseState.granted.value:
+                    continue
+                container, said = checked
+                if lease.container_id != container:
+                    continue
+                server = f"{lease.user}/{lease.server_name}"
+                why = f"reconcile: the container {container[:12]} of server {server} {said}"
+                self._release(lease, why, now, "reconcile")
+                released.append(lease.id)
+            if released:
+                session.flush()
+                self._schedule(session, now)
+        if released:
+            self.log.warning("Reconciliation released leases %s (container ended)", released)
+            self._notify()
+        return released
+
     # -- reads ---------------------------------------------------------------------
 
     def _get(self, session: Session, lease_id: int) -> Lease:
@@ -1123,10 +1158,18 @@ class Broker(
                 self._schedule(session, now)
         self._notify()
 
-    def set_server_url(self, lease_id: int, url: str) -> dict[str, Any]:
+    def set_server_url(
+        self,
+        lease_id: int,
+        url: str,
+        container_id: str | None = None,
+        docker_engine: str | None = None,
+    ) -> dict[str, Any]:
         """Record where the lease's single-user server listens (from the spawner),
         so the culler can read its kernels directly (not through the proxy,
-        which would count as activity).
+        which would count as activity), and the Docker container it runs in
+        and that engine's ID (``DockerGPUSpawner``; ``None``: none), which
+        :meth:`reconcile_containers` checks.
 
         Raises:
             NotFound: no such lease.
@@ -1134,6 +1177,8 @@ class Broker(
         with self._write() as session:
             lease = self._get(session, lease_id)
             lease.server_url = url
+            lease.container_id = container_id
+            lease.docker_engine = docker_engine if container_id else None
             view = lease_view(lease)
         return view
 

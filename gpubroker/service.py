@@ -24,6 +24,8 @@ from .broker.passloop import PassLoop
 from .core import Broker, utcnow
 from .culler import Culler
 from .devices import load_backend
+from .engines.base import EngineError
+from .engines.docker import DockerEngine
 from .hub import HubClient
 from .jobs.service import JobService
 from .observe.metrics import BrokerMetrics
@@ -55,7 +57,9 @@ class BrokerService:
         """One writer per database: the lock, before any migration, adoption
         or pass. A hub-managed broker waits up to ``lock_wait_timeout`` for a
         previous broker of a hub that died to exit (a hub stops when its
-        managed service fails at its start); others refuse at once.
+        managed service fails at its start); a standby
+        (``GPUBrokerApp.standby``) waits as long as it takes; others refuse
+        at once.
 
         Raises:
             DatabaseLocked: held by another broker (for longer than the wait).
@@ -63,15 +67,20 @@ class BrokerService:
         self.engine = make_engine(self.app.db_url)
         self.lock = WriterLock(self.engine, describe_self(self._url()))
         managed = bool(os.environ.get("JUPYTERHUB_SERVICE_NAME"))
-        deadline = time.monotonic() + (self.app.lock_wait_timeout if managed else 0)
+        wait = self.app.lock_wait_timeout if managed else 0
+        deadline = float("inf") if self.app.standby else time.monotonic() + wait
+        said = -float("inf")
         while True:
             try:
                 self.lock.acquire()
                 return
             except DatabaseLocked as err:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     raise
-                self.log.warning("Waiting for the database lock: %s", err)
+                if not self.app.standby or now - said >= 60:
+                    self.log.warning("Waiting for the database lock: %s", err)
+                    said = now
                 await asyncio.sleep(1)
 
     def _build(self) -> None:
@@ -103,6 +112,8 @@ class BrokerService:
             parent=app,
         )
         self.jobs = JobService(self.broker, self.broker.engine, parent=app)
+        #: the Docker engine asked about DockerGPUSpawner containers (made on first use)
+        self.docker: DockerEngine | None = None
         self.metrics = BrokerMetrics(self.broker, self.ledger if self.ledger.enabled else None)
         self.broker.bus.subscribe(self.metrics.on_event)
         self.share_guard = ShareGuard(self.broker, parent=app)
@@ -245,6 +256,8 @@ class BrokerService:
         if self.broker.mps.enabled:
             self.broker.mps.stop_all()
         self.backend.close()
+        if self.docker is not None:
+            self.docker.close()
         self.lock.release()
         self.engine.dispose()
 
@@ -258,10 +271,46 @@ class BrokerService:
                 self.log.exception("Scheduling pass failed")
 
     async def reconcile_once(self) -> list[int]:
-        """Ask the hub which servers exist; release leases of servers that are gone."""
+        """Ask the hub which servers exist and the Docker engine which
+        servers' containers still run; release the leases of those gone."""
         as_of: dt.datetime = utcnow()
         servers = await self.hub.active_servers()
-        return self.broker.reconcile(servers, as_of)
+        released = self.broker.reconcile(servers, as_of)
+        return released + await self.reconcile_containers()
+
+    async def reconcile_containers(self) -> list[int]:
+        """Release the leases of servers whose Docker container (told by
+        ``DockerGPUSpawner``) has exited or is gone, asking the Docker engine
+        of ``DockerEngine.docker_url`` off the event loop. Nothing is asked
+        while no lease names a container; when Docker cannot be read,
+        nothing is released (a warning is logged), and containers the
+        spawner saw on another engine (its ID) are not checked.
+
+        Returns:
+            ids of the leases released.
+        """
+        watched = {
+            x.id: (x.container_id, x.docker_engine)
+            for x in self.broker.server_leases()
+            if x.container_id
+        }
+        if not watched:
+            return []
+        if self.docker is None:
+            self.docker = DockerEngine(parent=self.app)
+        try:
+            ended, elsewhere = await asyncio.to_thread(self.docker.ended_containers, watched)
+        except EngineError as err:
+            self.log.warning("Cannot ask the Docker engine about servers' containers: %s", err)
+            return []
+        if elsewhere:
+            self.log.warning(
+                "The containers of leases %s run on another Docker engine than the one at "
+                "DockerEngine.docker_url (%r): not checked; point it at the hub's engine",
+                elsewhere,
+                self.docker.docker_url or "from DOCKER_HOST",
+            )
+        return self.broker.reconcile_containers(ended) if ended else []
 
     async def _reconcile_loop(self) -> None:
         # at once after a start (leases of servers stopped while the broker was

@@ -12,6 +12,8 @@ config on free ports):
 - ``GPUBROKER_DEMO_PORT``: public port of the hub (default 8000);
   ``GPUBROKER_DEMO_HUB_PORT``, ``GPUBROKER_DEMO_PROXY_API_PORT`` and
   ``GPUBROKER_DEMO_BROKER_PORT``: internal ports (defaults 8081, 8001, 10101).
+- ``GPUBROKER_DEMO_DB_URL``: the broker's store (default the SQLite file
+  ``gpubroker.sqlite`` in the state dir; the tests also use PostgreSQL).
 - ``GPUBROKER_DEMO_INVENTORY``: fake devices (default ``8 x NVIDIA H100 80GB HBM3``).
 - ``GPUBROKER_DEMO_RECONCILE_INTERVAL``: seconds between broker/hub
   reconciliations (default 30); ``GPUBROKER_DEMO_POLL_INTERVAL``: the hub's
@@ -26,6 +28,9 @@ config on free ports):
 - ``GPUBROKER_DEMO_API_TOKEN``: if set, a service ``demo-admin`` with this
   token and admin scopes (hub and broker) is registered, for scripted use.
 - ``GPUBROKER_DEMO_EXTRA_CONFIG``: a hub config file loaded after this one.
+- ``GPUBROKER_DEMO_EXTERNAL_BROKER``: ``1``: the hub does not start the
+  broker; one started elsewhere (e.g. from docker/broker) serves at the
+  broker port, with the service token of the state dir.
 - ``GPUBROKER_DEMO_BROKER_CONFIG``: the broker's config file (default
   ``gpubroker_config.py`` in the state dir, if it exists): quotas, classes…
 - ``GPUBROKER_DEMO_SHARING``: ``1`` (the default) splits the eight fake
@@ -90,6 +95,7 @@ c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
 c.JupyterHub.custom_scopes = CUSTOM_SCOPES
 inventory = os.environ.get("GPUBROKER_DEMO_INVENTORY", "8 x NVIDIA H100 80GB HBM3")
 sharing = os.environ.get("GPUBROKER_DEMO_SHARING", "1") == "1"
+default_db = f"sqlite:///{state / 'gpubroker.sqlite'}"
 broker_config = os.environ.get("GPUBROKER_DEMO_BROKER_CONFIG", str(state / "gpubroker_config.py"))
 sharing_args = []
 if sharing:
@@ -123,7 +129,7 @@ c.JupyterHub.services = [
             "-m",
             "gpubroker",
             "serve",
-            f"--db-url=sqlite:///{state / 'gpubroker.sqlite'}",
+            f"--db-url={os.environ.get('GPUBROKER_DEMO_DB_URL', default_db)}",
             f"--device-backend={os.environ.get('GPUBROKER_DEMO_BACKEND', 'fake')}",
             f"--FakeDeviceBackend.inventory={inventory}",
             f"--FakeDeviceBackend.node_name={os.environ.get('GPUBROKER_DEMO_NODE', 'demo-node')}",
@@ -140,6 +146,9 @@ c.JupyterHub.services = [
         "cwd": str(state),
     }
 ]
+if os.environ.get("GPUBROKER_DEMO_EXTERNAL_BROKER") == "1":
+    # the broker is started by someone else (e.g. from its image) at the same URL
+    del c.JupyterHub.services[0]["command"], c.JupyterHub.services[0]["cwd"]
 c.JupyterHub.load_roles = [
     {
         # the broker (and the spawner, which calls the broker with the same token)
@@ -191,8 +200,10 @@ if demo_token:
 
 # -- the spawner ------------------------------------------------------------------------
 c.JupyterHub.spawner_class = "gpubroker-simple"
-c.SimpleLocalGPUSpawner.broker_url = broker_url
-c.SimpleLocalGPUSpawner.broker_api_token = broker_token
+# (DockerGPUSpawner too, for a hub that switches to it in GPUBROKER_DEMO_EXTRA_CONFIG)
+for spawner in (c.SimpleLocalGPUSpawner, c.DockerGPUSpawner):
+    spawner.broker_url = broker_url
+    spawner.broker_api_token = broker_token
 c.SimpleLocalGPUSpawner.home_dir_template = str(state / "home" / "{username}")
 c.Spawner.poll_interval = _port("POLL_INTERVAL", 30)
 c.Spawner.default_url = "/lab"
@@ -206,7 +217,7 @@ c.Spawner.server_token_scopes = [
     "access:services!service=gpubroker",
 ]
 if sharing:
-    c.SimpleLocalGPUSpawner.gpu_profiles = [
+    c.SimpleLocalGPUSpawner.gpu_profiles = c.DockerGPUSpawner.gpu_profiles = [
         {
             "display_name": "Full H100",
             "description": "One whole NVIDIA H100 80GB.",

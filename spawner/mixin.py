@@ -707,9 +707,17 @@ class GPUSpawnerMixin(LoggingConfigurable):
             url = f"http://{url[0]}:{url[1]}"
         full = f"{str(url).rstrip('/')}{self.server.base_url if self.server else '/'}"
         try:
-            await self.broker.set_server_url(self.gpu_lease_id, full)
+            record = await self.gpu_server_record()
+            await self.broker.set_server_url(self.gpu_lease_id, full, **record)
         except BrokerClientError as err:
             self.log.warning("Could not report the server URL to the broker: %s", err)
+
+    async def gpu_server_record(self) -> dict[str, str]:
+        """What the broker is told about the started server besides its URL
+        (keyword arguments of :meth:`BrokerClient.set_server_url`): nothing
+        here; :class:`DockerGPUSpawner` adds its container's id and its
+        Docker engine's ID."""
+        return {}
 
     async def _drop_stale_lease(self) -> None:
         if self.gpu_lease_id is not None:

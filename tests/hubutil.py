@@ -76,6 +76,9 @@ class RunningHub:
             "GPUBROKER_DEMO_LEDGER_INTERVAL": "0.5",
             **env,
         }
+        #: the broker's store
+        default_db = f"sqlite:///{workdir / 'gpubroker.sqlite'}"
+        self.db_url = env.get("GPUBROKER_DEMO_DB_URL") or default_db
         self.proc: subprocess.Popen[bytes] | None = None
         self.session = requests.Session()
         self.session.headers["Authorization"] = f"token {self.token}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import re
 from importlib import resources
 from typing import Any
 
@@ -31,6 +32,10 @@ from .redact import request_summary
 
 #: longest long-poll a client may ask for, seconds
 MAX_WAIT = 300.0
+#: a Docker container id as the spawner reports it (full or short form)
+CONTAINER_ID = re.compile(r"[0-9a-f]{12,64}")
+#: a Docker engine's ID (``docker info``: a UUID, or the older key-derived form)
+ENGINE_ID = re.compile(r"[A-Za-z0-9:-]{1,128}")
 #: longest ``server_url`` a lease may record, characters
 MAX_URL = 2048
 #: the handler methods of HTTP verbs that carry a declaration
@@ -441,17 +446,38 @@ class LeaseHandler(APIHandler):
     @auth.needs(auth.ADMIN_SCOPE, action="changing a lease")
     def patch(self, raw_id: str) -> None:
         """Admins: ``{"priority_class": NAME}`` moves a pending request;
-        ``{"server_url": URL}`` records where its server listens (the spawner)."""
+        ``{"server_url": URL[, "container_id": ID]}`` records where its
+        server listens and, in Docker, its container (the spawner)."""
         body = validation.parse_json_object(self.request.body)
         lease_id = self.lease_id(raw_id)
-        if set(body) == {"server_url"} and isinstance(body["server_url"], str):
+        if "server_url" in body and set(body) <= {"server_url", "container_id", "docker_engine"}:
             url = body["server_url"]
-            if not url.startswith(("http://", "https://")) or len(url) > MAX_URL:
+            if (
+                not isinstance(url, str)
+                or not url.startswith(("http://", "https://"))
+                or len(url) > MAX_URL
+            ):
                 raise validation.BadRequest(
                     f"server_url: must be an http(s) URL of at most {MAX_URL} characters,"
                     f" got {validation.echo(url)}"
                 )
-            self.write_json(self.broker.set_server_url(lease_id, body["server_url"]))
+            container = body.get("container_id")
+            if container is not None and not (
+                isinstance(container, str) and CONTAINER_ID.fullmatch(container)
+            ):
+                raise validation.BadRequest(
+                    "container_id: must be a Docker container id (12 to 64 lower-case hex"
+                    f" digits), got {validation.echo(container)}"
+                )
+            engine = body.get("docker_engine")
+            if engine is not None and not (
+                container is not None and isinstance(engine, str) and ENGINE_ID.fullmatch(engine)
+            ):
+                raise validation.BadRequest(
+                    "docker_engine: must come with container_id and be a Docker engine ID"
+                    f" (at most 128 letters, digits, ':' and '-'), got {validation.echo(engine)}"
+                )
+            self.write_json(self.broker.set_server_url(lease_id, url, container, engine))
             return
         if set(body) != {"priority_class"} or not isinstance(body["priority_class"], str):
             raise validation.BadRequest(

@@ -252,6 +252,64 @@ class DockerEngine(LoggingConfigurable):
             self._remove(container)
         return status
 
+    def container_status(self, container_id: str) -> Status:
+        """The status of any container of this engine (e.g. a
+        ``DockerGPUSpawner`` server's), read only: nothing is stopped or
+        removed. ``lost`` when Docker knows no such container.
+
+        Raises:
+            EngineError: Docker cannot be read.
+        """
+        container = self._container(Handle(self.name, container_id, self.node))
+        return Status("lost") if container is None else _status(container.attrs)
+
+    def engine_id(self) -> str:
+        """The ID of the Docker engine this talks to (``docker info``'s ``ID``).
+
+        Raises:
+            EngineError: Docker cannot be read.
+        """
+        try:
+            info = self.client().info()
+        except _ERRORS as err:
+            raise EngineError(f"cannot read the Docker engine's ID: {err}") from err
+        if not info.get("ID"):
+            raise EngineError("the Docker engine does not say its ID (docker info)")
+        return str(info["ID"])
+
+    def ended_containers(
+        self, watched: dict[int, tuple[str, str | None]]
+    ) -> tuple[dict[int, tuple[str, str]], list[int]]:
+        """Which of the ``watched`` containers (lease id -> (container id, ID
+        of the engine that runs it, or ``None``: not known)) no longer run,
+        and what Docker says of each: ``"is gone from the Docker engine"``,
+        ``"exited with status N"`` or ``"was ended by signal SIGNAME"``.
+        Containers of another engine than this one are not checked (a
+        container this engine has never seen is not thereby gone).
+        Blocking (Docker API calls): run it off the event loop.
+
+        Returns:
+            (lease id -> (container id, what Docker says), the lease ids
+            whose container is on another engine).
+
+        Raises:
+            EngineError: Docker cannot be read (nothing is concluded then).
+        """
+        here = self.engine_id()
+        elsewhere = [x for x, (_, engine) in watched.items() if engine not in (None, here)]
+        ended: dict[int, tuple[str, str]] = {}
+        for lease_id, (container_id, _) in watched.items():
+            if lease_id in elsewhere:
+                continue
+            status = self.container_status(container_id)
+            if status.state == "lost":
+                ended[lease_id] = (container_id, "is gone from the Docker engine")
+            elif status.state == "exited" and status.signal is not None:
+                ended[lease_id] = (container_id, f"was ended by {_signal_name(status.signal)}")
+            elif status.state == "exited":
+                ended[lease_id] = (container_id, f"exited with status {status.exit_code}")
+        return ended, elsewhere
+
     def signal(self, handle: Handle, signum: int) -> None:
         """Send ``signum`` to every process of the container but its init
         (``kill -SIG -1`` inside it), as the local engine signals a
@@ -319,6 +377,14 @@ class DockerEngine(LoggingConfigurable):
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _signal_name(number: int) -> str:
+    """``"signal SIGKILL"`` for 9; ``"signal 32"`` for a number with no name."""
+    try:
+        return f"signal {signal_module.Signals(number).name}"
+    except ValueError:
+        return f"signal {number}"
 
 
 def _time(text: str | None) -> dt.datetime | None:

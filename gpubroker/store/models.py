@@ -147,6 +147,10 @@ class Lease(Base):
     preempt_deadline: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
     preempt_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     server_url: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    #: Docker container id of a DockerGPUSpawner server (64 hex digits)
+    container_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    #: ID of the Docker engine that runs it (``docker info``), as the spawner saw it
+    docker_engine: Mapped[str | None] = mapped_column(String(128), nullable=True)
     kind: Mapped[str] = mapped_column(String(8), default="gpus", server_default="gpus")
     mig_profile: Mapped[str | None] = mapped_column(String(32), nullable=True)
     memory_mib: Mapped[int | None] = mapped_column(Integer, nullable=True)

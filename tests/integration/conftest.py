@@ -10,7 +10,9 @@ from urllib.parse import quote
 
 import pytest
 
+from .. import dockerimages, dockerutil
 from ..hubutil import REPO, RunningHub
+from ..pgutil import RunningPostgres
 
 pytestmark = pytest.mark.hub
 
@@ -57,9 +59,7 @@ def _stop_everything(hub: RunningHub) -> None:
             hub.broker_api("DELETE", f"/quotas/{kind}/{quote(name, safe='')}")
 
 
-@pytest.fixture
-def clean_hub(hub: RunningHub) -> Iterator[RunningHub]:
-    """The shared hub, emptied of servers and leases after the test."""
+def _cleaned(hub: RunningHub) -> Iterator[RunningHub]:
     assert hub.leases() == [], "a previous test left leases behind"
     yield hub
     _stop_everything(hub)
@@ -67,3 +67,67 @@ def clean_hub(hub: RunningHub) -> Iterator[RunningHub]:
     while hub.leases() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert hub.leases() == []
+
+
+@pytest.fixture
+def clean_hub(hub: RunningHub) -> Iterator[RunningHub]:
+    """The shared hub, emptied of servers and leases after the test."""
+    yield from _cleaned(hub)
+
+
+@pytest.fixture(scope="module")
+def pg_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningHub]:
+    """A second hub like the shared one, whose broker's store is a real
+    PostgreSQL server (tests/pgutil.py) instead of SQLite."""
+    _require_proxy()
+    server = RunningPostgres().start()
+    try:
+        running = RunningHub(
+            tmp_path_factory.mktemp("pg-hub"),
+            GPUBROKER_DEMO_DB_URL=server.url,
+            GPUBROKER_DEMO_RECONCILE_INTERVAL="2",
+            GPUBROKER_DEMO_POLL_INTERVAL="2",
+        ).start()
+        yield running
+        running.stop()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def either_hub(request: pytest.FixtureRequest) -> Iterator[RunningHub]:
+    """The shared hub (SQLite store), then the PostgreSQL hub: a test using
+    it runs on both stores; emptied of servers and leases after the test."""
+    name = "hub" if request.param == "sqlite" else "pg_hub"
+    yield from _cleaned(request.getfixturevalue(name))
+
+
+@pytest.fixture(scope="session")
+def private_docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dockerutil.PrivateDocker]:
+    """One private Docker engine for the Docker tests (tests/dockerutil.py)."""
+    reason = dockerutil.why_not()
+    if reason:
+        pytest.skip(f"no Docker engine can start here: {reason}")
+    running = dockerutil.start(tmp_path_factory.mktemp("docker"))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def docker_images(
+    private_docker: dockerutil.PrivateDocker, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, str]:
+    """The notebook and broker images of docker/, built on the private
+    engine FROM a base made of this machine's Python (tests/dockerimages.py):
+    ``{"notebook": TAG, "broker": TAG}``."""
+    import docker as sdk
+
+    client = sdk.DockerClient(base_url=private_docker.url)
+    try:
+        base = dockerimages.python_base(client, tmp_path_factory.mktemp("images"))
+        return {
+            name: dockerimages.build(client, f"{name}/Dockerfile", f"gpubroker-test-{name}:1", base)
+            for name in ("notebook", "broker")
+        }
+    finally:
+        client.close()

@@ -189,3 +189,24 @@ def test_each_endpoint_names_the_scope_it_needs(clean_hub: RunningHub) -> None:
     assert events.status_code == 200 and events.json()["events"][0]["kind"] == "requested"
     r = hub.broker_api("DELETE", f"/leases/{lease['id']}", token=token)
     assert r.status_code == 200 and r.json()["state"] == "released"
+
+
+def test_a_servers_container_is_recorded_and_bad_ids_are_refused_by_field(
+    clean_hub: RunningHub,
+) -> None:
+    hub = clean_hub
+    lease = post_lease(hub, {"user": "contained", "gpus": 1}).json()
+    path = f"/leases/{lease['id']}"
+    url = "http://127.0.0.1:9/user/contained/"
+    for body, field in [
+        ({"server_url": url, "container_id": "NOT-HEX"}, "container_id"),
+        ({"server_url": url, "container_id": "ab" * 40}, "container_id"),
+        ({"server_url": url, "docker_engine": "E1"}, "docker_engine"),
+        ({"server_url": url, "container_id": "ab" * 32, "docker_engine": "a b"}, "docker_engine"),
+        ({"server_url": 7, "container_id": "ab" * 32}, "server_url"),
+    ]:
+        r = hub.broker_api("PATCH", path, json=body)
+        assert r.status_code == 400 and r.json()["message"].startswith(f"{field}: "), body
+    good = {"server_url": url, "container_id": "ab" * 32, "docker_engine": "5c3a:1f0e-9d2b"}
+    r = hub.broker_api("PATCH", path, json=good)
+    assert r.status_code == 200 and r.json()["state"] == "granted"

@@ -19,16 +19,6 @@ from ..conftest import make_broker
 from ..unit.test_jobs import run_until_done
 
 
-@pytest.fixture(scope="module")
-def private_docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dockerutil.PrivateDocker]:
-    reason = dockerutil.why_not()
-    if reason:
-        pytest.skip(f"no Docker engine can start here: {reason}")
-    running = dockerutil.start(tmp_path_factory.mktemp("docker"))
-    yield running
-    running.stop()
-
-
 @pytest.fixture
 def jobs(
     db_url: str, tmp_path: Path, private_docker: dockerutil.PrivateDocker
@@ -110,3 +100,45 @@ def test_a_container_job_is_warned_then_timed_out_and_cancel_stops_one(
     assert cancelled["state"] == "cancelled"
     assert (home / "term.txt").read_text() == "term\n"
     assert jobs.broker.get_lease(long["lease_id"])["state"] == "released"
+
+
+def test_the_reconciliation_reads_containers_of_its_own_engine_only(
+    private_docker: dockerutil.PrivateDocker,
+) -> None:
+    from gpubroker.engines.docker import DockerEngine
+
+    engine = DockerEngine(docker_url=private_docker.url)
+    client = sdk.DockerClient(base_url=private_docker.url)
+    try:
+        ended = client.containers.run(
+            private_docker.image, ["/bin/sh", "-c", "exit 3"], network_mode="none", detach=True
+        )
+        ended.wait(timeout=30)
+        running = client.containers.run(
+            private_docker.image, ["/bin/sleep", "60"], network_mode="none", detach=True
+        )
+        here = engine.engine_id()
+        gone = "0" * 64
+        watched = {
+            1: (ended.id, here),
+            2: (running.id, here),
+            3: (gone, None),  # told by a spawner that could not read the engine's ID
+            4: (gone, "ANOTHER:ENGINE"),
+        }
+        found, elsewhere = engine.ended_containers(watched)
+        assert found == {
+            1: (ended.id, "exited with status 3"),
+            3: (gone, "is gone from the Docker engine"),
+        }
+        assert elsewhere == [4]
+        running.kill()
+        running.wait(timeout=30)
+        found, _ = engine.ended_containers({2: (running.id, here)})
+        assert found == {2: (running.id, "was ended by signal SIGKILL")}
+        # read only: nothing was removed
+        assert client.containers.get(ended.id).status == "exited"
+        ended.remove()
+        running.remove()
+    finally:
+        client.close()
+        engine.close()

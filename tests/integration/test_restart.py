@@ -1,5 +1,6 @@
 """A broker killed with SIGKILL loses nothing: the hub restarts the managed
-service, which re-adopts every lease and queue entry from the store."""
+service, which re-adopts every lease and queue entry from the store. Each
+test runs on a SQLite store and on a PostgreSQL one (``either_hub``)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from ..hubutil import RunningHub
 from .test_spawn import process_env, spawn, wait_until
 
 
-def test_sigkilled_broker_restarts_with_every_lease_and_queue_entry(clean_hub: RunningHub) -> None:
-    hub = clean_hub
+def test_sigkilled_broker_restarts_with_every_lease_and_queue_entry(either_hub: RunningHub) -> None:
+    hub = either_hub
     held = []
     for i in range(7):
         r = hub.broker_api(
@@ -112,9 +113,9 @@ def _client(hub: RunningHub, user: str, stop: threading.Event, seen: dict, error
 
 
 def test_sigkill_under_64_clients_loses_nothing_and_grants_nothing_twice(
-    clean_hub: RunningHub,
+    either_hub: RunningHub,
 ) -> None:
-    hub = clean_hub
+    hub = either_hub
     stop = threading.Event()
     seen: dict[int, str] = {}
     errors: list[BaseException] = []
@@ -144,7 +145,7 @@ def test_sigkill_under_64_clients_loses_nothing_and_grants_nothing_twice(
     assert [x for x in hub.leases() if x["user"].startswith("loop")] == []
     # the transition log has no gap: each lease's log replays to its stored
     # state; and no device was ever held by two leases at once
-    engine = make_engine(f"sqlite:///{hub.workdir / 'gpubroker.sqlite'}")
+    engine = make_engine(hub.db_url)
     with Session(engine) as session:
         ids = list(session.scalars(select(Lease.id).where(Lease.user.like("loop%"))))
         assert set(seen) <= set(ids)
@@ -168,12 +169,12 @@ def test_sigkill_under_64_clients_loses_nothing_and_grants_nothing_twice(
 
 
 def test_a_sigkilled_broker_counts_a_lease_once_with_no_gap_beyond_the_heartbeat(
-    clean_hub: RunningHub,
+    either_hub: RunningHub,
 ) -> None:
     """The usage ledger across a crash: the interval open at the SIGKILL is
     closed at the last heartbeat (the ledger writes every 0.5 s here), the
     restarted broker counts on from its start, and the lease is one lease."""
-    hub = clean_hub
+    hub = either_hub
     lease = hub.broker_api(
         "POST", "/leases", json={"user": "ledgered", "gpus": 2, "holder_kind": "external"}
     ).json()
@@ -199,12 +200,12 @@ def test_a_sigkilled_broker_counts_a_lease_once_with_no_gap_beyond_the_heartbeat
 
 
 def test_a_job_running_when_the_broker_is_sigkilled_is_adopted_and_runs_once(
-    clean_hub: RunningHub,
+    either_hub: RunningHub,
 ) -> None:
     """The job's process outlives the broker; the restarted broker adopts it
     (still running, its log goes on), learns its real outcome, and never
     starts it a second time."""
-    hub = clean_hub
+    hub = either_hub
     token = hub.create_user("survivor")
     home = hub.workdir / "home" / "survivor"
     home.mkdir(parents=True, exist_ok=True)

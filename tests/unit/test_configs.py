@@ -6,11 +6,14 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+import yaml
 from traitlets.config import PyFileConfigLoader
 
 import gpubroker_spawner
 
-CONFIGS = Path(__file__).resolve().parents[2] / "jupyterhub_config"
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "jupyterhub_config"
+DOCKER = REPO / "docker"
 
 
 def load(name: str):
@@ -21,6 +24,7 @@ def test_spawner_entry_points_resolve() -> None:
     spawners = entry_points(group="jupyterhub.spawners")
     assert spawners["gpubroker-local"].load() is gpubroker_spawner.LocalGPUSpawner
     assert spawners["gpubroker-simple"].load() is gpubroker_spawner.SimpleLocalGPUSpawner
+    assert spawners["gpubroker-docker"].load() is gpubroker_spawner.DockerGPUSpawner
 
 
 def test_demo_config_registers_the_broker_service(tmp_path, monkeypatch) -> None:
@@ -48,3 +52,37 @@ def test_production_example_needs_its_secrets(monkeypatch) -> None:
     monkeypatch.delenv("GPUBROKER_API_TOKEN", raising=False)
     with pytest.raises(KeyError):
         load("jupyterhub_config.py")
+
+
+def test_the_docker_deployments_hub_config_loads(monkeypatch) -> None:
+    for name in ("GPUBROKER_SERVICE_TOKEN", "CONFIGPROXY_AUTH_TOKEN", "JUPYTERHUB_DUMMY_PASSWORD"):
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("JUPYTERHUB_DB_URL", "postgresql+psycopg://gpubroker@postgres/jupyterhub")
+    monkeypatch.setenv("JUPYTERHUB_ADMIN_USERS", "ann,bob")
+    c = PyFileConfigLoader("jupyterhub_config.py", path=str(DOCKER / "hub")).load_config()
+    assert c.JupyterHub.spawner_class == "gpubroker-docker"
+    (service,) = c.JupyterHub.services
+    assert service["url"] == "http://broker:10101" and "command" not in service
+    assert c.DockerGPUSpawner.broker_url == "http://broker:10101/services/gpubroker/"
+    assert c.DockerGPUSpawner.network_name == "gpubroker"
+    admins = next(r for r in c.JupyterHub.load_roles if r["name"] == "gpubroker-admins")
+    assert admins["users"] == ["ann", "bob"]
+    # every profile is one the spawner accepts
+    spawner = gpubroker_spawner.DockerGPUSpawner()
+    spawner.gpu_profiles = c.DockerGPUSpawner.gpu_profiles
+
+
+def test_the_compose_file_builds_the_images_of_docker_and_names_its_secrets() -> None:
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"postgres", "broker", "hub", "notebook"}
+    for name in ("broker", "hub", "notebook"):
+        build = services[name]["build"]
+        assert (DOCKER / build["context"] / build["dockerfile"]).is_file()
+    text = (DOCKER / "compose.yaml").read_text()
+    example = (DOCKER / "env.example").read_text()
+    for secret in ("POSTGRES_PASSWORD", "GPUBROKER_SERVICE_TOKEN", "CONFIGPROXY_AUTH_TOKEN"):
+        assert f"${{{secret}:?" in text and f"{secret}=" in example
+    assert services["broker"]["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+    ]

@@ -21,9 +21,27 @@ def test_migrations_create_exactly_the_models(db_url: str) -> None:
     with engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == []
-    assert current_revision(engine) == head_revision() == "0011"
+    assert current_revision(engine) == head_revision() == "0012"
 
 
+def test_migrations_go_down_to_an_empty_database_and_up_again(db_url: str) -> None:
+    from alembic import command
+    from sqlalchemy import inspect
+
+    from gpubroker.store.db import alembic_config, upgrade
+
+    engine = make_engine(db_url)
+    command.downgrade(alembic_config(db_url), "base")
+    assert set(inspect(engine).get_table_names()) <= {"alembic_version"}
+    assert current_revision(engine) is None
+    upgrade(db_url)
+    with engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    assert current_revision(engine) == head_revision()
+    engine.dispose()
+
+
+@pytest.mark.sqlite_only
 def test_sqlite_uses_wal_and_foreign_keys(db_url: str) -> None:
     with make_engine(db_url).connect() as conn:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"

@@ -1,0 +1,172 @@
+"""DockerGPUSpawner: DockerSpawner whose containers get the GPUs the broker leases.
+
+On top of :class:`dockerspawner.DockerSpawner` (whose settings all apply):
+
+* the granted device or MIG UUIDs go into the container's device requests
+  (driver ``nvidia``, ``device_ids``, capabilities ``[["gpu"]]``), so the
+  NVIDIA container toolkit exposes exactly those devices; a server without a
+  GPU gets no device request and ``NVIDIA_VISIBLE_DEVICES=void``;
+* the environment is the local spawner's (``CUDA_VISIBLE_DEVICES``,
+  ``NVIDIA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER=PCI_BUS_ID``,
+  ``GPUBROKER_LEASE_ID``, ``GPUBROKER_URL``, a share's memory caps); the
+  broker's start-up hook directory on ``PYTHONPATH`` becomes
+  ``share_startup_dir``, where the notebook image holds the same hook;
+* a share with MPS gets the MPS pipe directory mounted and the host's IPC
+  namespace (NVIDIA's MPS documentation: clients and the daemon share it);
+* the container's id and its engine's ID are told to the broker with the
+  server's URL, so the broker's reconciliation asks that Docker engine
+  whether the container still runs (a container killed or removed out of band releases its lease
+  within one ``GPUBrokerApp.reconcile_interval``, whatever the hub knows);
+* with ``network_name = "host"`` each server listens on a port of its own on
+  ``host_ip`` (DockerSpawner's fixed 8888 would collide).
+
+Stopping the server (or the container dying, found by ``poll()``) releases
+the lease, as with the local spawners.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dockerspawner import DockerSpawner
+from jupyterhub.utils import random_port
+from traitlets import Unicode, default
+
+from .mixin import GPUSpawnerMixin
+
+#: how the broker's start-up hook directory ends (gpubroker/enforce/startup)
+BROKER_STARTUP_SUFFIX = os.sep.join(("gpubroker", "enforce", "startup"))
+
+
+def device_ids(env: dict[str, str]) -> list[str]:
+    """The UUIDs a lease's environment names (``NVIDIA_VISIBLE_DEVICES``):
+    ``[]`` for none (``void``, empty)."""
+    visible = env.get("NVIDIA_VISIBLE_DEVICES", "")
+    if visible in ("", "void", "none"):
+        return []
+    return [uuid for uuid in visible.split(",") if uuid]
+
+
+def gpu_host_config(env: dict[str, str]) -> dict[str, Any]:
+    """The part of a container's host config a lease's environment asks for.
+
+    Args:
+        env: the lease's environment (``lease["env"]``, or the no-GPU one).
+
+    Returns:
+        ``device_requests`` naming exactly the leased UUIDs (none without
+        devices); with MPS (``CUDA_MPS_PIPE_DIRECTORY``), a read-write bind
+        of the pipe directory at the same path and ``ipc_mode="host"``.
+    """
+    config: dict[str, Any] = {}
+    uuids = device_ids(env)
+    if uuids:
+        config["device_requests"] = [
+            {"driver": "nvidia", "device_ids": uuids, "capabilities": [["gpu"]]}
+        ]
+    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY")
+    if pipe:
+        config["binds"] = {pipe: {"bind": pipe, "mode": "rw"}}
+        config["ipc_mode"] = "host"
+    return config
+
+
+def _merged(configured: dict[str, Any], gpu: dict[str, Any]) -> dict[str, Any]:
+    """``configured`` host config with the GPU part on top (binds merged).
+    The device requests are always the lease's (none without one): a
+    configured request (say ``count: -1``, every GPU) would hand out
+    devices the broker does not know are taken."""
+    merged = dict(configured) | {k: v for k, v in gpu.items() if k != "binds"}
+    merged["device_requests"] = gpu.get("device_requests", [])
+    if "binds" in gpu:
+        binds = configured.get("binds") or {}
+        if isinstance(binds, list):
+            binds = binds + [f"{src}:{x['bind']}:{x['mode']}" for src, x in gpu["binds"].items()]
+        else:
+            binds = dict(binds) | gpu["binds"]
+        merged["binds"] = binds
+    return merged
+
+
+class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
+    """:class:`dockerspawner.DockerSpawner` whose containers get the GPUs
+    the broker leases to them (see the module's documentation)."""
+
+    share_startup_dir = Unicode(
+        "/opt/gpubroker/startup",
+        help="""Where the notebook image holds gpubroker's start-up hook
+        (``gpubroker/enforce/startup``, which caps PyTorch and TensorFlow
+        to a shared GPU's memory). The broker's own path to the hook on
+        ``PYTHONPATH`` is replaced by this one in the container; the image
+        of docker/notebook/ links it there.""",
+    ).tag(config=True)
+
+    @property
+    def _host_network(self) -> bool:
+        return bool(self.network_name == "host")
+
+    @default("use_internal_ip")
+    def _default_use_internal_ip(self) -> bool:
+        # on the host network nothing is published: the server's own port is used
+        return bool(self.network_name != "bridge")
+
+    def get_env(self) -> dict[str, str]:
+        """The environment of the local spawners, with the broker's start-up
+        hook directory on ``PYTHONPATH`` replaced by ``share_startup_dir``."""
+        env: dict[str, str] = super().get_env()
+        if env.get("PYTHONPATH"):
+            entries = env["PYTHONPATH"].split(os.pathsep)
+            env["PYTHONPATH"] = os.pathsep.join(
+                self.share_startup_dir if p.rstrip(os.sep).endswith(BROKER_STARTUP_SUFFIX) else p
+                for p in entries
+            )
+        return env
+
+    async def create_object(self) -> Any:
+        """Create the container with the lease's device requests (and MPS
+        binds) merged into ``extra_host_config``."""
+        configured = self.extra_host_config
+        gpu = gpu_host_config(dict(self._gpu_env or {}))
+
+        async def with_gpus(spawner: Any) -> dict[str, Any]:
+            value = spawner._eval_if_callable(configured)
+            if hasattr(value, "__await__"):
+                value = await value
+            return _merged(dict(value or {}), gpu)
+
+        self.extra_host_config = with_gpus
+        try:
+            return await super().create_object()
+        finally:
+            self.extra_host_config = configured
+
+    async def start(self) -> Any:
+        """Lease, then start the container; on the host network, on a free port."""
+        if self._host_network:
+            self.ip = self.host_ip
+            self.port = random_port()
+        return await super().start()
+
+    async def get_ip_and_port(self) -> tuple[str, int]:
+        """``(host_ip, port)`` on the host network, else DockerSpawner's answer."""
+        if self._host_network:
+            return self.host_ip, self.port
+        ip, port = await super().get_ip_and_port()
+        return ip, int(port)
+
+    async def gpu_server_record(self) -> dict[str, str]:
+        """What the broker is told besides the server's URL: the container's
+        id and the ID of the Docker engine that runs it (``docker info``;
+        left out when the engine does not say)."""
+        if not self.object_id:
+            return {}
+        record = {"container_id": self.object_id}
+        try:
+            info = await self.docker("info")
+        except Exception as err:  # the engine that just started the container
+            self.log.warning("%s: cannot read the Docker engine's ID: %s", self._log_name, err)
+            return record
+        if info.get("ID"):
+            record["docker_engine"] = str(info["ID"])
+        return record

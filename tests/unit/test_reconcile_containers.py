@@ -1,0 +1,40 @@
+"""Broker.reconcile_containers: a server lease whose Docker container has
+ended is released with the engine's words; a lease whose container changed
+since the check, or that is no longer granted, is left alone."""
+
+from __future__ import annotations
+
+from gpubroker.core import Broker
+
+CONTAINER = "ab" * 32
+
+
+def served(broker: Broker, user: str) -> dict:
+    lease = broker.request_lease(user, "", gpus=1)
+    return broker.set_server_url(lease["id"], "http://127.0.0.1:9/user/x/", CONTAINER, "E1")
+
+
+def test_an_ended_container_releases_its_lease_with_what_docker_said(broker: Broker) -> None:
+    lease = served(broker, "ann")
+    done = broker.reconcile_containers({lease["id"]: (CONTAINER, "exited with status 137")})
+    assert done == [lease["id"]]
+    view = broker.get_lease(lease["id"])
+    assert view["state"] == "released"
+    assert view["release_reason"] == (
+        f"reconcile: the container {CONTAINER[:12]} of server ann/ exited with status 137"
+    )
+
+
+def test_a_lease_whose_container_changed_is_left_alone(broker: Broker) -> None:
+    lease = served(broker, "bob")
+    other = "cd" * 32
+    assert broker.reconcile_containers({lease["id"]: (other, "is gone")}) == []
+    assert broker.get_lease(lease["id"])["state"] == "granted"
+    broker.release_lease(lease["id"], "done")
+    assert broker.reconcile_containers({lease["id"]: (CONTAINER, "is gone")}) == []
+
+
+def test_the_engine_id_is_kept_only_with_a_container(broker: Broker) -> None:
+    lease = broker.request_lease("cy", "", gpus=1)
+    broker.set_server_url(lease["id"], "http://127.0.0.1:9/", None, "E1")
+    assert [x.docker_engine for x in broker.server_leases()] == [None]

@@ -1,0 +1,104 @@
+"""DockerGPUSpawner's pure parts: the device requests and binds a lease's
+environment asks for, and the environment its containers get (the whole
+spawner runs against a real engine in tests/integration/test_docker_spawner_hub.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from jupyterhub.objects import Hub
+
+from gpubroker.enforce.caps import STARTUP_DIR
+from gpubroker_spawner.docker import DockerGPUSpawner, _merged, device_ids, gpu_host_config
+
+
+def make_spawner(**kwargs) -> DockerGPUSpawner:
+    user = SimpleNamespace(name="ann", url="/user/ann/", escaped_name="ann", id=1)
+    hub = Hub(ip="127.0.0.1", port=8081, base_url="/hub/")
+    return DockerGPUSpawner(
+        user=user, hub=hub, broker_url="http://broker:10101/services/gpubroker/", **kwargs
+    )
+
+
+def test_the_device_request_names_exactly_the_leased_uuids() -> None:
+    env = {"NVIDIA_VISIBLE_DEVICES": "GPU-a,MIG-b", "CUDA_VISIBLE_DEVICES": "GPU-a,MIG-b"}
+    assert gpu_host_config(env) == {
+        "device_requests": [
+            {"driver": "nvidia", "device_ids": ["GPU-a", "MIG-b"], "capabilities": [["gpu"]]}
+        ]
+    }
+
+
+def test_no_gpu_means_no_device_request() -> None:
+    for visible in ("void", "", "none"):
+        assert device_ids({"NVIDIA_VISIBLE_DEVICES": visible}) == []
+        assert gpu_host_config({"NVIDIA_VISIBLE_DEVICES": visible}) == {}
+    assert gpu_host_config({}) == {}
+
+
+def test_an_mps_share_gets_the_pipe_directory_and_the_hosts_ipc() -> None:
+    env = {"NVIDIA_VISIBLE_DEVICES": "GPU-a", "CUDA_MPS_PIPE_DIRECTORY": "/run/mps/GPU-a"}
+    config = gpu_host_config(env)
+    assert config["binds"] == {"/run/mps/GPU-a": {"bind": "/run/mps/GPU-a", "mode": "rw"}}
+    assert config["ipc_mode"] == "host"
+
+
+def test_configured_host_config_is_kept_and_binds_are_merged() -> None:
+    gpu = gpu_host_config(
+        {"NVIDIA_VISIBLE_DEVICES": "GPU-a", "CUDA_MPS_PIPE_DIRECTORY": "/run/mps/a"}
+    )
+    merged = _merged({"shm_size": "1g", "binds": {"/data": {"bind": "/data", "mode": "ro"}}}, gpu)
+    assert merged["shm_size"] == "1g" and merged["ipc_mode"] == "host"
+    assert set(merged["binds"]) == {"/data", "/run/mps/a"}
+    as_list = _merged({"binds": ["/data:/data:ro"]}, gpu)
+    assert as_list["binds"] == ["/data:/data:ro", "/run/mps/a:/run/mps/a:rw"]
+    # a configured device request cannot widen the lease's
+    wide = [{"driver": "nvidia", "count": -1, "capabilities": [["gpu"]]}]
+    assert _merged({"device_requests": wide}, gpu)["device_requests"] == gpu["device_requests"]
+
+
+def test_without_a_lease_the_configured_device_requests_are_dropped() -> None:
+    wide = [{"driver": "nvidia", "count": -1, "capabilities": [["gpu"]]}]
+    assert _merged({"device_requests": wide}, gpu_host_config({}))["device_requests"] == []
+
+
+def test_the_share_hook_path_is_the_images() -> None:
+    spawner = make_spawner(environment={"PYTHONPATH": "/home/jovyan/lib"})
+    spawner._gpu_env = {
+        "NVIDIA_VISIBLE_DEVICES": "GPU-a",
+        "CUDA_VISIBLE_DEVICES": "GPU-a",
+        "GPUBROKER_MEMORY_LIMIT_MIB": "10240",
+        "PYTHONPATH": STARTUP_DIR,
+    }
+    env = spawner.get_env()
+    assert env["PYTHONPATH"] == "/opt/gpubroker/startup:/home/jovyan/lib"
+    assert env["GPUBROKER_MEMORY_LIMIT_MIB"] == "10240"
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-a"
+
+
+async def test_the_container_and_its_engine_are_what_the_broker_is_told() -> None:
+    spawner = make_spawner()
+    assert await spawner.gpu_server_record() == {}
+    spawner.object_id = "0123456789abcdef" * 4
+
+    async def info(method: str) -> dict:
+        assert method == "info"
+        return {"ID": "5c3a1f0e-9d2b-4c7e-8f61-2a9b0c4d7e13"}
+
+    spawner.docker = info
+    assert await spawner.gpu_server_record() == {
+        "container_id": "0123456789abcdef" * 4,
+        "docker_engine": "5c3a1f0e-9d2b-4c7e-8f61-2a9b0c4d7e13",
+    }
+
+    async def unreachable(method: str) -> dict:
+        raise OSError("connection refused")
+
+    spawner.docker = unreachable
+    assert await spawner.gpu_server_record() == {"container_id": "0123456789abcdef" * 4}
+
+
+def test_on_the_host_network_nothing_is_published() -> None:
+    assert make_spawner(network_name="host").use_internal_ip is True
+    assert make_spawner(network_name="bridge").use_internal_ip is False
+    assert make_spawner(network_name="gpubroker").use_internal_ip is True
