@@ -101,10 +101,16 @@ class GPUBrokerApp(Application):
     ).tag(config=True)
 
     db_url = Unicode(
-        "sqlite:///gpubroker.sqlite",
-        help="SQLAlchemy URL of the store. SQLite (WAL mode) by default; "
-        "PostgreSQL with postgresql+psycopg://user@host/db.",
+        help="SQLAlchemy URL of the store (default: $GPUBROKER_DB_URL, else "
+        "sqlite:///gpubroker.sqlite). SQLite (WAL mode) by default; PostgreSQL "
+        "with postgresql+psycopg://user:password@host/db (give a password "
+        "through $GPUBROKER_DB_URL or the config file, not the command line, "
+        "which every local user can read).",
     ).tag(config=True)
+
+    @default("db_url")
+    def _default_db_url(self) -> str:
+        return os.environ.get("GPUBROKER_DB_URL", "sqlite:///gpubroker.sqlite")
 
     upgrade_db = Bool(
         True,
@@ -291,7 +297,14 @@ class UpgradeDBCommand(_Command):
         finally:
             lock.release()
             engine.dispose()
-        self.log.info("Store %s is at the newest schema", self.broker_app.db_url)
+        self.log.info("Store %s is at the newest schema", _shown(self.broker_app.db_url))
+
+
+def _shown(url: str) -> str:
+    """``url`` for a log line: any password replaced by ``***``."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
 
 
 class ServeCommand(_Command):
@@ -301,12 +314,12 @@ class ServeCommand(_Command):
 
     def start(self) -> None:
         from .service import BrokerService
-        from .store.lock import DatabaseLocked
+        from .store.lock import DatabaseLocked, DatabaseUnavailable
 
         service = BrokerService(app=self.broker_app, log=self.broker_app.log)
         try:
             asyncio.run(service.run())
-        except DatabaseLocked as err:
+        except (DatabaseLocked, DatabaseUnavailable) as err:
             self.broker_app.log.critical("Not starting: %s", err)
             self.exit(2)
         if service.exit_code:

@@ -1168,8 +1168,9 @@ class Broker(
         """Record where the lease's single-user server listens (from the spawner),
         so the culler can read its kernels directly (not through the proxy,
         which would count as activity), and the Docker container it runs in
-        and that engine's ID (``DockerGPUSpawner``; ``None``: none), which
-        :meth:`reconcile_containers` checks.
+        and that engine's ID (``DockerGPUSpawner``), which
+        :meth:`reconcile_containers` checks; ``container_id=None`` leaves
+        the recorded container as it is.
 
         Raises:
             NotFound: no such lease.
@@ -1177,8 +1178,8 @@ class Broker(
         with self._write() as session:
             lease = self._get(session, lease_id)
             lease.server_url = url
-            lease.container_id = container_id
-            lease.docker_engine = docker_engine if container_id else None
+            if container_id is not None:
+                lease.container_id, lease.docker_engine = container_id, docker_engine
             view = lease_view(lease)
         return view
 

@@ -31,11 +31,15 @@ from .jobs.service import JobService
 from .observe.metrics import BrokerMetrics
 from .share_guard import ShareGuard
 from .store.db import make_engine, make_session_factory, upgrade
-from .store.lock import DatabaseLocked, WriterLock, describe_self
+from .store.lock import DatabaseLocked, DatabaseUnavailable, WriterLock, describe_self
 from .usage.ledger import Ledger
 
 if TYPE_CHECKING:
     from .app import GPUBrokerApp
+
+
+#: exit status of a broker that lost its database lock
+LOST_LOCK = 4
 
 
 class BrokerService:
@@ -74,9 +78,10 @@ class BrokerService:
             try:
                 self.lock.acquire()
                 return
-            except DatabaseLocked as err:
+            except (DatabaseLocked, DatabaseUnavailable) as err:
                 now = time.monotonic()
-                if now >= deadline:
+                unreachable_active = isinstance(err, DatabaseUnavailable) and not self.app.standby
+                if now >= deadline or unreachable_active:
                     raise
                 if not self.app.standby or now - said >= 60:
                     self.log.warning("Waiting for the database lock: %s", err)
@@ -247,12 +252,16 @@ class BrokerService:
             task.cancel()
         if self.broker.actuator is not None:
             self.broker.actuator.cancel()
-        try:
-            self.broker.write_usage()
-        except Exception:
-            self.log.exception("Writing the usage records at shutdown failed")
-        if self.ledger.enabled:
-            self.ledger.stop()
+        if self.exit_code == LOST_LOCK:
+            # another broker may be the writer now: write nothing more
+            self.log.warning("Not writing the last usage records: the database lock is lost")
+        else:
+            try:
+                self.broker.write_usage()
+            except Exception:
+                self.log.exception("Writing the usage records at shutdown failed")
+            if self.ledger.enabled:
+                self.ledger.stop()
         if self.broker.mps.enabled:
             self.broker.mps.stop_all()
         self.backend.close()
@@ -274,7 +283,11 @@ class BrokerService:
         """Ask the hub which servers exist and the Docker engine which
         servers' containers still run; release the leases of those gone."""
         as_of: dt.datetime = utcnow()
-        servers = await self.hub.active_servers()
+        try:
+            servers = await self.hub.active_servers()
+        except Exception:
+            await self.reconcile_containers()  # Docker knows, whatever the hub's state
+            raise
         released = self.broker.reconcile(servers, as_of)
         return released + await self.reconcile_containers()
 
@@ -349,13 +362,13 @@ class BrokerService:
                 self.exit_code = 3
                 self._stop.set()
                 return
-            if tick % 5:
-                continue
-            if not self.lock.check():
+            if not await asyncio.to_thread(self.lock.check):  # each second, as a standby tries
                 self.log.critical("Lost the database lock; stopping (another broker may hold it)")
-                self.exit_code = 4
+                self.exit_code = LOST_LOCK
                 self._stop.set()
                 return
+            if tick % 5:
+                continue
             if timeout <= 0:
                 continue
             why = await self._hub_gone()

@@ -11,14 +11,23 @@ On top of :class:`dockerspawner.DockerSpawner` (whose settings all apply):
   ``GPUBROKER_LEASE_ID``, ``GPUBROKER_URL``, a share's memory caps); the
   broker's start-up hook directory on ``PYTHONPATH`` becomes
   ``share_startup_dir``, where the notebook image holds the same hook;
-* a share with MPS gets the MPS pipe directory mounted and the host's IPC
-  namespace (NVIDIA's MPS documentation: clients and the daemon share it);
+* MPS is not passed into containers: an MPS client must share the IPC
+  namespace of the daemon (NVIDIA's MPS documentation), and joining the
+  host's would let users' containers read each other's shared memory; a
+  share's ``CUDA_MPS_*`` variables are dropped (its memory caps and the
+  watchdog still apply) and a warning is logged;
+* containers are removed when they stop (``remove`` defaults to True): the
+  device request is fixed when a container is made, so a container left
+  from an earlier lease (``remove = False``) is made anew when its devices
+  or lease variables differ from the new lease's (its writable layer is
+  lost: keep users' files in ``volumes``);
 * the container's id and its engine's ID are told to the broker with the
   server's URL, so the broker's reconciliation asks that Docker engine
   whether the container still runs (a container killed or removed out of band releases its lease
   within one ``GPUBrokerApp.reconcile_interval``, whatever the hub knows);
 * with ``network_name = "host"`` each server listens on a port of its own on
-  ``host_ip`` (DockerSpawner's fixed 8888 would collide).
+  ``host_ip`` (DockerSpawner's fixed 8888 would collide), chosen when its
+  container is made, after the lease is granted.
 
 Stopping the server (or the container dying, found by ``poll()``) releases
 the lease, as with the local spawners.
@@ -48,6 +57,10 @@ def device_ids(env: dict[str, str]) -> list[str]:
     return [uuid for uuid in visible.split(",") if uuid]
 
 
+#: the variables of a lease that a container made for another lease would have stale
+LEASE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "GPUBROKER_LEASE_ID")
+
+
 def gpu_host_config(env: dict[str, str]) -> dict[str, Any]:
     """The part of a container's host config a lease's environment asks for.
 
@@ -55,38 +68,34 @@ def gpu_host_config(env: dict[str, str]) -> dict[str, Any]:
         env: the lease's environment (``lease["env"]``, or the no-GPU one).
 
     Returns:
-        ``device_requests`` naming exactly the leased UUIDs (none without
-        devices); with MPS (``CUDA_MPS_PIPE_DIRECTORY``), a read-write bind
-        of the pipe directory at the same path and ``ipc_mode="host"``.
+        ``{"device_requests": [...]}`` naming exactly the leased UUIDs
+        (an empty list without devices).
     """
-    config: dict[str, Any] = {}
     uuids = device_ids(env)
-    if uuids:
-        config["device_requests"] = [
-            {"driver": "nvidia", "device_ids": uuids, "capabilities": [["gpu"]]}
-        ]
-    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY")
-    if pipe:
-        config["binds"] = {pipe: {"bind": pipe, "mode": "rw"}}
-        config["ipc_mode"] = "host"
-    return config
+    if not uuids:
+        return {"device_requests": []}
+    return {
+        "device_requests": [{"driver": "nvidia", "device_ids": uuids, "capabilities": [["gpu"]]}]
+    }
 
 
 def _merged(configured: dict[str, Any], gpu: dict[str, Any]) -> dict[str, Any]:
-    """``configured`` host config with the GPU part on top (binds merged).
-    The device requests are always the lease's (none without one): a
-    configured request (say ``count: -1``, every GPU) would hand out
-    devices the broker does not know are taken."""
-    merged = dict(configured) | {k: v for k, v in gpu.items() if k != "binds"}
-    merged["device_requests"] = gpu.get("device_requests", [])
-    if "binds" in gpu:
-        binds = configured.get("binds") or {}
-        if isinstance(binds, list):
-            binds = binds + [f"{src}:{x['bind']}:{x['mode']}" for src, x in gpu["binds"].items()]
-        else:
-            binds = dict(binds) | gpu["binds"]
-        merged["binds"] = binds
-    return merged
+    """``configured`` host config with the GPU part on top. The device
+    requests are always the lease's (none without one): a configured
+    request (say ``count: -1``, every GPU) would hand out devices the
+    broker does not know are taken."""
+    return dict(configured) | {"device_requests": gpu.get("device_requests", [])}
+
+
+def is_stale(container: dict[str, Any], env: dict[str, str]) -> bool:
+    """Whether an existing container (its inspect data) was made for other
+    devices or another lease than ``env`` (the new lease's environment)."""
+    requests = container.get("HostConfig", {}).get("DeviceRequests") or []
+    had = [uuid for r in requests for uuid in (r.get("DeviceIDs") or [])]
+    if had != device_ids(env):
+        return True
+    old = dict(x.split("=", 1) for x in container.get("Config", {}).get("Env") or [] if "=" in x)
+    return any(old.get(name, "") != env.get(name, "") for name in LEASE_VARIABLES)
 
 
 class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
@@ -106,6 +115,13 @@ class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
     def _host_network(self) -> bool:
         return bool(self.network_name == "host")
 
+    #: the container was made by this start (so it has this lease's devices)
+    _made_now = False
+
+    @default("remove")
+    def _default_remove(self) -> bool:
+        return True
+
     @default("use_internal_ip")
     def _default_use_internal_ip(self) -> bool:
         # on the host network nothing is published: the server's own port is used
@@ -115,6 +131,16 @@ class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
         """The environment of the local spawners, with the broker's start-up
         hook directory on ``PYTHONPATH`` replaced by ``share_startup_dir``."""
         env: dict[str, str] = super().get_env()
+        mps = sorted(name for name in env if name.startswith("CUDA_MPS_"))
+        if mps:
+            self.log.warning(
+                "%s: MPS is not passed into containers (it would need the host's IPC "
+                "namespace); dropped %s",
+                self._log_name,
+                ", ".join(mps),
+            )
+            for name in mps:
+                del env[name]
         if env.get("PYTHONPATH"):
             entries = env["PYTHONPATH"].split(os.pathsep)
             env["PYTHONPATH"] = os.pathsep.join(
@@ -124,8 +150,12 @@ class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
         return env
 
     async def create_object(self) -> Any:
-        """Create the container with the lease's device requests (and MPS
-        binds) merged into ``extra_host_config``."""
+        """Create the container with the lease's device requests merged into
+        ``extra_host_config``; on the host network, on a free port."""
+        if self._host_network:
+            self.ip = self.host_ip
+            self.port = random_port()
+        self._made_now = True
         configured = self.extra_host_config
         gpu = gpu_host_config(dict(self._gpu_env or {}))
 
@@ -141,12 +171,27 @@ class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
         finally:
             self.extra_host_config = configured
 
-    async def start(self) -> Any:
-        """Lease, then start the container; on the host network, on a free port."""
-        if self._host_network:
-            self.ip = self.host_ip
-            self.port = random_port()
-        return await super().start()
+    async def start_object(self) -> None:
+        """Start the container; one left from an earlier lease whose devices
+        or lease variables differ from this lease's (see :func:`is_stale`),
+        or any old one on the host network (its port is not known), is
+        removed and made anew first."""
+        made_now, self._made_now = self._made_now, False
+        if not made_now:
+            await self._replace_if_stale()
+        await super().start_object()
+
+    async def _replace_if_stale(self) -> None:
+        container = await self.docker("inspect_container", self.container_id)
+        if self._host_network or is_stale(container, dict(self._gpu_env or {})):
+            self.log.info(
+                "%s: container %s was made for another lease; making it anew",
+                self._log_name,
+                self.container_id[:12],
+            )
+            await self.remove_object()
+            self.object_id = (await self.create_object())[self.object_id_key]
+            self._made_now = False
 
     async def get_ip_and_port(self) -> tuple[str, int]:
         """``(host_ip, port)`` on the host network, else DockerSpawner's answer."""

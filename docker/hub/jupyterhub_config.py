@@ -7,16 +7,18 @@ runs in its own container (an external hub service at
 ``http://broker:10101``); hub and broker keep their state in PostgreSQL.
 
 Every setting comes from the environment that compose.yaml passes (see
-docker/README.md and docs/deploy-docker.md):
+docs/deploy-docker.md):
 
 - ``GPUBROKER_SERVICE_TOKEN`` (required): the broker's hub token, shared
   with the spawner (``openssl rand -hex 32``);
 - ``JUPYTERHUB_DB_URL`` (required): the hub's own database;
 - ``CONFIGPROXY_AUTH_TOKEN`` (required): the proxy's token;
 - ``JUPYTERHUB_AUTHENTICATOR``: the authenticator class (default
-  ``dummy``, for a first try only: any user name with
-  ``JUPYTERHUB_DUMMY_PASSWORD``); ``JUPYTERHUB_ADMIN_USERS``: comma-separated
-  hub admins, who are broker admins too;
+  ``shared-password``, for a first try: any user name with
+  ``JUPYTERHUB_USER_PASSWORD``, at least 8 characters; the admins with
+  ``JUPYTERHUB_ADMIN_PASSWORD``, at least 32; without a password nobody
+  logs in); ``JUPYTERHUB_ADMIN_USERS``: comma-separated hub admins, who
+  are broker admins too;
 - ``NOTEBOOK_IMAGE``: the users' image (default ``gpubroker/notebook:0.1``);
 - ``DOCKER_NETWORK_NAME``: the network hub, broker and servers share
   (default ``gpubroker``).
@@ -40,9 +42,15 @@ c.JupyterHub.db_url = os.environ["JUPYTERHUB_DB_URL"]
 c.JupyterHub.cookie_secret_file = "/srv/jupyterhub/jupyterhub_cookie_secret"
 c.JupyterHub.allow_named_servers = True
 c.ConfigurableHTTPProxy.auth_token = os.environ["CONFIGPROXY_AUTH_TOKEN"]
-c.JupyterHub.authenticator_class = os.environ.get("JUPYTERHUB_AUTHENTICATOR", "dummy")
-if c.JupyterHub.authenticator_class == "dummy":
-    c.DummyAuthenticator.password = os.environ["JUPYTERHUB_DUMMY_PASSWORD"]
+# servers keep running (and keep their GPUs) while the hub container is replaced
+c.JupyterHub.cleanup_servers = False
+c.JupyterHub.authenticator_class = os.environ.get("JUPYTERHUB_AUTHENTICATOR", "shared-password")
+if c.JupyterHub.authenticator_class == "shared-password":
+    # JupyterHub's SharedPasswordAuthenticator: an unset password lets nobody in
+    if os.environ.get("JUPYTERHUB_USER_PASSWORD"):
+        c.SharedPasswordAuthenticator.user_password = os.environ["JUPYTERHUB_USER_PASSWORD"]
+    if os.environ.get("JUPYTERHUB_ADMIN_PASSWORD"):
+        c.SharedPasswordAuthenticator.admin_password = os.environ["JUPYTERHUB_ADMIN_PASSWORD"]
     c.Authenticator.allow_all = True
 c.Authenticator.admin_users = ADMINS
 
@@ -82,7 +90,7 @@ c.DockerGPUSpawner.broker_url = f"{BROKER_URL}/services/gpubroker/"
 c.DockerGPUSpawner.broker_api_token = BROKER_TOKEN
 c.DockerGPUSpawner.image = os.environ.get("NOTEBOOK_IMAGE", "gpubroker/notebook:0.1")
 c.DockerGPUSpawner.network_name = os.environ.get("DOCKER_NETWORK_NAME", "gpubroker")
-c.DockerGPUSpawner.remove = True  # the user's files live in the volume below
+c.DockerGPUSpawner.remove = True  # the default; the user's files live in the volume below
 c.DockerGPUSpawner.volumes = {"jupyterhub-user-{username}": "/home/jovyan/work"}
 c.DockerGPUSpawner.queue_timeout = 4 * 3600  # seconds a spawn may wait for GPUs
 c.Spawner.default_url = "/lab"
@@ -94,15 +102,9 @@ c.Spawner.server_token_scopes = [
 ]
 c.DockerGPUSpawner.gpu_profiles = [
     {"display_name": "1 GPU", "description": "One whole GPU.", "request": {"gpus": 1}},
-    {
-        "display_name": "MIG 1g.10gb",
-        "description": "A 1/7 slice of an H100, isolated in hardware (a pool in MIG mode).",
-        "request": {"mig_profile": "1g.10gb"},
-    },
-    {
-        "display_name": "Shared GPU, 10 GiB",
-        "description": "10 GiB of a GPU shared with others (a time-sliced pool).",
-        "request": {"memory_gib": 10},
-    },
+    # with a pool in MIG mode and a time-sliced pool in the broker's
+    # gpubroker_config.py (c.Pools.pools, docs/sharing.md), offer these too:
+    # {"display_name": "MIG 1g.10gb", "request": {"mig_profile": "1g.10gb"}},
+    # {"display_name": "Shared GPU, 10 GiB", "request": {"memory_gib": 10}},
     {"display_name": "No GPU", "request": {}, "default": True},
 ]

@@ -284,19 +284,20 @@ class DockerEngine(LoggingConfigurable):
         of the engine that runs it, or ``None``: not known)) no longer run,
         and what Docker says of each: ``"is gone from the Docker engine"``,
         ``"exited with status N"`` or ``"was ended by signal SIGNAME"``.
-        Containers of another engine than this one are not checked (a
-        container this engine has never seen is not thereby gone).
+        Containers of another engine than this one, or of an engine not
+        known, are not checked (a container this engine has never seen is
+        not thereby gone).
         Blocking (Docker API calls): run it off the event loop.
 
         Returns:
             (lease id -> (container id, what Docker says), the lease ids
-            whose container is on another engine).
+            whose container is on another engine or one not known).
 
         Raises:
             EngineError: Docker cannot be read (nothing is concluded then).
         """
         here = self.engine_id()
-        elsewhere = [x for x, (_, engine) in watched.items() if engine not in (None, here)]
+        elsewhere = [x for x, (_, engine) in watched.items() if engine != here]
         ended: dict[int, tuple[str, str]] = {}
         for lease_id, (container_id, _) in watched.items():
             if lease_id in elsewhere:

@@ -35,11 +35,17 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 from .db import create_private_sqlite, sqlite_path
 
 #: key of the PostgreSQL advisory lock (``b"gpubrokr"`` read as a big-endian int64)
 ADVISORY_KEY = int.from_bytes(b"gpubrokr", "big") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class DatabaseUnavailable(RuntimeError):
+    """The database could not be reached to take the lock (PostgreSQL down,
+    a wrong host); the message names it, without its password."""
 
 
 class DatabaseLocked(RuntimeError):
@@ -126,7 +132,11 @@ class WriterLock:
         self._fd = fd
 
     def _acquire_advisory(self) -> None:
-        conn = self.engine.connect()
+        try:
+            conn = self.engine.connect()
+        except OperationalError as err:
+            where = make_url(str(self.engine.url)).render_as_string(hide_password=True)
+            raise DatabaseUnavailable(f"cannot reach {where}: {err.orig}") from None
         name = f"gpubroker pid={self.me['pid']} host={self.me['host']} since={self.me['since']}"
         conn.execute(text("SELECT set_config('application_name', :n, false)"), {"n": name[:63]})
         for setting, value in (

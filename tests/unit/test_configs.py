@@ -55,8 +55,9 @@ def test_production_example_needs_its_secrets(monkeypatch) -> None:
 
 
 def test_the_docker_deployments_hub_config_loads(monkeypatch) -> None:
-    for name in ("GPUBROKER_SERVICE_TOKEN", "CONFIGPROXY_AUTH_TOKEN", "JUPYTERHUB_DUMMY_PASSWORD"):
+    for name in ("GPUBROKER_SERVICE_TOKEN", "CONFIGPROXY_AUTH_TOKEN", "JUPYTERHUB_USER_PASSWORD"):
         monkeypatch.setenv(name, "x")
+    monkeypatch.delenv("JUPYTERHUB_ADMIN_PASSWORD", raising=False)
     monkeypatch.setenv("JUPYTERHUB_DB_URL", "postgresql+psycopg://gpubroker@postgres/jupyterhub")
     monkeypatch.setenv("JUPYTERHUB_ADMIN_USERS", "ann,bob")
     c = PyFileConfigLoader("jupyterhub_config.py", path=str(DOCKER / "hub")).load_config()
@@ -67,6 +68,11 @@ def test_the_docker_deployments_hub_config_loads(monkeypatch) -> None:
     assert c.DockerGPUSpawner.network_name == "gpubroker"
     admins = next(r for r in c.JupyterHub.load_roles if r["name"] == "gpubroker-admins")
     assert admins["users"] == ["ann", "bob"]
+    # a first-try login, never an open door: no admin password set, none accepted
+    assert c.JupyterHub.authenticator_class == "shared-password"
+    assert c.SharedPasswordAuthenticator.user_password == "x"
+    assert "admin_password" not in c.SharedPasswordAuthenticator
+    assert c.JupyterHub.cleanup_servers is False
     # every profile is one the spawner accepts
     spawner = gpubroker_spawner.DockerGPUSpawner()
     spawner.gpu_profiles = c.DockerGPUSpawner.gpu_profiles
@@ -81,8 +87,16 @@ def test_the_compose_file_builds_the_images_of_docker_and_names_its_secrets() ->
         assert (DOCKER / build["context"] / build["dockerfile"]).is_file()
     text = (DOCKER / "compose.yaml").read_text()
     example = (DOCKER / "env.example").read_text()
-    for secret in ("POSTGRES_PASSWORD", "GPUBROKER_SERVICE_TOKEN", "CONFIGPROXY_AUTH_TOKEN"):
+    secrets = ("POSTGRES_PASSWORD", "JUPYTERHUB_DB_PASSWORD", "GPUBROKER_SERVICE_TOKEN")
+    for secret in (*secrets, "CONFIGPROXY_AUTH_TOKEN"):
         assert f"${{{secret}:?" in text and f"{secret}=" in example
-    assert services["broker"]["deploy"]["resources"]["reservations"]["devices"] == [
+    broker = services["broker"]
+    assert broker["deploy"]["resources"]["reservations"]["devices"] == [
         {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
     ]
+    # no password on a command line (ps shows it to every local user)
+    assert not any("POSTGRES_PASSWORD" in arg for arg in broker["command"])
+    assert "${POSTGRES_PASSWORD}" in broker["environment"]["GPUBROKER_DB_URL"]
+    # the database is on a network of its own, which users' servers do not join
+    assert compose["networks"]["database"]["internal"] is True
+    assert services["postgres"]["networks"] == ["database"]

@@ -38,3 +38,14 @@ def test_the_engine_id_is_kept_only_with_a_container(broker: Broker) -> None:
     lease = broker.request_lease("cy", "", gpus=1)
     broker.set_server_url(lease["id"], "http://127.0.0.1:9/", None, "E1")
     assert [x.docker_engine for x in broker.server_leases()] == [None]
+
+
+def test_a_url_without_a_container_keeps_the_recorded_one(broker: Broker) -> None:
+    lease = served(broker, "dee")
+    broker.set_server_url(lease["id"], "http://127.0.0.1:10/user/dee/")
+    (held,) = broker.server_leases()
+    assert (held.server_url, held.container_id, held.docker_engine) == (
+        "http://127.0.0.1:10/user/dee/",
+        CONTAINER,
+        "E1",
+    )

@@ -9,7 +9,13 @@ from types import SimpleNamespace
 from jupyterhub.objects import Hub
 
 from gpubroker.enforce.caps import STARTUP_DIR
-from gpubroker_spawner.docker import DockerGPUSpawner, _merged, device_ids, gpu_host_config
+from gpubroker_spawner.docker import (
+    DockerGPUSpawner,
+    _merged,
+    device_ids,
+    gpu_host_config,
+    is_stale,
+)
 
 
 def make_spawner(**kwargs) -> DockerGPUSpawner:
@@ -32,34 +38,51 @@ def test_the_device_request_names_exactly_the_leased_uuids() -> None:
 def test_no_gpu_means_no_device_request() -> None:
     for visible in ("void", "", "none"):
         assert device_ids({"NVIDIA_VISIBLE_DEVICES": visible}) == []
-        assert gpu_host_config({"NVIDIA_VISIBLE_DEVICES": visible}) == {}
-    assert gpu_host_config({}) == {}
+        assert gpu_host_config({"NVIDIA_VISIBLE_DEVICES": visible}) == {"device_requests": []}
+    assert gpu_host_config({}) == {"device_requests": []}
 
 
-def test_an_mps_share_gets_the_pipe_directory_and_the_hosts_ipc() -> None:
-    env = {"NVIDIA_VISIBLE_DEVICES": "GPU-a", "CUDA_MPS_PIPE_DIRECTORY": "/run/mps/GPU-a"}
-    config = gpu_host_config(env)
-    assert config["binds"] == {"/run/mps/GPU-a": {"bind": "/run/mps/GPU-a", "mode": "rw"}}
-    assert config["ipc_mode"] == "host"
-
-
-def test_configured_host_config_is_kept_and_binds_are_merged() -> None:
-    gpu = gpu_host_config(
-        {"NVIDIA_VISIBLE_DEVICES": "GPU-a", "CUDA_MPS_PIPE_DIRECTORY": "/run/mps/a"}
-    )
+def test_configured_host_config_is_kept_but_device_requests_are_the_leases() -> None:
+    gpu = gpu_host_config({"NVIDIA_VISIBLE_DEVICES": "GPU-a"})
     merged = _merged({"shm_size": "1g", "binds": {"/data": {"bind": "/data", "mode": "ro"}}}, gpu)
-    assert merged["shm_size"] == "1g" and merged["ipc_mode"] == "host"
-    assert set(merged["binds"]) == {"/data", "/run/mps/a"}
-    as_list = _merged({"binds": ["/data:/data:ro"]}, gpu)
-    assert as_list["binds"] == ["/data:/data:ro", "/run/mps/a:/run/mps/a:rw"]
-    # a configured device request cannot widen the lease's
+    assert merged["shm_size"] == "1g" and merged["binds"] == {
+        "/data": {"bind": "/data", "mode": "ro"}
+    }
+    # a configured device request cannot widen the lease's, nor give a server without one GPUs
     wide = [{"driver": "nvidia", "count": -1, "capabilities": [["gpu"]]}]
     assert _merged({"device_requests": wide}, gpu)["device_requests"] == gpu["device_requests"]
-
-
-def test_without_a_lease_the_configured_device_requests_are_dropped() -> None:
-    wide = [{"driver": "nvidia", "count": -1, "capabilities": [["gpu"]]}]
     assert _merged({"device_requests": wide}, gpu_host_config({}))["device_requests"] == []
+
+
+def test_mps_is_not_passed_into_containers() -> None:
+    spawner = make_spawner()
+    spawner._gpu_env = {
+        "NVIDIA_VISIBLE_DEVICES": "GPU-a",
+        "CUDA_VISIBLE_DEVICES": "GPU-a",
+        "CUDA_MPS_PIPE_DIRECTORY": "/run/gpubroker/mps/GPU-a/pipe",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10240M",
+    }
+    env = spawner.get_env()
+    assert not [name for name in env if name.startswith("CUDA_MPS_")]
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-a"
+
+
+def container(devices: list[str], env: dict[str, str]) -> dict:
+    requests = [{"DeviceIDs": devices}] if devices else None
+    return {
+        "HostConfig": {"DeviceRequests": requests},
+        "Config": {"Env": [f"{k}={v}" for k, v in env.items()] + ["PATH=/usr/bin"]},
+    }
+
+
+def test_a_container_made_for_another_lease_is_stale() -> None:
+    lease = {"NVIDIA_VISIBLE_DEVICES": "GPU-a", "CUDA_VISIBLE_DEVICES": "GPU-a"}
+    same = container(["GPU-a"], lease | {"GPUBROKER_LEASE_ID": "7"})
+    assert not is_stale(same, lease | {"GPUBROKER_LEASE_ID": "7"})
+    assert is_stale(same, lease | {"GPUBROKER_LEASE_ID": "8"})  # same device, new lease
+    assert is_stale(container(["GPU-b"], lease), lease)
+    no_gpu = {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": ""}
+    assert is_stale(same, no_gpu) and not is_stale(container([], no_gpu), no_gpu)
 
 
 def test_the_share_hook_path_is_the_images() -> None:

@@ -172,3 +172,31 @@ def test_the_usage_ledger_reports_and_audit_log_on_postgresql(
     quota = audit.query(broker.session_factory, kind="quota-set")
     assert quota[0]["actor"] == "pg-admin" and quota[0]["target"] == "group:pg-group"
     broker.delete_quota("group", "pg-group")
+
+
+async def test_a_standby_waits_while_the_database_is_unreachable_and_others_refuse(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+    import logging
+
+    from gpubroker.app import GPUBrokerApp
+    from gpubroker.service import BrokerService
+    from gpubroker.store.lock import DatabaseUnavailable
+
+    from ..hubutil import free_port
+
+    monkeypatch.delenv("JUPYTERHUB_SERVICE_NAME", raising=False)
+    nowhere = f"postgresql+psycopg://gpubroker:s3cret@127.0.0.1:{free_port()}/gpubroker"
+    app = GPUBrokerApp(db_url=nowhere, standby=True)
+    service = BrokerService(app=app, log=logging.getLogger("test-standby"))
+    with caplog.at_level(logging.WARNING, "test-standby"), pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(service._take_lock(), 2.5)  # still waiting
+    assert "Waiting for the database lock: cannot reach" in caplog.text
+    assert "s3cret" not in caplog.text
+    service.engine.dispose()
+    app.standby = False
+    with pytest.raises(DatabaseUnavailable, match="cannot reach") as refused:
+        await service._take_lock()
+    assert "s3cret" not in str(refused.value)
+    service.engine.dispose()
