@@ -737,21 +737,32 @@ class Broker(
             ids of the leases released.
         """
         alive = set(servers)
+
+        def gone(lease: Lease) -> str | None:
+            if lease.holder_kind != HolderKind.server.value or lease.created >= as_of:
+                return None
+            if (lease.user, lease.server_name) in alive:
+                return None
+            return f"reconcile: server {lease.user}/{lease.server_name} is gone from the hub"
+
+        return self._reconcile_release(gone, "server gone")
+
+    def _reconcile_release(self, why: Callable[[Lease], str | None], what: str) -> list[int]:
+        """Release every active lease ``why`` gives a reason for (cause
+        ``reconcile``), then one pass; return their ids."""
         released = []
         now = utcnow()
         with self._write() as session:
             for lease in self._world.active():
-                if lease.holder_kind != HolderKind.server.value or lease.created >= as_of:
-                    continue
-                if (lease.user, lease.server_name) not in alive:
-                    why = f"reconcile: server {lease.user}/{lease.server_name} is gone from the hub"
-                    self._release(lease, why, now, "reconcile")
+                reason = why(lease)
+                if reason is not None:
+                    self._release(lease, reason, now, "reconcile")
                     released.append(lease.id)
             if released:
                 session.flush()
                 self._schedule(session, now)
         if released:
-            self.log.warning("Reconciliation released leases %s (server gone)", released)
+            self.log.warning("Reconciliation released leases %s (%s)", released, what)
             self._notify()
         return released
 
@@ -768,27 +779,18 @@ class Broker(
         Returns:
             ids of the leases released.
         """
-        released = []
-        now = utcnow()
-        with self._write() as session:
-            for lease in self._world.active():
-                checked = ended.get(lease.id)
-                if checked is None or lease.state != LeaseState.granted.value:
-                    continue
-                container, said = checked
-                if lease.container_id != container:
-                    continue
-                server = f"{lease.user}/{lease.server_name}"
-                why = f"reconcile: the container {container[:12]} of server {server} {said}"
-                self._release(lease, why, now, "reconcile")
-                released.append(lease.id)
-            if released:
-                session.flush()
-                self._schedule(session, now)
-        if released:
-            self.log.warning("Reconciliation released leases %s (container ended)", released)
-            self._notify()
-        return released
+
+        def ended_container(lease: Lease) -> str | None:
+            checked = ended.get(lease.id)
+            if checked is None or lease.state != LeaseState.granted.value:
+                return None
+            container, said = checked
+            if lease.container_id != container:
+                return None
+            server = f"{lease.user}/{lease.server_name}"
+            return f"reconcile: the container {container[:12]} of server {server} {said}"
+
+        return self._reconcile_release(ended_container, "container ended")
 
     # -- reads ---------------------------------------------------------------------
 
