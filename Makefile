@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PROXY := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: help setup postgres docker-engine demo test lint format typecheck unit docs bench clean
+.PHONY: help setup postgres docker-engine chromium demo test lint format typecheck unit docs bench clean
 
 help:
 	@echo "make demo   - set up, then run JupyterHub + broker on simulated GPUs (http://127.0.0.1:8000)"
@@ -41,6 +41,14 @@ postgres:
 	    apt-get update -q >/dev/null; \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null; }
 
+# Chromium, for the panel's browser tests (Debian's package; installed only
+# where it is missing; Playwright drives it, and never downloads a browser)
+chromium:
+	@command -v chromium >/dev/null || \
+	  { echo "installing Chromium (apt-get install chromium)"; \
+	    apt-get update -q >/dev/null; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
+
 setup: $(BIN)/.installed $(PROXY)
 
 demo: setup
@@ -64,10 +72,10 @@ docs: setup
 	rm -rf docs/_build
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
-test: lint typecheck docs postgres docker-engine
+test: lint typecheck docs postgres docker-engine chromium
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: setup
+bench: setup chromium
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m benchmarks
 
 clean:

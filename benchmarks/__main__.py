@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import api, jobs, packing, scheduler, sharing, simulate, usage
+from . import api, jobs, packing, panel, scheduler, sharing, simulate, usage
 
 
 def main() -> None:
@@ -22,6 +22,8 @@ def main() -> None:
     results.update(usage.run())
     print(jobs.describe())
     results.update(jobs.run())
+    print(panel.describe())
+    results.update(panel.run())
     print(f"API: {api.PAIRS} lease request/release pairs on loopback vs a bare Tornado handler")
     results.update(api.run())
     width = max(len(name) for name in results)

@@ -12,6 +12,7 @@ from typing import Any
 from . import scheduler
 from .commands import command
 from .errors import BadRequest, Conflict, NotFound
+from .notices import notice_row
 from .store import audit_repo
 from .store.models import Device, LeaseState, QuotaRow
 from .views import device_view, lease_view
@@ -115,6 +116,39 @@ class AdminMixin:
             self._schedule(session, dt.datetime.now(dt.timezone.utc))
             view = device_view(device) | {"drained": device.drained}
         self.log.info("Device %s %s", uuid, "drained" if drained else "back in service")
+        self._notify()
+        return view
+
+    @command("admin")
+    def preempt_lease(self, lease_id: int, reason: str) -> dict[str, Any]:
+        """An admin's preemption of a granted lease: its holder gets a
+        ``preempted`` notice with ``reason``; a hub server is stopped first
+        and the lease released once it has stopped (as the scheduler's
+        preemptions are), anything else is released now. Recorded in the
+        audit log (``lease-preempted``) with the admin's name.
+
+        Raises:
+            NotFound: no such lease. Conflict: the lease is not granted.
+        """
+        now = dt.datetime.now(dt.timezone.utc)
+        stimulus = self._stimulus
+        actor = stimulus.actor if stimulus is not None else "admin"
+        with self._write() as session:
+            lease = self._get(session, lease_id)
+            if lease.state != LeaseState.granted.value:
+                raise Conflict(
+                    f"lease {lease_id}: is {lease.state}, only a granted lease is preempted"
+                )
+            text = f"preempted by {actor}: {reason}"
+            self._rec(session, now).note(lease, "preempted", text)
+            session.add(notice_row(lease, "preempted", text, now))
+            detail = {"user": lease.user, "reason": reason}
+            self._audit(session, "lease-preempted", f"lease:{lease_id}", detail)
+            if self._evict(lease, text, now, "preemption", actor):
+                session.flush()
+                self._schedule(session, now)
+            view = lease_view(lease)
+        self.log.warning("Lease %s of %s %s", lease_id, view["user"], text)
         self._notify()
         return view
 

@@ -206,6 +206,21 @@ class GPUBrokerApp(Application):
         "poll at once with the lease as it stands (200), so clients keep working.",
     ).tag(config=True)
 
+    panel = Bool(
+        True,
+        help="Serve the web panel (admin pages and each researcher's page) at the "
+        "service's URL, logged in through the hub's OAuth. Register the service "
+        'with url, display=True and oauth_client_allowed_scopes=["custom:gpubroker:admin"] '
+        "so admins' panel logins carry the admin scope (docs/admin.md).",
+    ).tag(config=True)
+
+    panel_refresh = Float(
+        5.0,
+        min=1.0,
+        help="Seconds between the panel's live updates of its overview, queue and "
+        "researcher pages (the page asks the broker again; no reload).",
+    ).tag(config=True)
+
     token_cache_max_age = Integer(
         5,
         min=1,

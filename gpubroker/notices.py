@@ -34,7 +34,7 @@ class NoticesMixin:
             if deadline:
                 detail["deadline"] = isoformat(deadline)
             self._rec(session, now).note(lease, kind, message, detail)  # type: ignore[attr-defined]
-            session.add(_notice(lease, kind, message, now, deadline))
+            session.add(notice_row(lease, kind, message, now, deadline))
         self.log.info("Notice for %s/%s (%s): %s", lease.user, lease.server_name, kind, message)
 
     @command("broker")
@@ -58,7 +58,7 @@ class NoticesMixin:
             lease = self._get(session, lease_id)  # type: ignore[attr-defined]
             self._rec(session, now).note(lease, kind, reason, detail)  # type: ignore[attr-defined]
             if notify:
-                session.add(_notice(lease, kind, reason, now))
+                session.add(notice_row(lease, kind, reason, now))
 
     def notices(self, user: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Newest first; only ``user``'s when given."""
@@ -81,7 +81,7 @@ class NoticesMixin:
             ]
 
 
-def _notice(
+def notice_row(
     lease: Lease, kind: str, message: str, now: dt.datetime, deadline: dt.datetime | None = None
 ) -> Notice:
     """A notice row for ``lease``'s holder."""

@@ -14,7 +14,7 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any
 
-from jupyterhub.services.auth import HubAuth
+from jupyterhub.services.auth import HubAuth, HubOAuth
 from tornado.httpclient import HTTPClientError
 from tornado.httpserver import HTTPServer
 
@@ -103,6 +103,8 @@ class BrokerService:
             api_url=self.hub.api_url,
             cache_max_age=app.token_cache_max_age,
         )
+        #: the panel's login (OAuth cookies; the API takes tokens only)
+        self.panel_auth = self._panel_auth() if app.panel else None
         self.broker.on_evict = self._evicted
         self.broker.passes = PassLoop(
             self.broker.pass_interval, lazy_factor=self.broker.lazy_pass_factor
@@ -132,6 +134,27 @@ class BrokerService:
             for d, _ in self.broker.device_rows()
             if d.present
         ]
+
+    def _panel_auth(self) -> HubOAuth:
+        """The panel's OAuth login: the hub passes its client id and callback
+        to a managed service; an external one (started elsewhere) uses the
+        hub's defaults, ``service-NAME`` and ``{base_url}oauth_callback``."""
+        name = os.environ.get("JUPYTERHUB_SERVICE_NAME") or "gpubroker"
+        base = self.app.base_url.rstrip("/") + "/"
+        return HubOAuth(
+            parent=self.app,
+            api_token=self.hub.api_token,
+            api_url=self.hub.api_url,
+            cache_max_age=self.app.token_cache_max_age,
+            base_url=base,
+            oauth_client_id=os.environ.get("JUPYTERHUB_CLIENT_ID") or f"service-{name}",
+            oauth_redirect_uri=os.environ.get("JUPYTERHUB_OAUTH_CALLBACK_URL")
+            or base + "oauth_callback",
+        )
+
+    def _idle_since(self) -> dict[int, dt.datetime]:
+        """Lease id → when the culler last saw its GPU busy (the panel's idle time)."""
+        return {k: t.gpu_active for k, t in self.culler.tracks.items() if t.gpu_active}
 
     def _evicted(self, lease: dict[str, Any]) -> None:
         task = asyncio.ensure_future(self._stop_server(lease))
@@ -219,6 +242,12 @@ class BrokerService:
             metrics_scope=self.app.metrics_scope,
             service_name=os.environ.get("JUPYTERHUB_SERVICE_NAME", "gpubroker"),
             jobs=self.jobs,
+            panel_auth=self.panel_auth,
+            # a restart asks the hub again for panel logins (no second login)
+            cookie_secret=os.urandom(32),
+            idle_since=self._idle_since,
+            panel_refresh=self.app.panel_refresh,
+            hub_url=os.environ.get("JUPYTERHUB_BASE_URL", "/").rstrip("/") + "/hub/",
         )
         server = HTTPServer(web_app, xheaders=True, max_body_size=self.app.max_body_bytes)
         server.listen(self.app.port, self.app.ip)

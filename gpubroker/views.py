@@ -163,3 +163,77 @@ def lease_view(lease: Lease) -> dict[str, Any]:
         "env": lease_env(lease),
         "queue": queue,
     }
+
+
+def device_listing(broker: Any, admin: bool, me: str, log: Any) -> dict[str, Any]:
+    """The inventory as ``GET /api/v1/devices`` and the panel show it.
+
+    Args:
+        broker: the :class:`~gpubroker.core.Broker`.
+        admin: whether the caller is a broker admin (sees every holder).
+        me: the caller's name (a user sees her own holders only).
+        log: where a device that cannot be read is reported.
+
+    Returns:
+        ``{"backend", "devices", "summary"}`` (``DeviceList`` in the OpenAPI
+        document); memory in MiB, utilization in percent.
+    """
+    devices = [
+        _device(broker, device, holders, admin, me, log) for device, holders in broker.device_rows()
+    ]
+    present = [d for d in devices if d["present"]]
+    summary = {
+        "total": len(present),
+        "free": sum(1 for d in present if d["state"] == "free" and d["pool_mode"] == "exclusive"),
+        "leased": sum(1 for d in present if d["state"] == "leased"),
+        "drained": sum(1 for d in present if d["drained"]),
+        "request_limit": broker.request_limit(),
+    }
+    backend = broker.backend
+    message = (
+        "SIMULATED GPUs: no NVIDIA driver is in use; these devices are fake"
+        if backend.simulated
+        else "NVML"
+    )
+    kind = {"kind": backend.kind, "simulated": backend.simulated, "message": message}
+    return {"backend": kind, "devices": devices, "summary": summary}
+
+
+def _device(
+    broker: Any, device: Device, holders: list[dict[str, Any]], admin: bool, me: str, log: Any
+) -> dict[str, Any]:
+    """One device's view; admins see every holder, users their own."""
+    view = device_view(device)
+    held = bool(holders)
+    state = "leased" if held else "drained" if device.drained else "free"
+    pool = broker.pool_spec(device.uuid)
+    if held and (pool.mode != "exclusive" or holders[0]["kind"] != "device"):
+        state = "shared"
+    lease_id = holders[0]["lease_id"] if holders else None
+    view.update(
+        pool=pool.name,
+        pool_mode=pool.mode,
+        mig_target=device.mig_target,
+        present=device.present,
+        drained=device.drained,
+        mig_enabled=device.mig_enabled,
+        state=state,
+        lease_id=lease_id if admin else None,
+        holders=[h for h in holders if admin or h["user"] == me],
+        slots_held=len(holders),
+        usage=_usage(broker, device.uuid, log) if device.present else None,
+    )
+    return view
+
+
+def _usage(broker: Any, uuid: str, log: Any) -> dict[str, Any] | None:
+    try:
+        usage = broker.backend.usage(uuid)
+    except Exception as err:  # a device that cannot be read must not fail the listing
+        log.warning("Cannot read usage of %s: %s", uuid, err)
+        return None
+    return {
+        "utilization_gpu": usage.utilization_gpu,
+        "memory_used_mib": usage.memory_used_mib,
+        "processes": len(usage.processes),
+    }

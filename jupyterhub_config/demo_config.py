@@ -123,7 +123,11 @@ c.JupyterHub.services = [
         "name": "gpubroker",
         "url": f"http://127.0.0.1:{broker_port}",
         "api_token": broker_token,
-        "display": False,  # True once the admin panel is served there
+        # the panel: Services -> gpubroker; a panel login carries the admin
+        # scope for users whose roles hold it (admin pages), none for others
+        "display": True,
+        "oauth_client_allowed_scopes": [ADMIN_SCOPE],
+        "oauth_no_confirm": True,  # the hub's own broker: no "Authorize access" page
         "command": [
             sys.executable,
             "-m",

@@ -40,7 +40,10 @@ c.JupyterHub.services = [
         "name": "gpubroker",
         "url": f"http://127.0.0.1:{BROKER_PORT}",
         "api_token": BROKER_TOKEN,
-        "display": True,
+        "display": True,  # the web panel, in the hub's Services menu
+        # panel logins carry the broker admin scope for users whose roles hold it
+        "oauth_client_allowed_scopes": [ADMIN_SCOPE],
+        "oauth_no_confirm": True,  # the hub's own broker: no "Authorize access" page
         "command": [
             sys.executable,
             "-m",

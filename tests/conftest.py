@@ -31,6 +31,7 @@ Broker.check_state.default_value = "raise"  # type: ignore[attr-defined]
 BOTH_DATABASES = {
     "test_store",
     "test_core",
+    "test_admin_preempt",
     "test_core_memory",
     "test_lifecycle",
     "test_broker_fixes",

@@ -57,7 +57,15 @@ c.Authenticator.admin_users = ADMINS
 # --- the broker: an external service (its own container) ------------------------------
 c.JupyterHub.custom_scopes = CUSTOM_SCOPES
 c.JupyterHub.services = [
-    {"name": "gpubroker", "url": BROKER_URL, "api_token": BROKER_TOKEN, "display": False}
+    {
+        "name": "gpubroker",
+        "url": BROKER_URL,
+        "api_token": BROKER_TOKEN,
+        "display": True,  # the web panel, in the hub's Services menu
+        # panel logins carry the broker admin scope for users whose roles hold it
+        "oauth_client_allowed_scopes": [ADMIN_SCOPE],
+        "oauth_no_confirm": True,  # the hub's own broker: no "Authorize access" page
+    }
 ]
 c.JupyterHub.load_roles = [
     {

@@ -69,6 +69,7 @@ def make_app(
     metrics: Any = None,
     metrics_scope: str = "custom:gpubroker:metrics",
     jobs: Any = None,
+    panel_auth: Any = None,
     **settings: Any,
 ) -> web.Application:
     """Build the API application.
@@ -97,6 +98,10 @@ def make_app(
         metrics_scope: the scope a caller needs to read the metrics.
         jobs: the :class:`~gpubroker.jobs.service.JobService`; ``None``: the
             job routes answer 404.
+        panel_auth: the :class:`~jupyterhub.services.auth.HubOAuth` of the
+            web panel (:mod:`gpubroker.web`), served at ``base_url`` beside
+            the API; ``None``: no panel. The panel's settings (``cookie_secret``,
+            ``idle_since``, ``panel_refresh``) come in ``settings``.
 
     Returns:
         the application; routes are ``{base_url}api/v1{path}`` for ROUTES,
@@ -105,6 +110,11 @@ def make_app(
     prefix = base_url.rstrip("/") + "/api/v1"
     routes = [(prefix + _pattern(path), handler) for path, handler in ROUTES]
     routes.append((base_url.rstrip("/") + "/metrics", handlers.MetricsHandler))
+    if panel_auth is not None:
+        from ..web.routes import panel_routes
+
+        routes += panel_routes(base_url)
+        settings.setdefault("panel_base", base_url.rstrip("/") + "/")
     log = log or logging.getLogger("gpubroker")
     settings.setdefault("log_function", make_log_function(log))
     settings.setdefault("default_handler_class", handlers.NotFoundHandler)
@@ -121,6 +131,7 @@ def make_app(
         metrics=metrics,
         metrics_scope=metrics_scope,
         jobs=jobs,
+        panel_auth=panel_auth,
         **settings,
     )
 

@@ -25,7 +25,7 @@ from .. import __version__
 from ..core import Broker, utcnow
 from ..errors import BrokerError, NotFound
 from ..store.models import HolderKind
-from ..views import device_view
+from ..views import device_listing
 from . import auth, validation
 from .longpoll import LongPollRegistry
 from .redact import request_summary
@@ -281,69 +281,7 @@ class DevicesHandler(APIHandler):
 
     @auth.needs(auth.ACCESS_SCOPE)
     def get(self) -> None:
-        admin = self.admin
-        devices = []
-        me = self.me
-        for device, holders in self.broker.device_rows():
-            devices.append(self._device(device, holders, admin, me))
-        present = [d for d in devices if d["present"]]
-        summary = {
-            "total": len(present),
-            "free": sum(
-                1 for d in present if d["state"] == "free" and d["pool_mode"] == "exclusive"
-            ),
-            "leased": sum(1 for d in present if d["state"] == "leased"),
-            "drained": sum(1 for d in present if d["drained"]),
-            "request_limit": self.broker.request_limit(),
-        }
-        self.write_json({"backend": self._backend(), "devices": devices, "summary": summary})
-
-    def _backend(self) -> dict[str, Any]:
-        backend = self.broker.backend
-        message = (
-            "SIMULATED GPUs: no NVIDIA driver is in use; these devices are fake"
-            if backend.simulated
-            else "NVML"
-        )
-        return {"kind": backend.kind, "simulated": backend.simulated, "message": message}
-
-    def _device(
-        self, device: Any, holders: list[dict[str, Any]], admin: bool, me: str
-    ) -> dict[str, Any]:
-        """One device's view; admins see every holder, users their own."""
-        view = device_view(device)
-        held = bool(holders)
-        state = "leased" if held else "drained" if device.drained else "free"
-        pool = self.broker.pool_spec(device.uuid)
-        if held and (pool.mode != "exclusive" or holders[0]["kind"] != "device"):
-            state = "shared"
-        lease_id = holders[0]["lease_id"] if holders else None
-        view.update(
-            pool=pool.name,
-            pool_mode=pool.mode,
-            mig_target=device.mig_target,
-            present=device.present,
-            drained=device.drained,
-            mig_enabled=device.mig_enabled,
-            state=state,
-            lease_id=lease_id if admin else None,
-            holders=[h for h in holders if admin or h["user"] == me],
-            slots_held=len(holders),
-            usage=self._usage(device.uuid) if device.present else None,
-        )
-        return view
-
-    def _usage(self, uuid: str) -> dict[str, Any] | None:
-        try:
-            usage = self.broker.backend.usage(uuid)
-        except Exception as err:  # a device that cannot be read must not fail the listing
-            self.log.warning("Cannot read usage of %s: %s", uuid, err)
-            return None
-        return {
-            "utilization_gpu": usage.utilization_gpu,
-            "memory_used_mib": usage.memory_used_mib,
-            "processes": len(usage.processes),
-        }
+        self.write_json(device_listing(self.broker, self.admin, self.me, self.log))
 
 
 class LeasesHandler(APIHandler):

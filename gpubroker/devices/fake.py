@@ -300,6 +300,12 @@ class FakeDeviceBackend(DeviceBackend):
         return dgx_like(n)
 
     def _gpus(self) -> list[_Gpu]:
+        """The configured GPUs (computed once per node name and inventory:
+        a lookup by UUID must not rebuild 1,024 UUIDs each time)."""
+        key = (self.node_name, tuple(self.inventory))
+        cached = getattr(self, "_gpus_cache", None)
+        if cached is not None and cached[0] == key:
+            return list(cached[1])
         result: list[_Gpu] = []
         for entry in self.inventory:
             count, model = parse_inventory_entry(entry)
@@ -308,6 +314,7 @@ class FakeDeviceBackend(DeviceBackend):
                 uuid = fake_uuid(self.node_name, index, model.name)
                 spec = mig.spec_for(model.name) if model.mig_capable else None
                 result.append(_Gpu(index, model, uuid, spec))
+        self._gpus_cache = (key, tuple(result))
         return result
 
     def _device(self, gpu: _Gpu, mig_enabled: bool) -> DeviceInfo:

@@ -31,7 +31,8 @@ HEADINGS = {
 }
 
 
-def _cell(value: Any) -> str:
+def cell(value: Any) -> str:
+    """A report value as the table shows it (``-`` for none, 3 decimals)."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -50,7 +51,7 @@ def header(request: ReportRequest) -> str:
 def as_table(request: ReportRequest, rows: Sequence[ReportRow]) -> str:
     """An aligned text table with a header line."""
     names = [request.by, *(HEADINGS[c] for c in COLUMNS)]
-    cells = [[r.key or "-", *(_cell(getattr(r, c)) for c in COLUMNS)] for r in rows]
+    cells = [[r.key or "-", *(cell(getattr(r, c)) for c in COLUMNS)] for r in rows]
     widths = [max([len(n)] + [len(row[i]) for row in cells]) for i, n in enumerate(names)]
     lines = [header(request), ""]
     lines.append(
@@ -109,17 +110,17 @@ def as_html(request: ReportRequest, rows: Sequence[ReportRow], plots: dict[str, 
     head = "".join(f"<th>{e(h)}</th>" for h in [request.by, *(HEADINGS[c] for c in COLUMNS)])
     body = "".join(
         "<tr>"
-        + "".join(f"<td>{e(x)}</td>" for x in [r.key, *(_cell(getattr(r, c)) for c in COLUMNS)])
+        + "".join(f"<td>{e(x)}</td>" for x in [r.key, *(cell(getattr(r, c)) for c in COLUMNS)])
         + "</tr>"
         for r in rows
     )
-    figures = "".join(f"<figure>{svg}</figure>" for svg in _plots(plots))
+    drawn = "".join(f"<figure>{svg}</figure>" for svg in figures(plots))
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>gpubroker usage</title><style>{_CSS}</style></head><body>"
         f"<h1>GPU usage</h1><p>{e(header(request))}</p>"
         f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-        f"{figures}</body></html>"
+        f"{drawn}</body></html>"
     )
 
 
@@ -130,8 +131,9 @@ _CSS = (
 )
 
 
-def _plots(data: dict[str, Any]) -> list[str]:
-    """Three SVG figures (strings) from :func:`gpubroker.usage.query.series`."""
+def figures(data: dict[str, Any]) -> list[str]:
+    """Three SVG figures (strings: ``<svg …>`` elements) from
+    :func:`gpubroker.usage.query.series`."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,0 +1,470 @@
+"""The panel's pages: the admins' (overview, queue, leases and jobs,
+devices, quotas, usage, audit) and each researcher's own (``me``).
+
+Every page reads the broker's in-memory state through its public queries
+(the same the REST API answers from) and every form is one broker command
+with the admin as its actor, so the audit log names her. A form answers
+with a redirect back to its page (303) and a line saying what was done; a
+refused value is shown inline and nothing changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from tornado import web
+
+from .. import views
+from ..api import validation
+from ..errors import BadRequest, BrokerError
+from . import tiles
+from .base import PanelHandler
+
+#: the lease states the leases page can filter on
+LEASE_STATES = ("active", "pending", "granted", "all")
+
+
+def _idle_since(handler: PanelHandler) -> dict[int, dt.datetime]:
+    """Lease id → when its GPU was last busy, from the culler's tracks."""
+    idle = handler.settings.get("idle_since")
+    return dict(idle()) if idle else {}
+
+
+class RootHandler(PanelHandler):
+    """``{base}``: admins go to the overview, everyone else to their page."""
+
+    admin_only = False
+
+    def get(self) -> None:
+        self.redirect(self.url("overview" if self.admin else "me"))
+
+
+class OverviewHandler(PanelHandler):
+    """``{base}overview``: every node's devices as tiles, split into slots."""
+
+    page = "overview"
+
+    def get(self) -> None:
+        values = overview_values(self.broker, self.log, _idle_since(self))
+        self.render_page("overview.html", **values)
+
+
+def overview_values(
+    broker: Any, log: Any, idle_since: dict[int, dt.datetime], now: dt.datetime | None = None
+) -> dict[str, Any]:
+    """What the overview template shows: the node rows of tiles
+    (:func:`tiles.overview`), the summary, the backend and lease counts.
+
+    Args:
+        broker: the broker. log: for devices that cannot be read.
+        idle_since: lease id → when its GPU was last busy (aware UTC).
+        now: aware UTC (default: now).
+    """
+    listing = views.device_listing(broker, True, "", log)
+    leases = broker.list_leases()
+    now = now or dt.datetime.now(dt.timezone.utc)
+    pending = sum(1 for x in leases if x["state"] == "pending")
+    return {
+        "nodes": tiles.overview(listing, leases, idle_since, now),
+        "summary": listing["summary"],
+        "backend": listing["backend"],
+        "running": len(leases) - pending,
+        "pending": pending,
+        "live": True,
+    }
+
+
+class QueueHandler(PanelHandler):
+    """``{base}queue``: waiting requests in order; POST cancels one."""
+
+    page = "queue"
+
+    async def get(self) -> None:
+        await self.broker.settled()
+        self.render_page(
+            "queue.html", queue=self.broker.queue(), done=self.get_argument("done", ""), live=True
+        )
+
+    def post(self) -> None:
+        lease_id = validation.lease_id(self.form("lease_id"))
+        reason = _reason(self.form("reason", ""), f"cancelled by {self.me}")
+        lease = self.broker.get_lease(lease_id)
+        if lease["state"] != "pending":
+            raise BadRequest(f"lease {lease_id}: is {lease['state']}, not waiting")
+        self.broker.release_lease(lease_id, reason, actor=self.me)
+        self.broker.note_lease(lease_id, "cancelled", reason, notify=True, actor=self.me)
+        self.back("queue", f"Request {lease_id} of {lease['user']} cancelled.")
+
+
+def _reason(text: str, default: str) -> str:
+    """The reason of a form (``default`` when empty).
+
+    Raises:
+        BadRequest: over 1000 characters.
+    """
+    if len(text) > 1000:
+        raise BadRequest(f"reason: at most 1000 characters, got {len(text)}")
+    return text or default
+
+
+class LeasesHandler(PanelHandler):
+    """``{base}leases?user=&state=&kind=``: leases and jobs with filters;
+    POST releases, preempts or cancels one (with a reason, which goes to
+    the lease's log, the audit log and a notice for its holder)."""
+
+    page = "leases"
+
+    async def get(self) -> None:
+        await self.broker.settled()
+        user = validation.optional_name_arg(self.get_argument("user", None) or None, "user")
+        state = self.get_argument("state", "active")
+        if state not in LEASE_STATES:
+            raise BadRequest(f"state: must be one of {', '.join(LEASE_STATES)}, got {state!r}")
+        kind = self.get_argument("kind", "")
+        leases = self.broker.list_leases(user=user, active=state != "all")
+        if state in ("pending", "granted"):
+            leases = [x for x in leases if x["state"] == state]
+        if kind:
+            leases = [x for x in leases if x["holder_kind"] == kind]
+        jobs_service = self.settings.get("jobs")
+        jobs = jobs_service.list(user)[:200] if jobs_service is not None else []
+        self.render_page(
+            "leases.html",
+            leases=leases[:1000],
+            shown=min(len(leases), 1000),
+            total=len(leases),
+            jobs=jobs,
+            filters={"user": user or "", "state": state, "kind": kind},
+            states=LEASE_STATES,
+            done=self.get_argument("done", ""),
+        )
+
+    async def post(self) -> None:
+        action = self.form("action")
+        reason = self.form("reason", "")
+        if action == "cancel-job":
+            await self._cancel_job(validation.lease_id(self.form("job_id")), reason)
+            return
+        lease_id = validation.lease_id(self.form("lease_id"))
+        if action == "release":
+            text = _reason(reason, f"released by {self.me}")
+            lease = self.broker.get_lease(lease_id)
+            if lease["state"] == "granted" and lease["holder_kind"] == "server":
+                # its server keeps no GPU given back: the hub stops it, then it is released
+                self.broker.stop_lease(lease_id, text, actor=self.me)
+                self.broker.note_lease(lease_id, "released", text, notify=True, actor=self.me)
+                self.back("leases", f"Server of lease {lease_id} of {lease['user']} stopping.")
+                return
+            lease = self.broker.release_lease(lease_id, text, actor=self.me)
+            self.broker.note_lease(lease_id, "released", text, notify=True, actor=self.me)
+            self.back("leases", f"Lease {lease_id} of {lease['user']} released.")
+        elif action == "preempt":
+            if not reason:
+                raise BadRequest("reason: a preemption needs a reason (the user is told it)")
+            lease = self.broker.preempt_lease(lease_id, _reason(reason, ""), actor=self.me)
+            self.back("leases", f"Lease {lease_id} of {lease['user']} preempted.")
+        else:
+            raise BadRequest(f"action: must be release, preempt or cancel-job, got {action!r}")
+
+    async def _cancel_job(self, job_id: int, reason: str) -> None:
+        jobs = self.settings.get("jobs")
+        if jobs is None:
+            raise BadRequest("action: this broker runs no batch jobs")
+        job = await jobs.cancel(job_id, _reason(reason, f"cancelled by {self.me}"), actor=self.me)
+        self.back("leases", f"Job {job_id} of {job['user']} cancelled.")
+
+
+class DevicesHandler(PanelHandler):
+    """``{base}devices``: drain and undrain devices; switch MIG mode."""
+
+    page = "devices"
+
+    def get(self) -> None:
+        listing = views.device_listing(self.broker, True, self.me, self.log)
+        self.render_page(
+            "devices.html",
+            devices=listing["devices"],
+            backend=listing["backend"],
+            done=self.get_argument("done", ""),
+        )
+
+    def post(self) -> None:
+        uuid = validation.check_name(self.form("uuid"), "uuid")
+        action = self.form("action")
+        if action in ("drain", "undrain"):
+            held = [h for d, h in self.broker.device_rows() if d.uuid == uuid]
+            self.broker.set_drained(uuid, action == "drain", actor=self.me)
+            holders = len(held[0]) if held else 0
+            keep = f" {holders} holder(s) keep their leases." if action == "drain" else ""
+            self.back("devices", f"Device {uuid} {action}ed.{keep}")
+        elif action in ("mig-on", "mig-off"):
+            self.broker.request_mig_mode(uuid, action == "mig-on", actor=self.me)
+            self.back("devices", f"MIG mode of {uuid}: asked to turn {action[4:]}.")
+        else:
+            raise BadRequest(f"action: must be drain, undrain, mig-on or mig-off, got {action!r}")
+
+
+class QuotasHandler(PanelHandler):
+    """``{base}quotas``: the quotas in force with current use; POST sets or
+    removes a stored quota (errors inline, nothing changed)."""
+
+    page = "quotas"
+
+    def get(self) -> None:
+        self._show()
+
+    def _show(self, error: str = "", values: dict[str, str] | None = None) -> None:
+        quotas = self.broker.quotas()
+        use = _use_by(self.broker.list_leases())
+        self.render_page(
+            "quotas.html",
+            quotas=quotas,
+            use=use,
+            error=error,
+            values=values or {},
+            done=self.get_argument("done", ""),
+        )
+
+    def post(self) -> None:
+        values = {k: self.form(k, "") for k in ("kind", "name", "guaranteed", "limit", "action")}
+        try:
+            kind = values["kind"]
+            if kind not in ("user", "group"):
+                raise BadRequest(f"kind: must be user or group, got {kind!r}")
+            name = validation.check_name(values["name"], "name")
+            if values["action"] == "delete":
+                self.broker.delete_quota(kind, name, actor=self.me)
+                self.back("quotas", f"Stored quota of {kind} {name} removed.")
+                return
+            body: dict[str, Any] = {"guaranteed": _number(values["guaranteed"], "guaranteed")}
+            if values["limit"]:
+                body["limit"] = _number(values["limit"], "limit")
+            else:
+                body["limit"] = None
+            guaranteed, limit = validation.quota_body(body)
+            self.broker.set_quota(kind, name, guaranteed, limit, actor=self.me)
+        except BrokerError as err:
+            self.set_status(err.status)
+            self._show(err.message, values)
+            return
+        self.back("quotas", f"Quota of {kind} {name} set; it applies from the next pass.")
+
+
+def _number(text: str, field: str) -> float:
+    """A form's number.
+
+    Raises:
+        BadRequest: not a number.
+    """
+    try:
+        return float(text)
+    except ValueError:
+        raise BadRequest(f"{field}: must be a number of GPUs, got {text!r}") from None
+
+
+def _use_by(leases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """GPUs held now (device units) per ``user:NAME`` and ``group:NAME``."""
+    use: dict[str, dict[str, float]] = {"user": {}, "group": {}}
+    for lease in leases:
+        if lease["state"] != "granted":
+            continue
+        weight = float(lease.get("weight") or 0.0)
+        use["user"][lease["user"]] = use["user"].get(lease["user"], 0.0) + weight
+        if lease.get("group"):
+            use["group"][lease["group"]] = use["group"].get(lease["group"], 0.0) + weight
+    return use
+
+
+class UsageHandler(PanelHandler):
+    """``{base}usage?from=&to=&by=&tz=``: the usage report with its charts;
+    ``{base}usage.csv`` with the same arguments downloads it as CSV (the
+    text of ``gpubroker report --format csv``)."""
+
+    page = "usage"
+    #: the format this route answers in
+    fmt = "html"
+
+    async def get(self) -> None:
+        from ..usage import query, render
+        from ..usage.report import BY, ReportError, parse_request
+
+        args = {k: self.get_argument(k, None) or None for k in ("from", "to", "by", "tz")}
+        now = dt.datetime.now(dt.timezone.utc)
+        try:
+            request = parse_request(args["from"], args["to"], args["by"], args["tz"], "csv", now)
+        except ReportError as err:
+            if self.fmt == "csv":
+                raise BadRequest(str(err)) from None
+            self.set_status(400)
+            self.render_page("usage.html", error=str(err), args=args, by=BY, rows=None)
+            return
+        ledger = self.settings.get("ledger")
+        if ledger is not None and ledger.enabled:
+            try:
+                ledger.flush()
+            except Exception:
+                self.log.exception("Usage ledger: writing before a report failed")
+        prices = ledger.price_per_gpu_hour if ledger is not None else {}
+        factory = self.broker.session_factory
+        want_plots = self.fmt == "html" and render.html_problem("html") is None
+
+        def build() -> tuple[Any, list[str]]:
+            rows = query.build_report(factory, request, now, prices, user=None)
+            figures: list[str] = []
+            if want_plots:
+                figures = render.figures(query.series(factory, request, now, None))
+            return rows, figures
+
+        rows, figures = await asyncio.get_running_loop().run_in_executor(None, build)
+        if self.fmt == "csv":
+            self.set_header("Content-Type", "text/csv; charset=utf-8")
+            day = request.start.date().isoformat()
+            self.set_header(
+                "Content-Disposition", f'attachment; filename="gpubroker-usage-{day}.csv"'
+            )
+            self.finish(render.as_csv(request, rows))
+            return
+        shown = {k: v or "" for k, v in args.items()}
+        self.render_page(
+            "usage.html",
+            error="",
+            args=shown,
+            by=BY,
+            rows=rows,
+            columns=render.HEADINGS,
+            cell=render.cell,
+            header=render.header(request),
+            figures=figures,
+            csv_query=self.request.query,
+        )
+
+
+class UsageCSVHandler(UsageHandler):
+    """``{base}usage.csv``: the report as CSV."""
+
+    fmt = "csv"
+
+
+class AuditHandler(PanelHandler):
+    """``{base}audit?user=&kind=&since=&until=``: the audit log, newest first."""
+
+    page = "audit"
+
+    def get(self) -> None:
+        from ..observe import audit
+        from ..usage.report import ReportError, parse_time
+
+        filters = {k: self.get_argument(k, "") for k in ("user", "kind", "since", "until")}
+        bounds: dict[str, dt.datetime | None] = {}
+        error = ""
+        for name in ("since", "until"):
+            try:
+                raw = filters[name]
+                bounds[name] = parse_time(name, raw, dt.timezone.utc) if raw else None
+            except ReportError as err:
+                error, bounds[name] = str(err), None
+        user = validation.optional_name_arg(filters["user"] or None, "user")
+        kind = validation.check_name(filters["kind"], "kind") if filters["kind"] else None
+        entries = audit.query(
+            self.broker.session_factory,
+            bounds["since"],
+            bounds["until"],
+            user,
+            kind,
+            500,
+            on_behalf=(self.settings.get("service_name") or "gpubroker",),
+        )
+        if error:
+            self.set_status(400)
+        self.render_page("audit.html", entries=entries, filters=filters, error=error)
+
+
+class MeHandler(PanelHandler):
+    """``{base}me``: the researcher's own servers, jobs, queue places,
+    usage this month against quota, and notices; nobody else's."""
+
+    admin_only = False
+    page = "me"
+
+    async def get(self) -> None:
+        await self.broker.settled()
+        me = self.me
+        leases = self.broker.list_leases(user=me)
+        jobs_service = self.settings.get("jobs")
+        jobs = jobs_service.list(me)[:50] if jobs_service is not None else []
+        listing = views.device_listing(self.broker, False, me, self.log)
+        usage_by_device = {d["uuid"]: d.get("usage") for d in listing["devices"]}
+        rows = await self._month(me)
+        room = self.broker.availability(me)
+        now = dt.datetime.now(dt.timezone.utc)
+        self.render_page(
+            "me.html",
+            leases=leases,
+            jobs=[self._with_link(j) for j in jobs],
+            left=lambda lease: tiles.duration(_left(lease, now)),
+            cell=render_cell,
+            usage_by_device=usage_by_device,
+            month=rows,
+            room=room,
+            notices=self.broker.notices(me)[:30],
+            live=True,
+        )
+
+    def _with_link(self, job: dict[str, Any]) -> dict[str, Any]:
+        """The job view with a link to its output notebook in the user's
+        own server (``/hub/user-redirect/lab/tree/PATH``), when the output
+        lies in the user's root directory."""
+        jobs = self.settings.get("jobs")
+        out = job.get("output")
+        job = dict(job, output_link=None, output_name=None)
+        if not out or jobs is None:
+            return job
+        try:
+            relative = Path(out).relative_to(jobs.root_of(job["user"]))
+        except ValueError:
+            return job
+        hub = str(self.settings.get("hub_url") or "/hub/")
+        job["output_link"] = f"{hub}user-redirect/lab/tree/{quote(relative.as_posix())}"
+        job["output_name"] = relative.as_posix()
+        return job
+
+    async def _month(self, me: str) -> Any:
+        """This month's usage row of the user (UTC), or ``None``."""
+        from ..usage import query
+        from ..usage.report import parse_request
+
+        now = dt.datetime.now(dt.timezone.utc)
+        request = parse_request(None, None, "user", None, "json", now)
+        ledger = self.settings.get("ledger")
+        prices = ledger.price_per_gpu_hour if ledger is not None else {}
+        factory = self.broker.session_factory
+        rows = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: query.build_report(factory, request, now, prices, user=me)
+        )
+        return next((r for r in rows if r.key == me), None)
+
+
+def _left(lease: dict[str, Any], now: dt.datetime) -> float | None:
+    """Seconds until a lease's end (time limit), ``None`` without one."""
+    ends = lease.get("ends_at")
+    if not ends:
+        return None
+    return max(0.0, (dt.datetime.fromisoformat(ends.replace("Z", "+00:00")) - now).total_seconds())
+
+
+def render_cell(value: Any) -> str:
+    """A report value as the tables show it."""
+    from ..usage.render import cell
+
+    return cell(value)
+
+
+class StaticHandler(web.StaticFileHandler):
+    """``{base}static/…``: the panel's CSS and script (no login needed)."""
+
+    def set_extra_headers(self, path: str) -> None:
+        self.set_header("Cache-Control", "no-cache")

@@ -1,0 +1,225 @@
+"""The overview's picture as data: nodes, each a row of device tiles, each
+tile split into its slots (a whole device, MIG instances, shares) and the
+room left free. Pure: it reads the device listing
+(:func:`gpubroker.views.device_listing`) and lease views it is given, and
+no clock (``now`` is an argument).
+
+A slot's ``width`` is its part of the device: 1 for a whole device, the
+profile's compute slices over 7 for a MIG instance (``3g.40gb``: 3/7, the
+H100/A100 rule of seven GPCs), memory over the device's memory for a share.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: compute slices of a full MIG-capable device (A100, H100, H200: seven GPCs)
+MIG_SLICES = 7
+
+
+@dataclass(frozen=True)
+class SlotTile:
+    """One held slot of a device, or its free room (``lease_id`` ``None``).
+
+    Attributes:
+        label: what the slot is: ``whole device``, ``MIG 1g.10gb``,
+            ``share 10 GiB``, or ``free``.
+        width: its part of the device, 0 to 1.
+        lease_id: the holding lease; ``None`` for free room.
+        user: the holder's user name (``None`` for free room).
+        server_name: the holder's server name (``""``: the default server).
+        holder_kind: ``server``, ``job`` or ``external``.
+        priority_class: the lease's priority class.
+        age_seconds: seconds since the grant (``None``: unknown).
+        idle_seconds: seconds since its GPU was last seen busy, as the
+            culler tracks it (``None``: not tracked).
+    """
+
+    label: str
+    width: float
+    lease_id: int | None = None
+    user: str | None = None
+    server_name: str = ""
+    holder_kind: str = ""
+    priority_class: str = ""
+    age_seconds: float | None = None
+    idle_seconds: float | None = None
+
+    @property
+    def free(self) -> bool:
+        """Whether this is the device's free room."""
+        return self.lease_id is None
+
+
+@dataclass(frozen=True)
+class DeviceTile:
+    """One device as the overview draws it.
+
+    Attributes:
+        uuid, index, name, node: the device's identity.
+        pool, mode: its pool and the pool's sharing mode.
+        state: ``free``, ``leased``, ``shared`` or ``drained``.
+        drained, present, mig_enabled, simulated: flags drawn on the tile.
+        utilization: GPU utilization, percent (``None``: not read).
+        memory_used_gib, memory_total_gib: memory, GiB.
+        slots: the held slots, then the free room (if any).
+    """
+
+    uuid: str
+    index: int
+    name: str
+    node: str
+    pool: str
+    mode: str
+    state: str
+    drained: bool
+    present: bool
+    mig_enabled: bool
+    simulated: bool
+    utilization: int | None
+    memory_used_gib: float | None
+    memory_total_gib: float
+    slots: tuple[SlotTile, ...]
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """One node and its devices, in index order."""
+
+    name: str
+    tiles: tuple[DeviceTile, ...]
+
+
+def mig_width(profile: str | None) -> float:
+    """A MIG profile's part of its device: ``3g.40gb`` → 3/7 (1/7 when the
+    profile does not name its slices)."""
+    head = (profile or "").split("g.", 1)[0]
+    slices = int(head) if head.isdigit() else 1
+    return min(1.0, slices / MIG_SLICES)
+
+
+def _since(when: str | None, now: dt.datetime) -> float | None:
+    """Seconds from an ISO 8601 UTC time (``…Z``) to ``now``."""
+    if not when:
+        return None
+    at = dt.datetime.fromisoformat(when.replace("Z", "+00:00"))
+    return max(0.0, (now - at).total_seconds())
+
+
+def _slot(
+    holder: Mapping[str, Any],
+    total_gib: float,
+    lease: Mapping[str, Any] | None,
+    idle_since: Mapping[int, dt.datetime],
+    now: dt.datetime,
+) -> SlotTile:
+    kind = holder.get("kind")
+    if kind == "mig":
+        label, width = f"MIG {holder.get('profile')}", mig_width(holder.get("profile"))
+    elif kind == "share":
+        gib = float(holder.get("memory_gib") or 0.0)
+        label, width = f"share {gib:g} GiB", min(1.0, gib / total_gib) if total_gib else 0.0
+    else:
+        label, width = "whole device", 1.0
+    lease_id = int(holder["lease_id"])
+    idle = idle_since.get(lease_id)
+    return SlotTile(
+        label=label,
+        width=width,
+        lease_id=lease_id,
+        user=str(holder.get("user")),
+        server_name=str(holder.get("server_name") or ""),
+        holder_kind=str(lease.get("holder_kind", "")) if lease else "",
+        priority_class=str(lease.get("priority_class", "")) if lease else "",
+        age_seconds=_since(lease.get("granted_at"), now) if lease else None,
+        idle_seconds=max(0.0, (now - idle).total_seconds()) if idle else None,
+    )
+
+
+def device_tile(
+    device: Mapping[str, Any],
+    leases: Mapping[int, Mapping[str, Any]],
+    simulated: bool,
+    idle_since: Mapping[int, dt.datetime],
+    now: dt.datetime,
+) -> DeviceTile:
+    """One device of the listing as a tile.
+
+    Args:
+        device: one entry of ``device_listing()["devices"]``.
+        leases: lease views by id (the holders' leases).
+        simulated: whether the backend is the fake one.
+        idle_since: lease id → when its GPU was last busy (aware UTC).
+        now: aware UTC.
+    """
+    total_gib = float(device.get("memory_total_mib") or 0) / 1024
+    slots = [
+        _slot(h, total_gib, leases.get(int(h["lease_id"])), idle_since, now)
+        for h in device.get("holders") or ()
+    ]
+    used = sum(s.width for s in slots)
+    if used < 0.999:
+        slots.append(SlotTile(label="free", width=round(1.0 - used, 6)))
+    usage = device.get("usage") or {}
+    mem = usage.get("memory_used_mib")
+    return DeviceTile(
+        uuid=str(device["uuid"]),
+        index=int(device["index"]),
+        name=str(device.get("name") or ""),
+        node=str(device.get("node") or ""),
+        pool=str(device.get("pool") or ""),
+        mode=str(device.get("pool_mode") or ""),
+        state=str(device.get("state") or ""),
+        drained=bool(device.get("drained")),
+        present=bool(device.get("present", True)),
+        mig_enabled=bool(device.get("mig_enabled")),
+        simulated=simulated,
+        utilization=usage.get("utilization_gpu"),
+        memory_used_gib=None if mem is None else mem / 1024,
+        memory_total_gib=total_gib,
+        slots=tuple(slots),
+    )
+
+
+def overview(
+    listing: Mapping[str, Any],
+    leases: Sequence[Mapping[str, Any]],
+    idle_since: Mapping[int, dt.datetime],
+    now: dt.datetime,
+) -> list[NodeRow]:
+    """The whole picture: one row per node (in name order), tiles in index order.
+
+    Args:
+        listing: :func:`gpubroker.views.device_listing` of an admin.
+        leases: the active lease views (``Broker.list_leases()``).
+        idle_since: lease id → when its GPU was last busy (aware UTC).
+        now: aware UTC.
+    """
+    by_id = {int(x["id"]): x for x in leases}
+    simulated = bool((listing.get("backend") or {}).get("simulated"))
+    rows: dict[str, list[DeviceTile]] = {}
+    for device in listing.get("devices") or ():
+        tile = device_tile(device, by_id, simulated, idle_since, now)
+        rows.setdefault(tile.node, []).append(tile)
+    return [
+        NodeRow(name, tuple(sorted(tiles, key=lambda t: t.index)))
+        for name, tiles in sorted(rows.items())
+    ]
+
+
+def duration(seconds: float | None) -> str:
+    """A short human duration: ``45 s``, ``12 min``, ``3 h 5 min``, ``2 d 4 h``;
+    ``-`` for ``None``."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min"
+    if s < 86400:
+        return f"{s // 3600} h {s % 3600 // 60} min"
+    return f"{s // 86400} d {s % 86400 // 3600} h"

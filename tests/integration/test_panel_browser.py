@@ -1,0 +1,337 @@
+"""The web panel in a real headless Chromium against the shared hub: login
+through the hub, the admin pages and their forms, and the researcher's page.
+Screenshots go to ``$GPUBROKER_SCREENSHOT_DIR`` (the docs' images) or a
+temporary folder."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from .. import browserutil
+from ..hubutil import RunningHub
+
+pytestmark = pytest.mark.hub
+
+PANEL = "/services/gpubroker/"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with browserutil.chromium() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return browserutil.screenshot_dir(tmp_path_factory.mktemp("screenshots"))
+
+
+def login(browser: Any, hub: RunningHub, name: str) -> Any:
+    """A new browser context logged in to the hub as ``name`` (the demo's
+    dummy authenticator takes any password); fails on any ``alert()``."""
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    alerts: list[str] = []
+    context.alerts = alerts
+
+    def on_dialog(dialog: Any) -> None:
+        if dialog.type == "alert":
+            alerts.append(dialog.message)
+        dialog.accept()  # confirm() of the panel's forms: yes
+
+    context.on("dialog", on_dialog)
+    page.goto(f"{hub.url}/hub/login")
+    page.fill("#username_input", name)
+    page.fill("#password_input", "any")
+    page.click("#login_submit")
+    page.wait_for_url(re.compile(r".*/hub/(home|spawn|user).*"))
+    page.close()
+    return context
+
+
+def lease(hub: RunningHub, user: str, gpus: int = 1, **extra: Any) -> dict[str, Any]:
+    """An external lease (held by no server) for ``user``, made by the admin."""
+    body = {"user": user, "gpus": gpus, "holder_kind": "external", **extra}
+    r = hub.broker_api("POST", "/leases", json=body)
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+def wait_state(hub: RunningHub, lease_id: int, state: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        view = hub.broker_api("GET", f"/leases/{lease_id}").json()
+        if view["state"] == state:
+            return dict(view)
+        time.sleep(0.2)
+    raise AssertionError(f"lease {lease_id} is {view['state']}, not {state}")
+
+
+def test_admin_reaches_the_overview_from_the_services_menu(
+    clean_hub: RunningHub, browser: Any, shots: Path
+) -> None:
+    hub = clean_hub
+    held = [lease(hub, "alice", 2), lease(hub, "bob", 1)]
+    context = login(browser, hub, "admin")
+    page = context.new_page()
+    page.goto(f"{hub.url}/hub/home")
+    page.get_by_role("button", name="Services").click()
+    page.get_by_role("link", name="gpubroker").click()
+    page.wait_for_url(f"{hub.url}{PANEL}overview")  # no second login on the way
+    assert "/hub/login" not in page.url
+    tiles = page.locator("article.tile")
+    assert tiles.count() == 8  # every fake device of the demo
+    assert page.locator(".banner").inner_text().startswith("SIMULATED GPUs")
+    assert page.locator(".flag.fake").count() == 8
+    for x in held:
+        for slot in x["slots"]:
+            tile = page.locator(f"article.tile[data-uuid='{slot['uuid']}']")
+            assert x["user"] in tile.locator(".slot.held .holder").inner_text()
+    assert page.locator(".slot.free").count() == 5
+    page.screenshot(path=str(shots / "overview.png"), full_page=True)
+    # live: a new lease shows up without a reload
+    extra = lease(hub, "carol", 1)
+    uuid = extra["slots"][0]["uuid"]
+    page.locator(f"article.tile[data-uuid='{uuid}'] .slot.held").wait_for(timeout=15000)
+    assert "carol" in page.locator(f"article.tile[data-uuid='{uuid}']").inner_text()
+    assert context.alerts == []
+    context.close()
+
+
+def test_drain_changes_the_waiting_reason_and_is_audited(
+    clean_hub: RunningHub, browser: Any, shots: Path
+) -> None:
+    hub = clean_hub
+    lease(hub, "alice", 1)
+    waiting = lease(hub, "bob", 8)  # 7 free devices: bob waits for alice's
+    waiting = wait_state(hub, waiting["id"], "pending")
+    before = (waiting["queue"]["reason"], waiting["queue"]["message"])
+    free = [d for d in hub.broker_api("GET", "/devices").json()["devices"] if d["state"] == "free"]
+    target = free[0]
+    context = login(browser, hub, "admin")
+    try:
+        _drain(hub, context, target, waiting, before, shots)
+    finally:
+        hub.broker_api("PATCH", f"/devices/{target['uuid']}", json={"drained": False})
+        context.close()
+
+
+def _drain(
+    hub: RunningHub,
+    context: Any,
+    target: dict[str, Any],
+    waiting: dict[str, Any],
+    before: tuple[str, str],
+    shots: Path,
+) -> None:
+    page = context.new_page()
+    page.goto(f"{hub.url}{PANEL}devices")
+    row = page.locator(f"tr[data-uuid='{target['uuid']}']")
+    row.get_by_role("button", name="Drain").click()
+    page.wait_for_url(re.compile(r".*/devices\?done=.*"))
+    assert "drained" in page.locator(".done").inner_text()
+    assert page.locator(f"tr[data-uuid='{target['uuid']}'] td.state").inner_text() == "drained"
+    page.screenshot(path=str(shots / "devices.png"), full_page=True)
+    after = hub.broker_api("GET", f"/leases/{waiting['id']}").json()["queue"]
+    assert before[0] == "Resources"
+    assert after["reason"] == "PoolDrained"  # 7 GPUs in service now: 8 never fit
+    page.goto(f"{hub.url}{PANEL}queue")
+    row = page.locator(f"tr[data-lease='{waiting['id']}']")
+    assert row.locator("td.message").inner_text() == after["message"]
+    page.screenshot(path=str(shots / "queue.png"), full_page=True)
+    page.goto(f"{hub.url}{PANEL}audit?kind=device-drained")
+    first = page.locator("#audit tbody tr").first
+    assert first.locator("td.actor").inner_text() == "admin"
+    assert target["uuid"] in first.inner_text()
+    page.screenshot(path=str(shots / "audit.png"), full_page=True)
+
+
+def test_quota_editor_refuses_a_limit_below_the_guarantee(
+    clean_hub: RunningHub, browser: Any, shots: Path
+) -> None:
+    hub = clean_hub
+    context = login(browser, hub, "admin")
+    page = context.new_page()
+    page.goto(f"{hub.url}{PANEL}quotas")
+    form = page.locator("#quota-form")
+    form.locator("select[name=kind]").select_option("group")
+    form.locator("input[name=name]").fill("physics")
+    form.locator("input[name=guaranteed]").fill("4")
+    form.locator("input[name=limit]").fill("2")
+    form.get_by_role("button", name="Set").click()
+    error = page.locator("#quota-form .error")
+    assert "limit: must be at least guaranteed" in error.inner_text()
+    assert form.locator("input[name=limit]").input_value() == "2"  # what was typed stays
+    page.screenshot(path=str(shots / "quota-error.png"), full_page=True)
+    assert "physics" not in hub.broker_api("GET", "/quotas").json()["groups"]
+    form = page.locator("#quota-form")
+    form.locator("input[name=limit]").fill("6")
+    form.get_by_role("button", name="Set").click()
+    page.wait_for_url(re.compile(r".*/quotas\?done=.*"))
+    assert hub.broker_api("GET", "/quotas").json()["groups"]["physics"] == {
+        "guaranteed": 4.0,
+        "limit": 6.0,
+    }
+    assert page.locator("tr[data-quota='group:physics']").count() == 1
+    page.screenshot(path=str(shots / "quotas.png"), full_page=True)
+    audit = hub.broker_api("GET", "/audit", params={"kind": "quota-set"}).json()["entries"]
+    assert audit[0]["actor"] == "admin" and audit[0]["target"] == "group:physics"
+    context.close()
+
+
+def test_usage_csv_matches_the_report_command(
+    clean_hub: RunningHub, browser: Any, shots: Path
+) -> None:
+    hub = clean_hub
+    held = lease(hub, "alice", 2)
+    time.sleep(1.5)  # the ledger (0.5 s here) records some GPU-time
+    hub.broker_api("DELETE", f"/leases/{held['id']}", json={"reason": "done"})
+    time.sleep(1.0)
+    today = dt.datetime.now(dt.timezone.utc).date()
+    start, end = today.isoformat(), (today + dt.timedelta(days=1)).isoformat()
+    context = login(browser, hub, "admin")
+    page = context.new_page()
+    page.goto(f"{hub.url}{PANEL}usage?from={start}&to={end}&by=user")
+    assert page.locator("table.report tbody tr").count() >= 1
+    assert page.locator("figure svg").count() == 3
+    page.screenshot(path=str(shots / "usage.png"), full_page=True)
+    with page.expect_download() as info:
+        page.locator("#csv").click()
+    download = info.value
+    from_panel = Path(download.path()).read_text("utf-8")
+    report = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpubroker",
+            "report",
+            f"--db-url={hub.db_url}",
+            f"--from={start}",
+            f"--to={end}",
+            "--by=user",
+            "--format=csv",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert from_panel == report
+    assert "alice" in from_panel
+    context.close()
+
+
+def test_non_admins_xsrf_and_names_that_are_markup(
+    clean_hub: RunningHub, browser: Any, shots: Path
+) -> None:
+    hub = clean_hub
+    hub.create_user("mallory")
+    context = login(browser, hub, "mallory")
+    page = context.new_page()
+    for path in ("overview", "queue", "leases", "devices", "quotas", "usage", "audit"):
+        response = page.goto(f"{hub.url}{PANEL}{path}")
+        assert response.status == 403, path
+        assert "custom:gpubroker:admin" in page.inner_text("body")
+    response = page.goto(f"{hub.url}{PANEL}usage.csv")
+    assert response.status == 403
+    context.close()
+    # a form post without the XSRF token, from a logged-in admin's browser
+    marked = "<img src=x onerror=alert(1)>"
+    lease(hub, "filler", 1)
+    waiting = lease(hub, marked, 8)  # one device is held: it waits, with a reason
+    admin = login(browser, hub, "admin")
+    page = admin.new_page()
+    page.goto(f"{hub.url}{PANEL}queue")
+    refused = page.request.post(
+        f"{hub.url}{PANEL}queue", form={"lease_id": str(waiting["id"]), "action": "cancel"}
+    )
+    assert refused.status == 403
+    assert "_xsrf" in refused.text()
+    assert hub.broker_api("GET", f"/leases/{waiting['id']}").json()["state"] == "pending"
+    # names from users are text: in the queue, the leases page and an error
+    row = page.locator(f"tr[data-lease='{waiting['id']}']")
+    assert marked in row.inner_text()
+    assert page.locator("tr[data-lease] img").count() == 0
+    script = "<script>alert(1)</script>"
+    response = page.goto(f"{hub.url}{PANEL}leases?user={requests.utils.quote(script)}")
+    assert response.status == 400
+    assert script in page.inner_text("body")
+    page.goto(f"{hub.url}{PANEL}leases?user={requests.utils.quote(marked)}")
+    assert marked in page.locator("table.list").first.inner_text()
+    page.screenshot(path=str(shots / "leases.png"), full_page=True)
+    assert admin.alerts == []
+    admin.close()
+
+
+def test_researcher_sees_only_their_own(clean_hub: RunningHub, browser: Any, shots: Path) -> None:
+    hub = clean_hub
+    hub.create_user("alice")
+    hub.create_user("bob")
+    mine = lease(hub, "alice", 1, time_limit=3600)
+    theirs = lease(hub, "bob", 1)
+    waiting = lease(hub, "alice", 8)
+    wait_state(hub, waiting["id"], "pending")
+    context = login(browser, hub, "alice")
+    page = context.new_page()
+    page.goto(f"{hub.url}{PANEL}")
+    page.wait_for_url(f"{hub.url}{PANEL}me")
+    text = page.inner_text("main")
+    assert page.locator(f"tr[data-lease='{mine['id']}']").count() == 1
+    assert page.locator(f"tr[data-lease='{waiting['id']}']").count() == 1
+    assert page.locator(f"tr[data-lease='{theirs['id']}']").count() == 0
+    assert "bob" not in text
+    assert mine["slots"][0]["uuid"] in text
+    row = page.locator(f"tr[data-lease='{waiting['id']}']").inner_text()
+    view = hub.broker_api("GET", f"/leases/{waiting['id']}").json()
+    assert view["queue"]["message"] in row
+    assert "59 min" in page.locator(f"tr[data-lease='{mine['id']}']").inner_text()
+    assert "Quota" in text and "This month" in text
+    page.screenshot(path=str(shots / "me.png"), full_page=True)
+    context.close()
+
+
+def test_preempt_and_release_reach_the_holder_and_the_audit_log(
+    clean_hub: RunningHub, browser: Any
+) -> None:
+    hub = clean_hub
+    hub.create_user("dana")
+    first, second = lease(hub, "dana", 1), lease(hub, "dana", 1)
+    admin = login(browser, hub, "admin")
+    page = admin.new_page()
+    page.goto(f"{hub.url}{PANEL}leases?user=dana")
+    row = page.locator(f"tr[data-lease='{first['id']}']")
+    row.locator("input[name=reason]").fill("node reboot at noon")
+    row.get_by_role("button", name="Preempt").click()
+    page.wait_for_url(re.compile(r".*/leases\?done=.*"))
+    assert "preempted" in page.locator(".done").inner_text()
+    row = page.locator(f"tr[data-lease='{second['id']}']")
+    row.locator("input[name=reason]").fill("tidying up")
+    row.get_by_role("button", name="Release").click()
+    page.wait_for_url(re.compile(r".*/leases\?done=.*"))
+    admin.close()
+    for x in (first, second):
+        assert hub.broker_api("GET", f"/leases/{x['id']}").json()["state"] == "released"
+    audit = hub.broker_api("GET", "/audit", params={"user": "dana"}).json()["entries"]
+    ended = {e["lease_id"]: e for e in audit if e["action"] == "released"}
+    assert ended[first["id"]]["actor"] == "admin" and ended[first["id"]]["cause"] == "preemption"
+    assert ended[second["id"]]["actor"] == "admin"
+    assert ended[second["id"]]["reason"] == "tidying up"
+    preempted = hub.broker_api("GET", "/audit", params={"kind": "lease-preempted"}).json()
+    assert preempted["entries"][0]["actor"] == "admin"
+    assert preempted["entries"][0]["detail"] == {"user": "dana", "reason": "node reboot at noon"}
+    dana = login(browser, hub, "dana")
+    page = dana.new_page()
+    page.goto(f"{hub.url}{PANEL}me")
+    notices = page.locator("#my-notices").inner_text()
+    assert "preempted by admin: node reboot at noon" in notices
+    assert "tidying up" in notices
+    dana.close()

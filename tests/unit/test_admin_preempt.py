@@ -1,0 +1,43 @@
+"""An admin's preemption of a lease (the panel's Preempt): the holder's
+notice, the release with cause ``preemption``, the audit entry, and what
+is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpubroker.core import Broker
+from gpubroker.errors import Conflict, NotFound
+from gpubroker.observe import audit
+
+
+def test_a_preempted_lease_tells_its_holder_and_is_audited(broker: Broker) -> None:
+    held = broker.request_lease("ann", "", gpus=2, holder_kind="external")
+    assert held["state"] == "granted"
+    view = broker.preempt_lease(held["id"], "maintenance at noon", actor="root")
+    assert view["state"] == "released"
+    assert view["release_reason"] == "preempted by root: maintenance at noon"
+    notices = broker.notices("ann")
+    assert notices[0]["kind"] == "preempted"
+    assert notices[0]["message"] == "preempted by root: maintenance at noon"
+    entries = audit.query(broker.session_factory, kind="lease-preempted")
+    assert [(e["actor"], e["target"], e["detail"]["user"]) for e in entries] == [
+        ("root", f"lease:{held['id']}", "ann")
+    ]
+    released = [e for e in broker.lease_events(held["id"]) if e["to"] == "released"]
+    assert released and released[0]["actor"] == "root"
+    assert audit.query(broker.session_factory, kind="preemption")  # the release's cause
+    assert broker.list_leases() == []  # both devices free again
+
+
+def test_only_a_granted_lease_is_preempted(broker: Broker) -> None:
+    for _ in range(8):
+        broker.request_lease("ann", "", gpus=1, holder_kind="external")
+    waiting = broker.request_lease("bob", "", gpus=1, holder_kind="external")
+    assert waiting["state"] == "pending"
+    with pytest.raises(Conflict, match="only a granted lease is preempted"):
+        broker.preempt_lease(waiting["id"], "no", actor="root")
+    assert broker.get_lease(waiting["id"])["state"] == "pending"
+    assert broker.notices("bob") == []
+    with pytest.raises(NotFound):
+        broker.preempt_lease(10**6, "no", actor="root")
