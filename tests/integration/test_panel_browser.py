@@ -59,9 +59,12 @@ def login(browser: Any, hub: RunningHub, name: str) -> Any:
     return context
 
 
-def lease(hub: RunningHub, user: str, gpus: int = 1, **extra: Any) -> dict[str, Any]:
-    """An external lease (held by no server) for ``user``, made by the admin."""
-    body = {"user": user, "gpus": gpus, "holder_kind": "external", **extra}
+def lease(hub: RunningHub, user: str, gpus: int | None = 1, **extra: Any) -> dict[str, Any]:
+    """An external lease (held by no server) for ``user``, made by the admin
+    (``gpus`` None: a MIG instance or a share, named in ``extra``)."""
+    body = {"user": user, "holder_kind": "external", **extra}
+    if gpus is not None:
+        body["gpus"] = gpus
     r = hub.broker_api("POST", "/leases", json=body)
     assert r.status_code == 201, r.text
     return dict(r.json())
@@ -335,3 +338,41 @@ def test_preempt_and_release_reach_the_holder_and_the_audit_log(
     assert "preempted by admin: node reboot at noon" in notices
     assert "tidying up" in notices
     dana.close()
+
+
+@pytest.fixture(scope="module")
+def sharing_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningHub]:
+    """A hub of the demo's sharing layout: GPUs 0-3 whole, 4-5 MIG, 6-7 shares."""
+    running = RunningHub(tmp_path_factory.mktemp("sharing-hub"), GPUBROKER_DEMO_SHARING="1").start()
+    yield running
+    running.stop()
+
+
+def test_the_overview_splits_mig_devices_and_shared_devices(
+    sharing_hub: RunningHub, browser: Any, shots: Path
+) -> None:
+    hub = sharing_hub
+    lease(hub, "alice", 1)
+    migs = [
+        lease(hub, "bob", None, mig_profile="3g.40gb", pool="mig"),
+        lease(hub, "carol", None, mig_profile="1g.10gb", pool="mig"),
+    ]
+    shares = [lease(hub, name, None, memory_gib=20, pool="shared") for name in ("dave", "erin")]
+    for x in migs + shares:
+        wait_state(hub, x["id"], "granted")
+    context = login(browser, hub, "admin")
+    page = context.new_page()
+    page.goto(f"{hub.url}{PANEL}overview")
+    for x, label in ((migs[0], "MIG 3g.40gb"), (migs[1], "MIG 1g.10gb")):
+        slot = x["slots"][0]
+        tile = page.locator(f"article.tile[data-uuid='{slot['device']}']")
+        held = tile.locator(".slot.held", has_text=x["user"])
+        assert label in held.inner_text()
+        assert "MIG" in tile.locator("header").inner_text()
+    devices = {x["slots"][0]["device"] for x in shares}
+    for uuid in devices:
+        tile = page.locator(f"article.tile[data-uuid='{uuid}']")
+        assert tile.locator(".slot.free").count() == 1  # room left beside the share(s)
+        assert "share 20 GiB" in tile.locator(".slot.held").first.inner_text()
+    page.screenshot(path=str(shots / "overview-sharing.png"), full_page=True)
+    context.close()
