@@ -19,6 +19,7 @@ import requests
 
 from .. import browserutil
 from ..hubutil import RunningHub
+from ..nbutil import write_notebook
 
 pytestmark = pytest.mark.hub
 
@@ -54,7 +55,7 @@ def login(browser: Any, hub: RunningHub, name: str) -> Any:
     page.fill("#username_input", name)
     page.fill("#password_input", "any")
     page.click("#login_submit")
-    page.wait_for_url(re.compile(r".*/hub/(home|spawn|user).*"))
+    page.wait_for_url(lambda url: "/hub/login" not in url)
     page.close()
     return context
 
@@ -275,12 +276,28 @@ def test_non_admins_xsrf_and_names_that_are_markup(
     admin.close()
 
 
+def _job(hub: RunningHub, user: str, token: str) -> dict[str, Any]:
+    """A notebook job of ``user`` run to its end (a notebook in her home)."""
+    home = hub.workdir / "home" / user
+    home.mkdir(parents=True, exist_ok=True)
+    write_notebook(home / "train.ipynb", ["print('trained')"])
+    body = {"notebook": "train.ipynb", "gpus": 1, "time": "10m"}
+    r = hub.broker_api("POST", "/jobs", json=body, token=token)
+    assert r.status_code == 201, r.text
+    return hub.wait_for_job(r.json()["id"], token=token)
+
+
 def test_researcher_sees_only_their_own(clean_hub: RunningHub, browser: Any, shots: Path) -> None:
     hub = clean_hub
-    hub.create_user("alice")
-    hub.create_user("bob")
-    mine = lease(hub, "alice", 1, time_limit=3600)
-    theirs = lease(hub, "bob", 1)
+    alice, bob = hub.create_user("alice"), hub.create_user("bob")
+    r = hub.api("POST", "/users/alice/server", json={"gpus": 1})
+    assert r.status_code in (201, 202), r.text
+    hub.wait_for_server("alice")
+    (server,) = [x for x in hub.leases(user="alice") if x["holder_kind"] == "server"]
+    mine, theirs = _job(hub, "alice", alice), _job(hub, "bob", bob)
+    assert mine["state"] == theirs["state"] == "succeeded"
+    timed = lease(hub, "alice", 1, time_limit=3600)
+    held = lease(hub, "bob", 1)
     waiting = lease(hub, "alice", 8)
     wait_state(hub, waiting["id"], "pending")
     context = login(browser, hub, "alice")
@@ -288,17 +305,27 @@ def test_researcher_sees_only_their_own(clean_hub: RunningHub, browser: Any, sho
     page.goto(f"{hub.url}{PANEL}")
     page.wait_for_url(f"{hub.url}{PANEL}me")
     text = page.inner_text("main")
-    assert page.locator(f"tr[data-lease='{mine['id']}']").count() == 1
-    assert page.locator(f"tr[data-lease='{waiting['id']}']").count() == 1
-    assert page.locator(f"tr[data-lease='{theirs['id']}']").count() == 0
+    for x in (server, timed, waiting):
+        assert page.locator(f"tr[data-lease='{x['id']}']").count() == 1
+    assert page.locator(f"tr[data-lease='{held['id']}']").count() == 0
     assert "bob" not in text
-    assert mine["slots"][0]["uuid"] in text
+    assert (
+        server["slots"][0]["uuid"] in page.locator(f"tr[data-lease='{server['id']}']").inner_text()
+    )
+    assert "59 min" in page.locator(f"tr[data-lease='{timed['id']}']").inner_text()
     row = page.locator(f"tr[data-lease='{waiting['id']}']").inner_text()
     view = hub.broker_api("GET", f"/leases/{waiting['id']}").json()
-    assert view["queue"]["message"] in row
-    assert "59 min" in page.locator(f"tr[data-lease='{mine['id']}']").inner_text()
-    assert "Quota" in text and "This month" in text
+    assert view["queue"]["message"] in row and view["queue"]["reason"] in row
+    job_row = page.locator(f"#my-jobs tr[data-job='{mine['id']}']")
+    assert "succeeded" in job_row.inner_text()
+    link = job_row.get_by_role("link")
+    assert link.get_attribute("href") == f"/hub/user-redirect/lab/tree/train.{mine['id']}.ipynb"
+    assert page.locator(f"#my-jobs tr[data-job='{theirs['id']}']").count() == 0
+    assert "This month" in text and "GPU-hours allocated" in text and "Quota" in text
+    assert page.locator("#my-notices li").count() >= 1  # the finished job
     page.screenshot(path=str(shots / "me.png"), full_page=True)
+    # and no admin page
+    assert page.goto(f"{hub.url}{PANEL}overview").status == 403
     context.close()
 
 
