@@ -124,8 +124,10 @@ class AdminMixin:
         """An admin's preemption of a granted lease: its holder gets a
         ``preempted`` notice with ``reason``; a hub server is stopped first
         and the lease released once it has stopped (as the scheduler's
-        preemptions are), anything else is released now. Recorded in the
-        audit log (``lease-preempted``) with the admin's name.
+        preemptions are; that release names the scheduler as its actor and
+        carries the admin's name in its reason), anything else is released
+        now. Recorded in the audit log (``lease-preempted``, target
+        ``user:NAME``) with the admin's name.
 
         Raises:
             NotFound: no such lease. Conflict: the lease is not granted.
@@ -142,8 +144,9 @@ class AdminMixin:
             text = f"preempted by {actor}: {reason}"
             self._rec(session, now).note(lease, "preempted", text)
             session.add(notice_row(lease, "preempted", text, now))
-            detail = {"user": lease.user, "reason": reason}
-            self._audit(session, "lease-preempted", f"lease:{lease_id}", detail)
+            detail = {"lease_id": lease_id, "reason": reason}
+            # target the user: the audit's user filter finds it
+            self._audit(session, "lease-preempted", f"user:{lease.user}", detail)
             if self._evict(lease, text, now, "preemption", actor):
                 session.flush()
                 self._schedule(session, now)

@@ -419,7 +419,9 @@ class SharingOpsMixin:
 
         Raises:
             NotFound: no such device.
-            BadRequest: the model does not support MIG.
+            BadRequest: the model does not support MIG, or MIG mode on for
+                a device outside a pool of mode ``mig`` (no request could
+                use its instances: it would only stop being granted whole).
         """
         with self._write() as session:  # type: ignore[attr-defined]
             device = session.get(Device, uuid)
@@ -428,6 +430,12 @@ class SharingOpsMixin:
             model = MODELS.get(device.name)
             if enabled and model is not None and not model.mig_capable:
                 raise BadRequest(f"mig_mode: {device.name} does not support MIG")
+            pool = self.pool_spec(uuid)  # type: ignore[attr-defined]
+            if enabled and pool.mode != "mig":
+                raise BadRequest(
+                    f"mig_mode: device {uuid} is in pool {pool.name!r} of mode {pool.mode};"
+                    " MIG mode goes on only in pools of mode mig (Pools.pools)"
+                )
             device.mig_target = None if device.mig_enabled == enabled else enabled
             self._audit(session, "device-mig", uuid, {"mig_mode": enabled})  # type: ignore[attr-defined]
         if self.apply_mig_modes():

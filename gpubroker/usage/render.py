@@ -11,6 +11,7 @@ import csv
 import html
 import io
 import json
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,14 +132,19 @@ _CSS = (
 )
 
 
+#: one matplotlib drawing at a time (see :func:`figures`)
+_DRAWING = threading.Lock()
+
+
 def figures(data: dict[str, Any]) -> list[str]:
     """Three SVG figures (strings: ``<svg …>`` elements) from
     :func:`gpubroker.usage.query.series`."""
     import matplotlib
 
     matplotlib.use("Agg")
-    # names come from users: never parsed as mathtext ($...$)
-    with matplotlib.rc_context({"text.parse_math": False}):
+    # names come from users: never parsed as mathtext ($...$); pyplot and its
+    # settings are global, so one drawing at a time (reports run in threads)
+    with _DRAWING, matplotlib.rc_context({"text.parse_math": False}):
         return _draw(data)
 
 

@@ -176,7 +176,10 @@ class PanelHandler(HubOAuthenticated, web.RequestHandler):  # type: ignore[misc]
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.finish(
             TEMPLATES.get_template("error.html").render(
-                status=status_code, message=message, url=self.url, hub_url="/hub/"
+                status=status_code,
+                message=message,
+                url=self.url,
+                hub_url=self.settings.get("hub_url") or "/hub/",
             )
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -65,6 +66,10 @@ def overview_values(
         now: aware UTC (default: now).
     """
     listing = views.device_listing(broker, True, "", log)
+    for device in listing["devices"]:
+        pool = broker.pool_spec(device["uuid"])
+        if pool.mode == "timeslice":
+            device["reserve_gib"] = pool.reserve_mib / 1024
     leases = broker.list_leases()
     now = now or dt.datetime.now(dt.timezone.utc)
     pending = sum(1 for x in leases if x["state"] == "pending")
@@ -90,14 +95,46 @@ class QueueHandler(PanelHandler):
         )
 
     def post(self) -> None:
-        lease_id = validation.lease_id(self.form("lease_id"))
+        _action(self, ("cancel",))
+        lease_id = _id(self.form("lease_id"), "lease_id")
         reason = _reason(self.form("reason", ""), f"cancelled by {self.me}")
         lease = self.broker.get_lease(lease_id)
         if lease["state"] != "pending":
             raise BadRequest(f"lease {lease_id}: is {lease['state']}, not waiting")
         self.broker.release_lease(lease_id, reason, actor=self.me)
-        self.broker.note_lease(lease_id, "cancelled", reason, notify=True, actor=self.me)
+        self.broker.note_lease(lease_id, "admin-cancel", reason, notify=True, actor=self.me)
         self.back("queue", f"Request {lease_id} of {lease['user']} cancelled.")
+
+
+#: a form's id: decimal digits (ASCII), at most a 64-bit integer
+_ID = re.compile(r"[0-9]{1,19}")
+#: a form's number of GPUs: a plain decimal, optionally with an exponent
+_NUMBER = re.compile(r"[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _id(text: str, field: str) -> int:
+    """A form's id field.
+
+    Raises:
+        BadRequest: not a positive 64-bit integer, naming ``field``.
+    """
+    if not _ID.fullmatch(text) or not 1 <= int(text) < 2**63:
+        raise BadRequest(f"{field}: must be a positive integer id, got {validation.echo(text)}")
+    return int(text)
+
+
+def _action(handler: PanelHandler, allowed: tuple[str, ...]) -> str:
+    """The form's ``action``, one of ``allowed``.
+
+    Raises:
+        BadRequest: missing or another value, naming the allowed ones.
+    """
+    action = handler.form("action", "")
+    if action not in allowed:
+        raise BadRequest(
+            f"action: must be one of {', '.join(allowed)}, got {validation.echo(action)}"
+        )
+    return action
 
 
 def _reason(text: str, default: str) -> str:
@@ -144,31 +181,29 @@ class LeasesHandler(PanelHandler):
         )
 
     async def post(self) -> None:
-        action = self.form("action")
+        action = _action(self, ("release", "preempt", "cancel-job"))
         reason = self.form("reason", "")
         if action == "cancel-job":
-            await self._cancel_job(validation.lease_id(self.form("job_id")), reason)
+            await self._cancel_job(_id(self.form("job_id"), "job_id"), reason)
             return
-        lease_id = validation.lease_id(self.form("lease_id"))
+        lease_id = _id(self.form("lease_id"), "lease_id")
         if action == "release":
             text = _reason(reason, f"released by {self.me}")
             lease = self.broker.get_lease(lease_id)
             if lease["state"] == "granted" and lease["holder_kind"] == "server":
                 # its server keeps no GPU given back: the hub stops it, then it is released
                 self.broker.stop_lease(lease_id, text, actor=self.me)
-                self.broker.note_lease(lease_id, "released", text, notify=True, actor=self.me)
+                self.broker.note_lease(lease_id, "admin-release", text, notify=True, actor=self.me)
                 self.back("leases", f"Server of lease {lease_id} of {lease['user']} stopping.")
                 return
             lease = self.broker.release_lease(lease_id, text, actor=self.me)
-            self.broker.note_lease(lease_id, "released", text, notify=True, actor=self.me)
+            self.broker.note_lease(lease_id, "admin-release", text, notify=True, actor=self.me)
             self.back("leases", f"Lease {lease_id} of {lease['user']} released.")
         elif action == "preempt":
             if not reason:
                 raise BadRequest("reason: a preemption needs a reason (the user is told it)")
             lease = self.broker.preempt_lease(lease_id, _reason(reason, ""), actor=self.me)
             self.back("leases", f"Lease {lease_id} of {lease['user']} preempted.")
-        else:
-            raise BadRequest(f"action: must be release, preempt or cancel-job, got {action!r}")
 
     async def _cancel_job(self, job_id: int, reason: str) -> None:
         jobs = self.settings.get("jobs")
@@ -193,19 +228,17 @@ class DevicesHandler(PanelHandler):
         )
 
     def post(self) -> None:
+        action = _action(self, ("drain", "undrain", "mig-on", "mig-off"))
         uuid = validation.check_name(self.form("uuid"), "uuid")
-        action = self.form("action")
         if action in ("drain", "undrain"):
             held = [h for d, h in self.broker.device_rows() if d.uuid == uuid]
             self.broker.set_drained(uuid, action == "drain", actor=self.me)
             holders = len(held[0]) if held else 0
             keep = f" {holders} holder(s) keep their leases." if action == "drain" else ""
             self.back("devices", f"Device {uuid} {action}ed.{keep}")
-        elif action in ("mig-on", "mig-off"):
+        else:
             self.broker.request_mig_mode(uuid, action == "mig-on", actor=self.me)
             self.back("devices", f"MIG mode of {uuid}: asked to turn {action[4:]}.")
-        else:
-            raise BadRequest(f"action: must be drain, undrain, mig-on or mig-off, got {action!r}")
 
 
 class QuotasHandler(PanelHandler):
@@ -224,7 +257,7 @@ class QuotasHandler(PanelHandler):
             "quotas.html",
             quotas=quotas,
             use=use,
-            error=error,
+            form_error=error,
             values=values or {},
             done=self.get_argument("done", ""),
         )
@@ -235,6 +268,10 @@ class QuotasHandler(PanelHandler):
             kind = values["kind"]
             if kind not in ("user", "group"):
                 raise BadRequest(f"kind: must be user or group, got {kind!r}")
+            if values["action"] not in ("set", "delete"):
+                raise BadRequest(
+                    f"action: must be set or delete, got {validation.echo(values['action'])}"
+                )
             name = validation.check_name(values["name"], "name")
             if values["action"] == "delete":
                 self.broker.delete_quota(kind, name, actor=self.me)
@@ -249,7 +286,7 @@ class QuotasHandler(PanelHandler):
             self.broker.set_quota(kind, name, guaranteed, limit, actor=self.me)
         except BrokerError as err:
             self.set_status(err.status)
-            self._show(err.message, values)
+            self._show(err.message, values)  # inline, under the form
             return
         self.back("quotas", f"Quota of {kind} {name} set; it applies from the next pass.")
 
@@ -260,10 +297,9 @@ def _number(text: str, field: str) -> float:
     Raises:
         BadRequest: not a number.
     """
-    try:
-        return float(text)
-    except ValueError:
-        raise BadRequest(f"{field}: must be a number of GPUs, got {text!r}") from None
+    if not _NUMBER.fullmatch(text):
+        raise BadRequest(f"{field}: must be a number of GPUs, got {validation.echo(text)}")
+    return float(text)
 
 
 def _use_by(leases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -290,7 +326,7 @@ class UsageHandler(PanelHandler):
 
     async def get(self) -> None:
         from ..usage import query, render
-        from ..usage.report import BY, ReportError, parse_request
+        from ..usage.report import BY, MAX_DAILY_DAYS, ReportError, parse_request
 
         args = {k: self.get_argument(k, None) or None for k in ("from", "to", "by", "tz")}
         now = dt.datetime.now(dt.timezone.utc)
@@ -310,7 +346,9 @@ class UsageHandler(PanelHandler):
                 self.log.exception("Usage ledger: writing before a report failed")
         prices = ledger.price_per_gpu_hour if ledger is not None else {}
         factory = self.broker.session_factory
-        want_plots = self.fmt == "html" and render.html_problem("html") is None
+        # charts are drawn per day: only for periods a daily report may cover
+        short = request.end - request.start <= dt.timedelta(days=MAX_DAILY_DAYS)
+        want_plots = self.fmt == "html" and short and render.html_problem("html") is None
 
         def build() -> tuple[Any, list[str]]:
             rows = query.build_report(factory, request, now, prices, user=None)
@@ -339,6 +377,9 @@ class UsageHandler(PanelHandler):
             cell=render.cell,
             header=render.header(request),
             figures=figures,
+            charts_note=""
+            if want_plots
+            else f"Charts are drawn for periods of at most {MAX_DAILY_DAYS} days.",
             csv_query=self.request.query,
         )
 
@@ -354,7 +395,7 @@ class AuditHandler(PanelHandler):
 
     page = "audit"
 
-    def get(self) -> None:
+    async def get(self) -> None:
         from ..observe import audit
         from ..usage.report import ReportError, parse_time
 
@@ -369,14 +410,18 @@ class AuditHandler(PanelHandler):
                 error, bounds[name] = str(err), None
         user = validation.optional_name_arg(filters["user"] or None, "user")
         kind = validation.check_name(filters["kind"], "kind") if filters["kind"] else None
-        entries = audit.query(
-            self.broker.session_factory,
-            bounds["since"],
-            bounds["until"],
-            user,
-            kind,
-            500,
-            on_behalf=(self.settings.get("service_name") or "gpubroker",),
+        on_behalf = (self.settings.get("service_name") or "gpubroker",)
+        entries = await asyncio.get_running_loop().run_in_executor(  # off the loop
+            None,
+            lambda: audit.query(
+                self.broker.session_factory,
+                bounds["since"],
+                bounds["until"],
+                user,
+                kind,
+                500,
+                on_behalf=on_behalf,
+            ),
         )
         if error:
             self.set_status(400)

@@ -4,9 +4,13 @@ room left free. Pure: it reads the device listing
 (:func:`gpubroker.views.device_listing`) and lease views it is given, and
 no clock (``now`` is an argument).
 
-A slot's ``width`` is its part of the device: 1 for a whole device, the
-profile's compute slices over 7 for a MIG instance (``3g.40gb``: 3/7, the
-H100/A100 rule of seven GPCs), memory over the device's memory for a share.
+A slot's ``width`` is its part of the device: 1 for a whole device; for a
+MIG instance the larger of its compute slices over 7 (the A100/H100 rule
+of seven GPCs) and its memory over the device's (``3g.40gb`` on an 80 GB
+device: 1/2, as it takes four of the eight memory slices; ``1g.20gb``:
+1/4), so the free room drawn is room a profile could still use; memory
+over the device's memory for a share, and the pool's ``reserve_gib`` is
+drawn as reserved room.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ class SlotTile:
 
     Attributes:
         label: what the slot is: ``whole device``, ``MIG 1g.10gb``,
-            ``share 10 GiB``, or ``free``.
+            ``share 10 GiB``, ``reserved`` or ``free``.
         width: its part of the device, 0 to 1.
         lease_id: the holding lease; ``None`` for free room.
         user: the holder's user name (``None`` for free room).
@@ -50,7 +54,7 @@ class SlotTile:
 
     @property
     def free(self) -> bool:
-        """Whether this is the device's free room."""
+        """Whether this is the device's free room (or its reserve)."""
         return self.lease_id is None
 
 
@@ -93,12 +97,17 @@ class NodeRow:
     tiles: tuple[DeviceTile, ...]
 
 
-def mig_width(profile: str | None) -> float:
-    """A MIG profile's part of its device: ``3g.40gb`` → 3/7 (1/7 when the
-    profile does not name its slices)."""
-    head = (profile or "").split("g.", 1)[0]
+def mig_width(profile: str | None, total_gib: float = 0.0) -> float:
+    """A MIG profile's part of its device: the larger of its compute slices
+    over 7 and its memory over ``total_gib`` (``3g.40gb`` of 80 GiB: 1/2;
+    1/7 when the profile names neither)."""
+    head, _, tail = (profile or "").partition("g.")
     slices = int(head) if head.isdigit() else 1
-    return min(1.0, slices / MIG_SLICES)
+    memory = tail.lower().removesuffix("gb")
+    part = slices / MIG_SLICES
+    if memory.isdigit() and total_gib > 0:
+        part = max(part, int(memory) / total_gib)
+    return min(1.0, part)
 
 
 def _since(when: str | None, now: dt.datetime) -> float | None:
@@ -118,7 +127,8 @@ def _slot(
 ) -> SlotTile:
     kind = holder.get("kind")
     if kind == "mig":
-        label, width = f"MIG {holder.get('profile')}", mig_width(holder.get("profile"))
+        profile = holder.get("profile")
+        label, width = f"MIG {profile}", mig_width(profile, total_gib)
     elif kind == "share":
         gib = float(holder.get("memory_gib") or 0.0)
         label, width = f"share {gib:g} GiB", min(1.0, gib / total_gib) if total_gib else 0.0
@@ -149,7 +159,8 @@ def device_tile(
     """One device of the listing as a tile.
 
     Args:
-        device: one entry of ``device_listing()["devices"]``.
+        device: one entry of ``device_listing()["devices"]``; with
+            ``reserve_gib`` (a time-sliced pool's reserve, GiB), drawn.
         leases: lease views by id (the holders' leases).
         simulated: whether the backend is the fake one.
         idle_since: lease id → when its GPU was last busy (aware UTC).
@@ -160,6 +171,9 @@ def device_tile(
         _slot(h, total_gib, leases.get(int(h["lease_id"])), idle_since, now)
         for h in device.get("holders") or ()
     ]
+    reserve = float(device.get("reserve_gib") or 0.0)
+    if reserve > 0 and total_gib > 0:
+        slots.append(SlotTile(label="reserved", width=min(1.0, reserve / total_gib)))
     used = sum(s.width for s in slots)
     if used < 0.999:
         slots.append(SlotTile(label="free", width=round(1.0 - used, 6)))

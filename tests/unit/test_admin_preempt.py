@@ -21,9 +21,11 @@ def test_a_preempted_lease_tells_its_holder_and_is_audited(broker: Broker) -> No
     assert notices[0]["kind"] == "preempted"
     assert notices[0]["message"] == "preempted by root: maintenance at noon"
     entries = audit.query(broker.session_factory, kind="lease-preempted")
-    assert [(e["actor"], e["target"], e["detail"]["user"]) for e in entries] == [
-        ("root", f"lease:{held['id']}", "ann")
+    assert [(e["actor"], e["target"], e["detail"]) for e in entries] == [
+        ("root", "user:ann", {"lease_id": held["id"], "reason": "maintenance at noon"})
     ]
+    found = audit.query(broker.session_factory, user="ann", kind="lease-preempted")
+    assert len(found) == 1  # the user filter finds it
     released = [e for e in broker.lease_events(held["id"]) if e["to"] == "released"]
     assert released and released[0]["actor"] == "root"
     assert audit.query(broker.session_factory, kind="preemption")  # the release's cause

@@ -345,3 +345,12 @@ def test_pool_selectors_with_huge_or_reversed_ranges() -> None:
     assert matches("node-a:0-999999999", "GPU-x", "node-a", 12345, "NVIDIA H100 80GB HBM3")
     with pytest.raises(ValueError, match="bad index range 5-2"):
         check_selector("node-a:5-2")
+
+
+def test_mig_mode_goes_on_only_in_mig_pools(broker: Broker) -> None:
+    whole = broker.backend.devices()[4].uuid  # the default, exclusive pool
+    with pytest.raises(BadRequest, match="MIG mode goes on only in pools of mode mig"):
+        broker.request_mig_mode(whole, True)
+    (device,) = [d for d, _ in broker.device_rows() if d.uuid == whole]
+    assert device.mig_target is None and not device.mig_enabled
+    assert broker.request_lease("ann", "", gpus=1)["state"] == "granted"

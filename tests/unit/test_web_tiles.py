@@ -61,7 +61,8 @@ def test_widths_of_whole_mig_and_share_slots_and_the_free_room() -> None:
     assert [t.index for t in n1] == [0, 1, 3]  # index order
     mig = n1[0]
     assert [s.label for s in mig.slots] == ["MIG 3g.40gb", "MIG 1g.10gb", "free"]
-    assert [round(s.width, 4) for s in mig.slots] == [0.4286, 0.1429, 0.4286]
+    # 3g.40gb: four of eight memory slices (1/2) outweigh 3/7 of the compute
+    assert [round(s.width, 4) for s in mig.slots] == [0.5, 0.1429, 0.3571]
     whole = n1[1]
     assert len(whole.slots) == 1 and not whole.slots[0].free  # no free room left
     assert whole.slots[0].age_seconds == 3600.0 and whole.slots[0].idle_seconds == 1200.0
@@ -76,7 +77,18 @@ def test_widths_of_whole_mig_and_share_slots_and_the_free_room() -> None:
 def test_a_holder_without_a_lease_view_and_profiles_without_slices() -> None:
     tile = tiles.device_tile(_device(0, [_holder(9, "mig", profile="odd")]), {}, False, {}, NOW)
     assert tile.slots[0].width == 1 / 7 and tile.slots[0].age_seconds is None
-    assert tiles.mig_width("7g.80gb") == 1.0
+    assert tiles.mig_width("7g.80gb", 80) == 1.0
+    assert tiles.mig_width("1g.20gb", 80) == 0.25  # memory, not compute, is what it takes
+
+
+def test_full_mig_memory_leaves_no_free_room_and_a_reserve_is_drawn() -> None:
+    profiles = ("3g.40gb", "2g.20gb", "1g.20gb")  # 8 of 8 memory slices, 6 of 7 compute
+    holders = [_holder(i, "mig", profile=p) for i, p in enumerate(profiles)]
+    tile = tiles.device_tile(_device(0, holders), {}, False, {}, NOW)
+    assert not any(s.free for s in tile.slots)
+    shared = _device(1, [_holder(7, "share", memory_gib=20.0)], reserve_gib=2.0)
+    labels = [(s.label, s.width) for s in tiles.device_tile(shared, {}, False, {}, NOW).slots]
+    assert labels == [("share 20 GiB", 0.25), ("reserved", 0.025), ("free", 0.725)]
 
 
 def test_durations_read_like_a_person_would_say_them() -> None:

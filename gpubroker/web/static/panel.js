@@ -16,12 +16,19 @@
   function refresh(live, seconds) {
     var token = document.querySelector("meta[name=xsrf-token]").content;
     var url = new URL(window.location.href);
-    url.searchParams.set("partial", "1");
     url.searchParams.delete("done");
     window.setTimeout(function tick() {
       if (busy()) { window.setTimeout(tick, seconds * 1000); return; }
-      fetch(url, { headers: { "X-XSRFToken": token }, credentials: "same-origin" })
-        .then(function (r) { return r.ok ? r.text() : Promise.reject(r.status); })
+      fetch(url, { headers: { "X-XSRFToken": token }, credentials: "same-origin", redirect: "manual" })
+        .then(function (r) {
+          if (r.type === "opaqueredirect" || r.status === 401 || r.status === 403) {
+            // the login is gone (a broker restart, a hub logout): load the page
+            // again, through the hub's login, once
+            window.location.reload();
+            return Promise.reject(r.status);
+          }
+          return r.ok ? r.text() : Promise.reject(r.status);
+        })
         .then(function (html) {
           var doc = new DOMParser().parseFromString(html, "text/html");
           var fresh = doc.getElementById("live");
