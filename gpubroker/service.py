@@ -104,7 +104,9 @@ class BrokerService:
             cache_max_age=app.token_cache_max_age,
         )
         #: the panel's login (OAuth cookies; the API takes tokens only)
-        self.panel_auth = self._panel_auth() if app.panel else None
+        self.panel_auth = self._panel_auth() if app.panel and self.hub.api_token else None
+        if app.panel and self.panel_auth is None:
+            self.log.warning("No web panel: no hub API token to log users in with")
         self.broker.on_evict = self._evicted
         self.broker.passes = PassLoop(
             self.broker.pass_interval, lazy_factor=self.broker.lazy_pass_factor

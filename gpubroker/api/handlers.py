@@ -607,19 +607,14 @@ class AuditHandler(APIHandler):
         kind = self.get_argument("kind", None)
         if kind is not None:
             kind = validation.check_name(kind, "kind")
-        user = self.name_arg("user")
-        on_behalf = (self.settings.get("service_name") or "gpubroker",)
-        found = await asyncio.get_running_loop().run_in_executor(  # off the loop: 10,000s of rows
-            None,
-            lambda: audit.query(
-                self.broker.session_factory,
-                bounds["since"],
-                bounds["until"],
-                user,
-                kind,
-                limit or 500,
-                on_behalf=on_behalf,
-            ),
+        found = await audit.read(
+            self.broker.session_factory,
+            bounds["since"],
+            bounds["until"],
+            self.name_arg("user"),
+            kind,
+            limit or 500,
+            on_behalf=(self.settings.get("service_name") or "gpubroker",),
         )
         self.write_json({"entries": found})
 

@@ -71,6 +71,24 @@ def query(
     return found[:limit]
 
 
+async def read(
+    session_factory: Any,
+    since: dt.datetime | None,
+    until: dt.datetime | None,
+    user: str | None,
+    kind: str | None,
+    limit: int,
+    on_behalf: tuple[str, ...] = (),
+) -> list[dict[str, Any]]:
+    """:func:`query` in a worker thread (it may read 10,000s of rows), for
+    handlers on the event loop; same arguments and answer."""
+    import asyncio
+
+    return await asyncio.get_running_loop().run_in_executor(
+        None, lambda: query(session_factory, since, until, user, kind, limit, on_behalf)
+    )
+
+
 def _admin(entry: Any) -> dict[str, Any]:
     target = entry.target
     return {

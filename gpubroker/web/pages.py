@@ -410,18 +410,14 @@ class AuditHandler(PanelHandler):
                 error, bounds[name] = str(err), None
         user = validation.optional_name_arg(filters["user"] or None, "user")
         kind = validation.check_name(filters["kind"], "kind") if filters["kind"] else None
-        on_behalf = (self.settings.get("service_name") or "gpubroker",)
-        entries = await asyncio.get_running_loop().run_in_executor(  # off the loop
-            None,
-            lambda: audit.query(
-                self.broker.session_factory,
-                bounds["since"],
-                bounds["until"],
-                user,
-                kind,
-                500,
-                on_behalf=on_behalf,
-            ),
+        entries = await audit.read(
+            self.broker.session_factory,
+            bounds["since"],
+            bounds["until"],
+            user,
+            kind,
+            500,
+            on_behalf=(self.settings.get("service_name") or "gpubroker",),
         )
         if error:
             self.set_status(400)
