@@ -176,9 +176,21 @@ def workload_mix(pods: Iterable[Pod]) -> list[tuple[Demand, float]]:
 
 
 class OnlineMix:
-    """The mix learned from recent arrivals: the last ``window`` demands,
-    handed to a new scorer every ``refresh`` arrivals (the broker's policy
-    learns it; it does not know the workload in advance)."""
+    """The mix learned from recent arrivals: the last ``window`` demands
+    (the broker's policy learns it; it does not know the workload in
+    advance).
+
+    It is handed to a new scorer early and often while few demands have
+    been seen, then every ``refresh`` arrivals: after the 1st, 2nd, 3rd,
+    5th, 8th, ... arrival (whenever the arrivals since the last hand-on
+    reach half of those seen), until that spacing reaches ``refresh``. A
+    mix of the first few pods alone steers the first placements, which
+    decide how the cluster fills; handing on only every 500 arrivals left
+    the first 500 scored by one pod's demand. On the openb default list at
+    130 %, share placed, median (lowest) of ten seeds, before and after:
+    seeds 0-9 0.9602 (0.9526) and 0.9598 (0.9589); seeds 10-19, not used to
+    choose this, 0.9589 (0.9518) and 0.9598 (0.9580).
+    """
 
     def __init__(self, window: int = 2000, refresh: int = 500) -> None:
         if window < 1 or refresh < 1:
@@ -186,6 +198,7 @@ class OnlineMix:
         self.window, self.refresh = window, refresh
         self.recent: list[Demand] = []
         self._since = 0
+        self._seen = 0
 
     def see(self, demand: Demand) -> bool:
         """Count an arrival; ``True`` when the mix is due to be handed on."""
@@ -193,7 +206,8 @@ class OnlineMix:
         if len(self.recent) > 2 * self.window:
             del self.recent[: -self.window]
         self._since += 1
-        if self._since >= self.refresh or len(self.recent) == 1:
+        self._seen += 1
+        if self._since >= min(self.refresh, self._seen // 2):
             self._since = 0
             return True
         return False

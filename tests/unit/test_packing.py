@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from gpubroker.scheduler.packing import (
 )
 from gpubroker.simulate.packing import (
     HostNode,
+    OnlineMix,
     Packer,
     PackingError,
     Pod,
@@ -186,6 +188,21 @@ def test_experiment_is_deterministic_per_seed() -> None:
     assert (one.allocated, one.failed, one.placed) == (two.allocated, two.failed, two.placed)
     assert (one.allocated, one.placed) != (other.allocated, other.placed)
     assert 0 < one.allocated[1.0] <= one.allocated[1.3] <= 1
+
+
+def test_online_mix_is_handed_on_early_and_often_then_every_refresh() -> None:
+    learner = OnlineMix(window=4, refresh=3)
+    handed = [n for n in range(1, 21) if learner.see(Demand(1, 100 * (n % 3 + 1)))]
+    # 1st, 2nd, 3rd, 5th (half of those seen since), then every 3rd
+    assert handed[:4] == [1, 2, 3, 5]
+    assert [b - a for a, b in itertools.pairwise(handed[3:])] == [3] * (len(handed) - 4)
+    # the mix is the window's last four demands, counted
+    assert sorted((d.units, w) for d, w in learner.mix()) == [(100, 1.0), (200, 1.0), (300, 2.0)]
+
+
+def test_online_mix_refuses_an_empty_window() -> None:
+    with pytest.raises(PackingError, match="window >= 1"):
+        OnlineMix(window=0)
 
 
 def test_experiment_summary_names_every_strategy_and_ratio() -> None:
