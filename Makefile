@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROXY := node_modules/.bin/configurable-http-proxy
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: help setup postgres docker-engine chromium demo test lint format typecheck unit docs bench clean
 

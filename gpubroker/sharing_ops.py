@@ -123,15 +123,17 @@ class SharingOpsMixin:
 
     def _prepare(self, lease: Lease, parts: tuple[Part, ...]) -> tuple[Part, ...] | None:
         """Realise a fractional grant: at once (:meth:`_realize`) when
-        nothing is to be made or there is no actuator; else start making its
-        MIG instances off the event loop and return ``None`` (the lease waits,
-        reason ``Preparing``, until :meth:`_prepared` commits the outcome).
+        nothing is to be made or started or there is no actuator; else make
+        its MIG instances, or start the MPS daemon its share needs, off the
+        event loop and return ``None`` (the lease waits, reason
+        ``Preparing``, until :meth:`_prepared` commits the outcome).
 
         Raises:
             DeviceBackendError: as :meth:`_realize`.
         """
         to_make = [p for p in parts if p.kind == "mig" and not p.instance]
-        if self.actuator is None or not to_make:
+        daemon = self._daemon_to_start(parts)
+        if self.actuator is None or not (to_make or daemon):
             return self._realize(lease, parts)
         not_before = self._retry_after.get(lease.id, (0, 0.0))[1]
         if time.monotonic() < not_before:
@@ -139,13 +141,43 @@ class SharingOpsMixin:
         self._preparing[lease.id] = parts
         lease_id = lease.id
         self.actuator.submit(
-            f"making MIG instances of lease {lease_id}",
-            lambda: self._make_all(parts),
+            f"preparing lease {lease_id}",
+            lambda: self._make_ready(parts, daemon),
             lambda made, err: self._prepared(lease_id, made, err),  # type: ignore[attr-defined]
         )
-        what = ", ".join(f"MIG {p.profile} on {p.device}" for p in to_make)
-        set_wait(lease, PREPARING, f"making {what}", inputs=self._world.inputs)  # type: ignore[attr-defined]
+        what = ", ".join(f"making MIG {p.profile} on {p.device}" for p in to_make)
+        if daemon:
+            what = f"starting the MPS daemon of {daemon}"
+        set_wait(lease, PREPARING, what, inputs=self._world.inputs)  # type: ignore[attr-defined]
         return None
+
+    def _daemon_to_start(self, parts: tuple[Part, ...]) -> str | None:
+        """The device whose MPS daemon a grant of ``parts`` needs started
+        (MPS on, exactly one share, no daemon of ours running there), or
+        ``None``."""
+        shares = [p for p in parts if p.kind == "share"]
+        if not self.mps.enabled or len(shares) != 1:
+            return None
+        device = shares[0].device
+        if device in self.mps.started and self.mps.daemon_state(device) != "stale":
+            return None
+        return device
+
+    def _make_ready(self, parts: tuple[Part, ...], daemon: str | None) -> tuple[Part, ...]:
+        """What a worker thread does for a grant: make its MIG instances
+        (:meth:`_make_all`) and start the MPS daemon of ``daemon``.
+
+        Raises:
+            DeviceBackendError: an instance was refused, or the daemon did
+                not start (its reason in the message).
+        """
+        made = self._make_all(parts)
+        if daemon is not None:
+            try:
+                self.mps.ensure_daemon(daemon)
+            except (EnforcementError, ValueError) as err:
+                raise DeviceBackendError(str(err)) from err
+        return made
 
     @command("scheduler")
     def _prepared(

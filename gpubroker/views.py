@@ -221,12 +221,15 @@ def _device(
         lease_id=lease_id if admin else None,
         holders=[h for h in holders if admin or h["user"] == me],
         slots_held=len(holders),
-        usage=_usage(broker, device.uuid, log) if device.present else None,
+        usage=device_usage(broker, device.uuid, log) if device.present else None,
     )
     return view
 
 
-def _usage(broker: Any, uuid: str, log: Any) -> dict[str, Any] | None:
+def device_usage(broker: Any, uuid: str, log: Any) -> dict[str, Any] | None:
+    """What the device backend reads of device ``uuid`` now: utilization
+    (percent), memory used (MiB) and its process count; ``None`` (logged
+    as a warning on ``log``) when the device cannot be read."""
     try:
         usage = broker.backend.usage(uuid)
     except Exception as err:  # a device that cannot be read must not fail the listing

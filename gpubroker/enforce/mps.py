@@ -47,6 +47,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,8 @@ class MPSControl(LoggingConfigurable):
         super().__init__(**kwargs)
         #: devices whose daemon this object started or adopted
         self.started: set[str] = set()
+        # the broker starts daemons in worker threads: one start at a time
+        self._starting = threading.Lock()
 
     # -- paths and environment -------------------------------------------------------
 
@@ -254,7 +257,8 @@ class MPSControl(LoggingConfigurable):
         unless this object started it already or a daemon already serves
         the pipe directory (its ``control`` endpoint exists: adopted, e.g.
         after a broker restart). A stale pipe directory (pid file naming a
-        dead process) is cleaned and a new daemon started.
+        dead process) is cleaned and a new daemon started. Thread-safe: the
+        broker calls it from worker threads (one start at a time).
 
         Raises:
             ValueError: ``device_uuid`` is not UUID-like.
@@ -265,6 +269,10 @@ class MPSControl(LoggingConfigurable):
                 server later fails (e.g. a pre-Volta GPU) is not detected
                 here: see ``control.log`` in the log directory.
         """
+        with self._starting:
+            self._ensure_daemon(device_uuid)
+
+    def _ensure_daemon(self, device_uuid: str) -> None:
         state = self.daemon_state(device_uuid)
         if state == "running":
             if device_uuid not in self.started:

@@ -437,8 +437,10 @@ class MeHandler(PanelHandler):
         leases = self.broker.list_leases(user=me)
         jobs_service = self.settings.get("jobs")
         jobs = jobs_service.list(me)[:50] if jobs_service is not None else []
-        listing = views.device_listing(self.broker, False, me, self.log)
-        usage_by_device = {d["uuid"]: d.get("usage") for d in listing["devices"]}
+        held = {s["device"] for lease in leases for s in lease["slots"] if s.get("device")}
+        usage_by_device = {
+            uuid: views.device_usage(self.broker, uuid, self.log) for uuid in sorted(held)
+        }
         rows = await self._month(me)
         room = self.broker.availability(me)
         now = dt.datetime.now(dt.timezone.utc)

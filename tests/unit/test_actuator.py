@@ -5,6 +5,10 @@ a retry succeeds, and a request cancelled meanwhile leaves nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,7 @@ import pytest
 from gpubroker.broker.actuator import Actuator
 from gpubroker.core import Broker
 
+from .test_enforce_mps import StandIn
 from .test_sharing_core import layout_of, sharing_broker
 
 
@@ -110,4 +115,69 @@ async def test_a_retry_at_once_after_a_failure_is_not_dropped(broker: Broker) ->
     assert broker.actuator is not None
     for _ in range(3):
         await broker.actuator.idle()
+    assert broker.get_lease(lease["id"])["state"] == "granted"
+
+
+# -- MPS daemons of shares, started off the event loop ----------------------------
+
+
+@pytest.fixture
+def standin(tmp_path: Path) -> Iterator[StandIn]:
+    """A stand-in ``nvidia-cuda-mps-control``; its daemons ended by pid."""
+    fake = StandIn(tmp_path)
+    try:
+        yield fake
+    finally:
+        for pid in fake.daemon_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def mps_broker(broker: Broker, standin: StandIn) -> Broker:
+    broker.mps = standin.control()
+    return broker
+
+
+async def test_a_share_waits_preparing_while_its_mps_daemon_starts(
+    mps_broker: Broker, standin: StandIn
+) -> None:
+    broker = mps_broker
+    lease = broker.request_lease("ann", "", memory_gib=10, pool="shared")
+    assert lease["state"] == "pending" and lease["queue"]["reason"] == "Preparing"
+    assert "starting the MPS daemon of GPU-" in lease["queue"]["message"]
+    assert standin.calls() == []  # nothing ran on the event loop
+    assert broker.actuator is not None
+    await broker.actuator.idle()
+    done = broker.get_lease(lease["id"])
+    device = done["slots"][0]["device"]
+    assert done["state"] == "granted"
+    assert done["env"]["CUDA_MPS_PIPE_DIRECTORY"] == str(broker.mps.pipe_dir(device))
+    assert [c["argv"] for c in standin.calls()] == [["-d"]]
+    assert _kinds(broker, lease["id"]) == ["requested", "preparing", "granted"]
+    # a second share of the same device: its daemon runs, granted at once
+    second = broker.request_lease("bob", "", memory_gib=10, pool="shared")
+    assert second["state"] == "granted", second["queue"]
+    assert second["slots"][0]["device"] == device
+    assert len(standin.calls()) == 1
+    assert broker.validate_state([lease["id"], second["id"]]) == []
+
+
+async def test_a_daemon_that_does_not_start_is_an_event_and_the_request_waits(
+    mps_broker: Broker, standin: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker = mps_broker
+    monkeypatch.setenv("STANDIN_FAIL", "1")
+    lease = broker.request_lease("ann", "", memory_gib=10, pool="shared")
+    assert broker.actuator is not None
+    await broker.actuator.idle()
+    failed = broker.get_lease(lease["id"])
+    assert failed["state"] == "pending" and failed["slots"] == []
+    assert "boom: cannot start" in failed["queue"]["message"]
+    assert _kinds(broker, lease["id"]) == ["requested", "preparing", "grant-failed"]
+    monkeypatch.delenv("STANDIN_FAIL")
+    broker.grant_retry_backoff = 0.0
+    broker._retry_after.clear()  # the backoff is over
+    broker.schedule_now()
+    await broker.actuator.idle()
     assert broker.get_lease(lease["id"])["state"] == "granted"
