@@ -182,7 +182,7 @@ class OnlineMix:
 
     It is handed to a new scorer early and often while few demands have
     been seen, then every ``refresh`` arrivals: after the 1st, 2nd, 3rd,
-    5th, 8th, ... arrival (whenever the arrivals since the last hand-on
+    5th, 9th, 17th, 33rd, ... arrival (whenever the arrivals since the last hand-on
     reach half of those seen), until that spacing reaches ``refresh``. A
     mix of the first few pods alone steers the first placements, which
     decide how the cluster fills; handing on only every 500 arrivals left

@@ -200,6 +200,12 @@ def test_online_mix_is_handed_on_early_and_often_then_every_refresh() -> None:
     assert sorted((d.units, w) for d, w in learner.mix()) == [(100, 1.0), (200, 1.0), (300, 2.0)]
 
 
+def test_online_mix_defaults_hand_on_at_doubling_gaps_then_every_500() -> None:
+    learner = OnlineMix()
+    handed = [n for n in range(1, 2100) if learner.see(Demand(1, 100))]
+    assert handed == [1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1013, 1513, 2013]
+
+
 def test_online_mix_refuses_an_empty_window() -> None:
     with pytest.raises(PackingError, match="window >= 1"):
         OnlineMix(window=0)
