@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PROXY := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: help setup postgres docker-engine chromium demo test lint format typecheck unit docs bench clean
+.PHONY: help setup postgres docker-engine chromium slurm demo test lint format typecheck unit docs bench clean
 
 help:
 	@echo "make demo   - set up, then run JupyterHub + broker on simulated GPUs (http://127.0.0.1:8000)"
@@ -49,6 +49,15 @@ chromium:
 	    apt-get update -q >/dev/null; \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
 
+# Slurm and munge, for the Slurm engine's tests on a real two-node cluster
+# (Debian's packages; installed only where missing; the tests start their
+# own munged, slurmctld and two slurmd daemons, see tests/slurmutil.py)
+slurm:
+	@test -x /usr/sbin/slurmctld && test -x /usr/sbin/slurmd && test -x /usr/sbin/munged || \
+	  { echo "installing Slurm (apt-get install slurm-wlm munge)"; \
+	    apt-get update -q >/dev/null; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null; }
+
 setup: $(BIN)/.installed $(PROXY)
 
 demo: setup
@@ -72,7 +81,7 @@ docs: setup
 	rm -rf docs/_build
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
-test: lint typecheck docs postgres docker-engine chromium
+test: lint typecheck docs postgres docker-engine chromium slurm
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: setup chromium

@@ -1,8 +1,9 @@
 """The engine protocol: where and how the broker runs holders' processes.
 
 An *engine* runs the processes of lease holders somewhere: on the local host
-(:class:`gpubroker.engines.local.LocalEngine`, plain processes), and later in
-Docker containers or as Slurm jobs on cluster nodes. The core of the broker
+(:class:`gpubroker.engines.local.LocalEngine`, plain processes), in Docker
+containers (:class:`gpubroker.engines.docker.DockerEngine`) or as Slurm jobs
+on cluster nodes (:class:`gpubroker.engines.slurm.SlurmEngine`). The core of the broker
 never calls NVML, Docker or Slurm itself; it asks an engine (and the engine
 asks its device backend) through this one protocol:
 
@@ -30,7 +31,7 @@ This module imports nothing heavy (no SQLAlchemy, no NVML, no Docker).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from types import MappingProxyType
 from typing import Literal, Protocol, runtime_checkable
@@ -70,16 +71,25 @@ class Node:
             as the ``node`` of each of its devices.
         state: ``"up"``, ``"drained"`` or ``"down"`` (:data:`NodeState`).
         devices: the node's GPUs, ordered by index.
+        reason: why the node is drained or down, as its engine says (e.g.
+            Slurm's drain reason); ``""`` when up or not known.
+        outside: the devices something outside the broker holds, by UUID,
+            each with a sentence saying what (e.g. "Slurm job 41 of bob"):
+            the broker grants none of them until they are free. Stored as a
+            read-only copy.
     """
 
     name: str
     state: NodeState
     devices: tuple[DeviceInfo, ...] = ()
+    reason: str = ""
+    outside: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.state not in NODE_STATES:
             raise ValueError(f"node state must be one of {NODE_STATES}, not {self.state!r}")
         object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "outside", MappingProxyType(dict(self.outside)))
 
 
 @dataclass(frozen=True)
@@ -176,6 +186,10 @@ class Status:
             after the real end), ``None`` while running or when not known.
         timed_out: ``True`` when the engine ended it because its
             :attr:`LaunchSpec.time_limit` passed.
+        devices: the devices (UUIDs) the process is bound to where the
+            engine chose them itself (Slurm binds GPU indices of its own
+            choosing); empty where the engine used the spec's devices, or
+            does not know yet (a Slurm job still pending).
     """
 
     state: RunState
@@ -184,6 +198,7 @@ class Status:
     started: datetime | None = None
     ended: datetime | None = None
     timed_out: bool = False
+    devices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.state not in RUN_STATES:

@@ -10,7 +10,7 @@ from urllib.parse import quote
 
 import pytest
 
-from .. import dockerimages, dockerutil
+from .. import dockerimages, dockerutil, slurmutil
 from ..hubutil import REPO, RunningHub
 from ..pgutil import RunningPostgres
 
@@ -111,6 +111,17 @@ def private_docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dockeru
     running = dockerutil.start(tmp_path_factory.mktemp("docker"))
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[slurmutil.SlurmCluster]:
+    """One real two-node Slurm cluster for the Slurm tests (tests/slurmutil.py)."""
+    reason = slurmutil.why_not()
+    if reason:
+        pytest.skip(f"no Slurm cluster can start here: {reason}")
+    cluster = slurmutil.start()
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture(scope="session")

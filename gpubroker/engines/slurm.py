@@ -1,0 +1,448 @@
+"""The Slurm engine: holders' processes as Slurm jobs on cluster nodes.
+
+The broker keeps the policy (who runs, in what order, on which node, how
+many GPUs); Slurm launches and supervises the processes. Everything goes
+through Slurm's command-line tools (``sinfo``, ``squeue``, ``sbatch``,
+``scancel``, ``sacct``), which every Slurm site has and which need no
+``slurmrestd`` and no token; a REST engine can come later behind the same
+protocol.
+
+* **Inventory** (:meth:`SlurmEngine.nodes`): ``sinfo --json`` gives each
+  node, its state (drained or down nodes take no new work, with Slurm's
+  reason) and its GPUs from GRES (``gpu:h100:4``); each GPU gets a stable
+  ``GPU-`` UUID made from the cluster, node and index (Slurm knows no NVML
+  UUIDs). ``squeue --json`` says which GPU indices every running job holds:
+  those of jobs this engine did not launch are *outside* the broker (a
+  job someone ran with ``sbatch`` directly), so the broker never grants them.
+* **Launch** (:meth:`SlurmEngine.launch`): ``sbatch --parsable
+  --nodelist=NODE --gres=gpu:N`` of a batch script read from standard
+  input, with the partition, account, QOS and extra arguments configured,
+  ``--time`` from the spec's time limit (rounded up to whole minutes, Slurm's
+  unit), ``--no-requeue`` (the broker requeues its jobs itself) and
+  ``--export=ALL`` of exactly the spec's environment (the trust rule: the
+  job gets the user's environment, never the broker's; only ``SLURM_CONF``
+  is added where configured). A broker run as root submits for another user
+  with ``--uid``/``--gid``. Slurm picks which GPU indices of the node it
+  binds (``--gres`` cannot name them): :meth:`SlurmEngine.poll` reports them
+  as :attr:`~gpubroker.engines.base.Status.devices` once the job runs, and
+  Slurm sets the job's ``CUDA_VISIBLE_DEVICES`` (the broker's own is left
+  out of the environment).
+* **Status** (:meth:`SlurmEngine.poll`): ``squeue --json --states=all``,
+  which keeps a finished job for ``MinJobAge`` seconds (300 by default);
+  once it is gone, ``sacct`` where accounting runs; otherwise ``lost``. A
+  command that fails or times out raises :class:`EngineError`: the state is
+  *unknown*, and callers retry later; nothing is ended on it.
+* **Signals and stop**: ``scancel --full --signal=N`` (the batch shell and
+  every process of the job); :meth:`SlurmEngine.stop` sends SIGTERM, waits
+  ``grace`` seconds, then ``scancel`` (Slurm's SIGKILL after its
+  ``KillWait``).
+
+Units: seconds (timeouts, intervals, limits), GiB (memory), UTC.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pwd
+import shlex
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from traitlets import Dict, Float, List, Unicode
+from traitlets.config import LoggingConfigurable
+
+from gpubroker.devices.base import DeviceInfo, DeviceUsage
+
+from . import slurm_json
+from .base import EngineError, Handle, LaunchSpec, Node, Status
+
+#: environment variables Slurm sets for a job itself from its binding: the
+#: broker's values (UUIDs of its own choosing) are left out
+SLURM_SET = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
+
+#: seconds between looks while :meth:`SlurmEngine.stop` waits
+_STOP_POLL = 0.5
+
+#: seconds :meth:`SlurmEngine.stop` waits after the final ``scancel``
+KILL_WAIT = 30.0
+
+
+class SlurmEngine(LoggingConfigurable):
+    """Runs holders' processes as Slurm jobs (see the module's docstring).
+
+    Safe to call from several threads: the only shared state is the set of
+    job ids this engine launched or was asked about, under a lock.
+    """
+
+    name = "slurm"
+
+    bin_dir = Unicode(
+        "",
+        help="Directory of Slurm's commands (sinfo, squeue, sbatch, scancel, sacct); "
+        "'' finds each on the broker's PATH.",
+    ).tag(config=True)
+
+    slurm_conf = Unicode(
+        "",
+        help="SLURM_CONF for Slurm's commands (the path of slurm.conf); '' uses "
+        "Slurm's own default (/etc/slurm/slurm.conf or configless DNS).",
+    ).tag(config=True)
+
+    cluster = Unicode(
+        "slurm",
+        help="A name for the cluster, part of each GPU's UUID (GPU- plus a UUID of "
+        "cluster, node and index): change it and every device is a new one.",
+    ).tag(config=True)
+
+    partition = Unicode(
+        "", help="Partition (sbatch --partition) of jobs; '' is Slurm's default partition."
+    ).tag(config=True)
+
+    account = Unicode("", help="Account (sbatch --account) of every job; '' none.").tag(config=True)
+
+    qos = Unicode("", help="QOS (sbatch --qos) of every job; '' the account's default.").tag(
+        config=True
+    )
+
+    extra_args = List(
+        Unicode(),
+        help="More sbatch arguments for every job, e.g. ['--cpus-per-task=4', "
+        "'--mem=32G']. Not for --nodelist, --gres or --time: the broker sets those.",
+    ).tag(config=True)
+
+    command_timeout = Float(
+        20.0,
+        help="Seconds a Slurm command may take; one that takes longer counts as "
+        "failed (the state is unknown: retried later, nothing is ended on it).",
+    ).tag(config=True)
+
+    gpu_memory_gib = Dict(
+        {},
+        help="GPU memory in GiB per GRES type (e.g. {'h100': 80, 'a100': 40}); Slurm "
+        "does not report it. Types not named get default_gpu_memory_gib.",
+    ).tag(config=True)
+
+    default_gpu_memory_gib = Float(
+        80.0, help="GPU memory in GiB of a GRES type not in gpu_memory_gib."
+    ).tag(config=True)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._lock = threading.Lock()
+        #: job ids this engine launched or was asked to poll (its own jobs)
+        self._ours: set[str] = set()
+        #: (node, index) of each device UUID of the last inventory
+        self._where: dict[str, tuple[str, int]] = {}
+
+    # -- commands --------------------------------------------------------------
+
+    def _command(self, name: str) -> str:
+        """The path of Slurm command ``name`` (``bin_dir``, else the broker's PATH)."""
+        if self.bin_dir:
+            return os.path.join(self.bin_dir, name)
+        return shutil.which(name) or name
+
+    def _env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        if self.slurm_conf:
+            env["SLURM_CONF"] = self.slurm_conf
+        return env
+
+    def _run(
+        self,
+        argv: Sequence[str],
+        stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> str:
+        """Run a Slurm command and return its standard output.
+
+        Raises:
+            EngineError: it could not run, timed out or exited non-zero
+                (the message names the command and Slurm's words).
+        """
+        full = [self._command(argv[0]), *argv[1:]]
+        try:
+            done = subprocess.run(
+                full,
+                input=stdin,
+                env=self._env(env),
+                capture_output=True,
+                text=True,
+                timeout=self.command_timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as err:
+            raise EngineError(f"{argv[0]} took over {self.command_timeout:g}s") from err
+        except OSError as err:
+            raise EngineError(f"{argv[0]} could not run: {err.strerror or err}") from err
+        if done.returncode != 0:
+            words = (done.stderr or done.stdout).strip().splitlines()
+            raise EngineError(
+                f"{argv[0]} failed (exit {done.returncode}): {' '.join(words[-3:]) or '-'}"
+            )
+        return done.stdout
+
+    def _json(self, argv: Sequence[str]) -> dict[str, Any]:
+        out = self._run(argv)
+        try:
+            value = json.loads(out)
+        except ValueError as err:
+            raise EngineError(f"{argv[0]} --json answered no JSON: {out[:200]!r}") from err
+        if not isinstance(value, dict):
+            raise EngineError(f"{argv[0]} --json answered {type(value).__name__}, not an object")
+        return value
+
+    # -- inventory -------------------------------------------------------------
+
+    def nodes(self) -> list[Node]:
+        """The cluster's nodes with their GPUs (``sinfo --json``), and the
+        GPUs Slurm jobs not launched by this engine hold (``squeue --json``).
+
+        Raises:
+            EngineError: either command failed (the inventory is unknown).
+        """
+        info = self._json(["sinfo", "--json"])
+        jobs = self._json(["squeue", "--json", "--states=RUNNING,COMPLETING,SUSPENDED"])
+        outside = self._outside(jobs.get("jobs") or [])
+        seen: dict[str, Node] = {}
+        where: dict[str, tuple[str, int]] = {}
+        for raw in info.get("nodes") or []:
+            name = str(raw.get("name") or "")
+            if not name or name in seen:  # sinfo lists a node once per partition
+                continue
+            node = self._node(raw, outside.get(name, {}))
+            seen[name] = node
+            where.update({d.uuid: (name, d.index) for d in node.devices})
+        with self._lock:
+            self._where = where
+        return sorted(seen.values(), key=lambda n: n.name)
+
+    def _node(self, raw: Mapping[str, Any], held: Mapping[int, str]) -> Node:
+        name = str(raw["name"])
+        devices: list[DeviceInfo] = []
+        for gres in slurm_json.gpu_gres(str(raw.get("gres") or "")):
+            gib = float(self.gpu_memory_gib.get(gres.type, self.default_gpu_memory_gib))
+            for _ in range(gres.count):
+                index = len(devices)
+                devices.append(
+                    DeviceInfo(
+                        node=name,
+                        index=index,
+                        uuid=slurm_json.device_uuid(self.cluster, name, index),
+                        name=f"Slurm gpu:{gres.type}" if gres.type else "Slurm gpu",
+                        memory_total_mib=int(gib * 1024),
+                        pci_bus_id="",
+                    )
+                )
+        state = slurm_json.node_state(str(raw.get("state") or ""), raw.get("state_flags") or [])
+        outside = {d.uuid: held[d.index] for d in devices if d.index in held}
+        reason = str(raw.get("reason") or "") if state != "up" else ""
+        return Node(name, state, tuple(devices), reason=reason, outside=outside)
+
+    def _outside(self, jobs: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, str]]:
+        """GPU indices per node held by running jobs this engine did not launch."""
+        with self._lock:
+            ours = set(self._ours)
+        held: dict[str, dict[int, str]] = {}
+        for job in jobs:
+            job_id = str(job.get("job_id"))
+            if job_id in ours:
+                continue
+            what = f"Slurm job {job_id} of {job.get('user_name') or '?'}"
+            for node, indices in slurm_json.job_gpus(job).items():
+                held.setdefault(node, {}).update(dict.fromkeys(indices, what))
+        return held
+
+    def telemetry(self, uuids: Iterable[str]) -> dict[str, DeviceUsage]:
+        """Slurm reports no GPU utilization or memory per device: always
+        ``{}`` (the culler judges Slurm holders by kernel activity alone)."""
+        return {}
+
+    # -- launch ------------------------------------------------------------------
+
+    def _placement(self, devices: Sequence[str]) -> tuple[str, int]:
+        """The node and GPU count of ``devices`` (UUIDs of one node)."""
+        with self._lock:
+            where = dict(self._where)
+        if any(uuid not in where for uuid in devices):
+            self.nodes()
+            with self._lock:
+                where = dict(self._where)
+        unknown = [u for u in devices if u not in where]
+        if unknown:
+            raise EngineError(f"devices not on any Slurm node: {', '.join(unknown)}")
+        nodes = {where[u][0] for u in devices}
+        if len(nodes) > 1:
+            raise EngineError(
+                f"devices on several nodes ({', '.join(sorted(nodes))}): one job, one node"
+            )
+        return nodes.pop(), len(devices)
+
+    def sbatch_args(self, spec: LaunchSpec, node: str | None, gpus: int) -> list[str]:
+        """The ``sbatch`` arguments of ``spec`` on ``node`` with ``gpus`` GPUs."""
+        args = ["sbatch", "--parsable", f"--job-name=gpubroker-lease-{spec.lease_id}"]
+        args += [f"--comment=gpubroker lease {spec.lease_id}", "--no-requeue", "--export=ALL"]
+        args += [f"--chdir={spec.cwd}", "--ntasks=1", "--open-mode=append"]
+        args += [f"--output={_pattern(spec.stdout)}", f"--error={_pattern(spec.stderr)}"]
+        if node is not None:
+            args.append(f"--nodelist={node}")
+        if gpus:
+            args.append(f"--gres=gpu:{gpus}")
+        if spec.time_limit is not None:
+            args.append(f"--time={max(1, math.ceil(spec.time_limit / 60))}")
+        args += [f"--partition={self.partition}"] if self.partition else []
+        args += [f"--account={self.account}"] if self.account else []
+        args += [f"--qos={self.qos}"] if self.qos else []
+        args += self._as_user(spec.user)
+        return [*args, *self.extra_args]
+
+    def _as_user(self, user: str) -> list[str]:
+        """``--uid``/``--gid`` when the job's user is not the broker's own."""
+        try:
+            entry = pwd.getpwnam(user)
+        except KeyError as err:
+            raise EngineError(f"no such user: {user!r}") from err
+        if entry.pw_uid == os.getuid():
+            return []
+        if os.geteuid() != 0:
+            raise EngineError(f"cannot submit as {user!r}: the broker is not root")
+        return [f"--uid={entry.pw_uid}", f"--gid={entry.pw_gid}"]
+
+    def launch(self, spec: LaunchSpec) -> Handle:
+        """Submit ``spec`` as a batch job on the node of its devices.
+
+        Returns:
+            the job's handle (id: the Slurm job id; node: the node asked for).
+
+        Raises:
+            EngineError: the devices are not on one node of the cluster, the
+                user is unknown (or another user while the broker is not
+                root), or ``sbatch`` refused (its message).
+        """
+        node, gpus = self._placement(spec.devices) if spec.devices else (None, 0)
+        env = {k: v for k, v in spec.env.items() if k not in SLURM_SET}
+        out = self._run(self.sbatch_args(spec, node, gpus), stdin=_script(spec), env=env)
+        job_id = out.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise EngineError(f"sbatch answered no job id: {out.strip()[:200]!r}")
+        with self._lock:
+            self._ours.add(job_id)
+        self.log.info(
+            "Slurm job %s submitted for lease %s on %s (%s GPUs)",
+            job_id,
+            spec.lease_id,
+            node or "any node",
+            gpus,
+        )
+        return Handle(self.name, job_id, node or "")
+
+    # -- status, signals, stop ----------------------------------------------------
+
+    def _check(self, handle: Handle) -> str:
+        if handle.engine != self.name or not handle.id.isdigit():
+            raise EngineError(f"not a Slurm job handle: {handle}")
+        with self._lock:
+            self._ours.add(handle.id)
+        return handle.id
+
+    def poll(self, handle: Handle) -> Status:
+        """The job's status: from ``squeue``; once it is gone from there,
+        from ``sacct``; ``lost`` when neither knows it.
+
+        Raises:
+            EngineError: not a Slurm handle, or ``squeue`` failed (unknown).
+        """
+        job_id = self._check(handle)
+        answer = self._json(["squeue", "--json", "--states=all", f"--jobs={job_id}"])
+        job = next((j for j in answer.get("jobs") or [] if str(j.get("job_id")) == job_id), None)
+        if job is None:
+            return self._accounted(job_id)
+        status = slurm_json.job_status(job)
+        if not status.running:
+            return status
+        bound = [
+            slurm_json.device_uuid(self.cluster, node, index)
+            for node, indices in slurm_json.job_gpus(job).items()
+            for index in sorted(indices)
+        ]
+        return Status("running", started=status.started, devices=tuple(bound))
+
+    def _accounted(self, job_id: str) -> Status:
+        """The final status ``sacct`` records; ``lost`` without accounting."""
+        try:
+            out = self._run(
+                ["sacct", "-n", "-P", "-X", f"--jobs={job_id}", "-o", "State,ExitCode,Start,End"],
+                env={**os.environ, "TZ": "UTC"},
+            )
+        except EngineError as err:
+            self.log.debug("Slurm job %s: sacct: %s", job_id, err)
+            return Status("lost")
+        return slurm_json.sacct_status(out) or Status("lost")
+
+    def signal(self, handle: Handle, signum: int) -> None:
+        """``scancel --full --signal=signum``: the batch shell and every
+        process of the job get it; nothing happens once the job ended.
+
+        Raises:
+            EngineError: not a Slurm handle, or ``scancel`` failed for
+                another reason than the job having ended.
+        """
+        job_id = self._check(handle)
+        try:
+            self._run(["scancel", "--full", f"--signal={int(signum)}", job_id])
+        except EngineError as err:
+            if not _gone(str(err)):
+                raise
+
+    def stop(self, handle: Handle, grace: float) -> Status:
+        """SIGTERM to every process of the job, ``grace`` seconds, then
+        ``scancel`` (Slurm kills what is left after its ``KillWait``); waits
+        up to :data:`KILL_WAIT` seconds more for the job to end.
+
+        Raises:
+            EngineError: not a Slurm handle, or Slurm could not be asked.
+        """
+        status = self.poll(handle)
+        if not status.running:
+            return status
+        self.signal(handle, 15)
+        status = self._wait(handle, grace)
+        if status.running:
+            try:
+                self._run(["scancel", handle.id])
+            except EngineError as err:
+                if not _gone(str(err)):
+                    raise
+            status = self._wait(handle, KILL_WAIT)
+        return status
+
+    def _wait(self, handle: Handle, seconds: float) -> Status:
+        deadline = time.monotonic() + seconds
+        status = self.poll(handle)
+        while status.running and time.monotonic() < deadline:
+            time.sleep(_STOP_POLL)
+            status = self.poll(handle)
+        return status
+
+
+def _pattern(path: str | None) -> str:
+    """A path for sbatch's ``--output`` (``%`` is Slurm's pattern sign)."""
+    return "/dev/null" if path is None else path.replace("%", "%%")
+
+
+def _script(spec: LaunchSpec) -> str:
+    """The batch script: ``exec`` the program, so it is the batch shell and
+    gets the signals Slurm sends the job."""
+    return f"#!/bin/sh\n# gpubroker lease {spec.lease_id}\nexec {shlex.join(spec.argv)}\n"
+
+
+def _gone(message: str) -> bool:
+    """Whether a ``scancel`` error only says the job has ended."""
+    words = message.lower()
+    return "already completing or completed" in words or "invalid job id" in words

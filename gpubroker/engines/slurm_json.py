@@ -1,0 +1,256 @@
+"""What Slurm's commands answer, read into the engine protocol's values.
+
+Pure functions (no I/O, no clock) over the JSON of ``sinfo --json`` and
+``squeue --json`` (Slurm 22.05, OpenAPI plugin v0.0.38) and the parsable
+text of ``sacct -P``: node states, GRES strings (``gpu:h100:4``,
+``gpu:h100:2(IDX:0-1)``), host lists (``n[1-3,7]``), job states and exit
+codes. Used by :class:`gpubroker.engines.slurm.SlurmEngine`.
+
+Rules taken from Slurm's documentation: a job's ``exit_code`` in the JSON
+is the raw wait status (exit code in the high byte, the signal in the low
+7 bits, as ``waitpid``); ``sacct``'s ``ExitCode`` is ``code:signal``;
+node states are a base state (``idle``, ``mixed``, ``allocated``, ``down``,
+...) plus flags (``DRAIN``, ``NOT_RESPONDING``, ...). A drained or draining
+node runs what it has and takes nothing new.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid as uuid_module
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from .base import NodeState, Status
+
+#: job states in which a job holds (or is about to hold) its allocation
+ACTIVE_JOB_STATES = frozenset(
+    {
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+        "SUSPENDED",
+        "REQUEUED",
+        "REQUEUE_FED",
+        "REQUEUE_HOLD",
+        "RESIZING",
+        "SIGNALING",
+        "STAGE_OUT",
+        "STOPPED",
+    }
+)
+
+#: node states and flags in which a node takes no new work, and which of
+#: the two it is (drained: runs what it has; down: runs nothing)
+_DOWN = frozenset({"DOWN", "FAIL", "FAILING", "NOT_RESPONDING", "POWERED_DOWN", "UNKNOWN"})
+_DRAINED = frozenset(
+    {"DRAIN", "DRAINED", "DRAINING", "MAINTENANCE", "RESERVED", "REBOOT_REQUESTED", "FUTURE"}
+)
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_GPU = re.compile(r"^gpu(?::([^:(]+))?(?::(\d+))?(?:\((.*)\))?$")
+_HOST = re.compile(r"^(.*?)\[([^\]]+)\](.*)$")
+
+
+def split_top(text: str) -> list[str]:
+    """Split ``text`` at the commas outside brackets and parentheses
+    (``"gpu:a:2(S:0,1),gpu:b:1"`` -> ``["gpu:a:2(S:0,1)", "gpu:b:1"]``)."""
+    parts: list[str] = []
+    depth, start = 0, 0
+    for i, char in enumerate(text):
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def index_set(text: str) -> set[int]:
+    """The indices of a Slurm index list: ``"0-2,5"`` -> ``{0, 1, 2, 5}``;
+    ``"N/A"`` or ``""`` -> none.
+
+    Raises:
+        ValueError: a part is neither ``N`` nor ``N-M``.
+    """
+    found: set[int] = set()
+    if text.strip() in ("", "N/A"):
+        return found
+    for part in text.split(","):
+        match = _RANGE.match(part.strip())
+        if match is None:
+            raise ValueError(f"not a Slurm index list: {text!r}")
+        low = int(match.group(1))
+        high = int(match.group(2) or low)
+        found.update(range(low, high + 1))
+    return found
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's host list notation expanded: ``"n[1-3],gpu07"`` ->
+    ``["n1", "n2", "n3", "gpu07"]`` (zero padding kept: ``g[01-02]`` ->
+    ``g01, g02``); ``""`` or ``"(null)"`` -> ``[]``."""
+    names: list[str] = []
+    for part in split_top(text):
+        if part == "(null)":
+            continue
+        match = _HOST.match(part)
+        if match is None:
+            names.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        rests = expand_hostlist(suffix) if suffix else [""]
+        for item in ranges.split(","):
+            low, _, high = item.partition("-")
+            width = len(low)
+            for n in range(int(low), int(high or low) + 1):
+                names.extend(f"{prefix}{n:0{width}d}{rest}" for rest in rests)
+    return names
+
+
+@dataclass(frozen=True)
+class GpuGres:
+    """One ``gpu`` entry of a GRES string.
+
+    Attributes:
+        type: the GRES type (``h100``), ``""`` when the entry has none.
+        count: how many GPUs.
+        indices: the GPU indices named by ``IDX:`` (empty when not named).
+    """
+
+    type: str
+    count: int
+    indices: frozenset[int] = frozenset()
+
+
+def gpu_gres(text: str) -> list[GpuGres]:
+    """The ``gpu`` entries of a GRES string (``sinfo``'s ``gres`` and
+    ``gres_used``, a job's ``gres_detail``); other GRES are left out.
+    ``"gpu:h100:2(IDX:0-1),shard:4"`` -> ``[GpuGres("h100", 2, {0, 1})]``.
+    A count-less entry (``gpu:h100``) counts 1."""
+    found: list[GpuGres] = []
+    for entry in split_top(text or ""):
+        match = _GPU.match(entry)
+        if match is None:
+            continue
+        kind, count, detail = match.groups()
+        if kind is not None and kind.isdigit() and count is None:
+            kind, count = None, kind  # "gpu:4": a count, no type
+        indices: set[int] = set()
+        for item in split_top(detail or ""):
+            if item.startswith("IDX:"):
+                indices |= index_set(item[4:])
+        found.append(GpuGres(kind or "", int(count or 1), frozenset(indices)))
+    return found
+
+
+def node_state(state: str, flags: Iterable[str]) -> NodeState:
+    """A node's :data:`~gpubroker.engines.base.NodeState` from ``sinfo
+    --json``'s ``state`` (``"idle"``, ``"mixed"``, ``"down"``, ...) and
+    ``state_flags`` (``["DRAIN"]``, ...): down or not responding is
+    ``down``; drained, draining or in maintenance is ``drained``."""
+    words = {state.upper(), *(f.upper() for f in flags)}
+    if words & _DOWN:
+        return "down"
+    if words & _DRAINED:
+        return "drained"
+    return "up"
+
+
+def device_uuid(cluster: str, node: str, index: int) -> str:
+    """A stable ``GPU-`` UUID for GPU ``index`` of ``node`` (Slurm knows
+    no NVML UUIDs): the same cluster, node and index give the same UUID
+    across broker restarts."""
+    return (
+        f"GPU-{uuid_module.uuid5(uuid_module.NAMESPACE_URL, f'slurm://{cluster}/{node}/{index}')}"
+    )
+
+
+def job_gpus(job: Mapping[str, Any]) -> dict[str, frozenset[int]]:
+    """The GPU indices a job holds on each of its nodes, from ``squeue
+    --json``'s ``nodes`` and ``gres_detail`` (one entry per node, in the
+    order of the expanded host list); ``{}`` while it holds none."""
+    nodes = expand_hostlist(str(job.get("nodes") or ""))
+    detail = list(job.get("gres_detail") or [])
+    held: dict[str, frozenset[int]] = {}
+    for node, gres in zip(nodes, detail, strict=False):
+        indices = frozenset(i for g in gpu_gres(str(gres)) for i in g.indices)
+        if indices:
+            held[node] = indices
+    return held
+
+
+def _utc(epoch: Any) -> datetime | None:
+    try:
+        seconds = int(epoch)
+    except (TypeError, ValueError):
+        return None
+    return datetime.fromtimestamp(seconds, timezone.utc) if seconds > 0 else None
+
+
+def wait_status(raw: int) -> tuple[int | None, int | None]:
+    """``(exit_code, signal)`` of a raw wait status as Slurm's JSON gives
+    a job's ``exit_code`` (``768`` -> ``(3, None)``, ``9`` -> ``(None, 9)``)."""
+    signum = raw & 0x7F
+    return (None, signum) if signum else ((raw >> 8) & 0xFF, None)
+
+
+def job_status(job: Mapping[str, Any]) -> Status:
+    """A :class:`~gpubroker.engines.base.Status` of one job of ``squeue
+    --json``: pending or running is ``running`` (it holds or is about to
+    hold its allocation); any final state is ``exited`` with its exit code
+    or signal (``TIMEOUT`` also ``timed_out``; ``CANCELLED`` without a
+    signal in its status counts as SIGTERM, what ``scancel`` sends)."""
+    state = str(job.get("job_state") or "").upper()
+    started = _utc(job.get("start_time"))
+    if state in ACTIVE_JOB_STATES:
+        return Status("running", started=started)
+    code, signum = wait_status(int(job.get("exit_code") or 0))
+    if state == "CANCELLED" and signum is None and code == 0:
+        code, signum = None, 15
+    ended = _utc(job.get("end_time"))
+    return Status(
+        "exited", code, signum, started=started, ended=ended, timed_out=state == "TIMEOUT"
+    )
+
+
+def sacct_status(text: str) -> Status | None:
+    """The final status from ``sacct -n -P -X -j ID -o State,ExitCode,Start,End``
+    (``"COMPLETED|0:0|2026-12-03T07:07:24|2026-12-03T07:08:00"``); ``None``
+    when it lists no job or the job has not ended. Times are read as UTC
+    (set ``TZ=UTC`` for the command)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        return None
+    state, exit_code, start, end = ([*lines[0].split("|"), "", "", ""])[:4]
+    state = state.split()[0].upper() if state.strip() else ""
+    if not state or state in ACTIVE_JOB_STATES:
+        return None
+    code_text, _, signal_text = exit_code.partition(":")
+    code = int(code_text) if code_text.isdigit() else None
+    signum = int(signal_text) if signal_text.isdigit() and int(signal_text) else None
+    if signum is not None:
+        code = None
+    elif state == "CANCELLED" and not code:
+        code, signum = None, 15
+    return Status(
+        "exited",
+        code,
+        signum,
+        started=_sacct_time(start),
+        ended=_sacct_time(end),
+        timed_out=state == "TIMEOUT",
+    )
+
+
+def _sacct_time(text: str) -> datetime | None:
+    try:
+        return datetime.fromisoformat(text.strip()).replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
