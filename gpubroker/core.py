@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from sqlalchemy import select
@@ -40,7 +40,7 @@ from .broker.world import World
 from .commands import command
 from .devices.base import DeviceBackend
 from .enforce.mps import MPSControl
-from .engines import Engine, LocalEngine
+from .engines import Engine, LocalEngine, Node
 from .errors import BadRequest, Conflict, NotFound
 from .notices import NoticesMixin
 from .passes import PREPARING, QUEUED, QUEUED_MESSAGE, apply_decisions, build_state, set_wait
@@ -49,6 +49,7 @@ from .pools import Pools, PoolSpec
 from .sharing_ops import SharingOpsMixin
 from .store.models import (
     ACTIVE_STATES,
+    Allocation,
     Device,
     HolderKind,
     Intent,
@@ -83,6 +84,24 @@ class Broker(
 
     session_factory = AnyTrait(help="SQLAlchemy sessionmaker bound to the store.")
     backend = AnyTrait(help="The DeviceBackend instance of this node.")
+
+    engine_kind = Enum(
+        ["local", "slurm"],
+        default_value="local",
+        help="""Where the inventory comes from and holders' processes run:
+        "local" (this host: the device backend's GPUs, plain processes) or
+        "slurm" (the nodes and GPUs of a Slurm cluster, from sinfo; jobs as
+        Slurm jobs; configure SlurmEngine). The "slurm" runner of JobService
+        runs jobs on it.""",
+    ).tag(config=True)
+
+    inventory_interval = Float(
+        30.0,
+        help="""Seconds between reads of the inventory from an engine whose
+        inventory changes by itself (Slurm: nodes drained, down or back,
+        GPUs that Slurm jobs from outside the broker take or free). 0: read
+        once at start. The local engine's inventory is read once at start.""",
+    ).tag(config=True)
 
     evict_timeout = Float(
         120,
@@ -238,7 +257,7 @@ class Broker(
         self._world.on_reload.append(self._after_rollback)
         #: where holders run and where the inventory comes from (the local
         #: host first; Docker and Slurm engines plug in beside it)
-        self.engine: Engine = LocalEngine(self.backend)
+        self.engine: Engine = self._make_engine()
         self._policy_cache: tuple[tuple[int, str], scheduler.Policy] | None = None
         self._init_sharing()
 
@@ -346,21 +365,50 @@ class Broker(
 
     # -- inventory -----------------------------------------------------------------
 
+    def _make_engine(self) -> Engine:
+        """The engine ``engine_kind`` names (Slurm's configured as SlurmEngine)."""
+        if self.engine_kind == "slurm":
+            from .engines.slurm import SlurmEngine
+
+            return SlurmEngine(parent=self)
+        return LocalEngine(self.backend)
+
+    @property
+    def inventory_changes(self) -> bool:
+        """Whether the engine's inventory changes by itself (read it again
+        every ``inventory_interval``): true for Slurm."""
+        return self.engine.name == "slurm"
+
+    def outside_reason(self, uuid: str) -> str | None:
+        """Why the engine takes no new work on device ``uuid`` (its node is
+        drained or down in Slurm, a Slurm job from outside holds it);
+        ``None``: nothing outside the broker stops it."""
+        return self._world.outside.get(uuid)
+
     @command("broker")
-    def sync_inventory(self) -> list[dict[str, Any]]:
+    def sync_inventory(self, nodes: list[Node] | None = None) -> list[dict[str, Any]]:
         """Write the engine's devices into the store (its nodes' inventory:
         for the local engine, the device backend's); mark vanished ones
-        absent.
+        absent; keep in memory which devices the engine takes no new work
+        on (:meth:`outside_reason`), and schedule.
+
+        Args:
+            nodes: the engine's nodes, read already (off the event loop);
+                ``None``: read them now (``engine.nodes()``).
 
         Returns:
-            the devices as the backend reports them (list of dicts).
+            the devices as the engine reports them (list of dicts).
+
+        Raises:
+            EngineError: ``nodes`` is ``None`` and the engine cannot say.
         """
         backend: DeviceBackend = self.backend
-        reported = {d.uuid: d for node in self.engine.nodes() for d in node.devices}
-        nodes = {d.node for d in reported.values()}
-        if len(nodes) == 1:
+        nodes = self.engine.nodes() if nodes is None else nodes
+        reported = {d.uuid: d for node in nodes for d in node.devices}
+        self._world.outside = _outside(nodes)
+        if len({d.node for d in reported.values()}) == 1 and self.engine.name == "local":
             self._topology = {
-                nodes.pop(): tuple(tuple(int(x) for x in row) for row in backend.topology())
+                nodes[0].name: tuple(tuple(int(x) for x in row) for row in backend.topology())
             }
         with self._write() as session:
             known = {d.uuid: d for d in session.scalars(select(Device))}
@@ -400,6 +448,86 @@ class Broker(
                     spec.mode,
                 )
                 device.mig_target = False
+
+    @command("broker")
+    def rebind_lease(self, lease_id: int, uuids: Sequence[str]) -> list[str]:
+        """Record the devices an engine bound granted lease ``lease_id`` to,
+        where the engine picks them itself (Slurm binds GPU indices of the
+        node of its own choosing: ``--gres`` cannot name them). The lease's
+        whole-device allocations move to ``uuids``; another lease holding one
+        of them (granted at the same time, its own binding not known yet)
+        takes the device this lease leaves, so the count held per node stays
+        what the scheduler decided. Both leases' logs get a ``rebound`` note.
+
+        Args:
+            lease_id: a granted lease of whole devices.
+            uuids: the devices (UUIDs) it is bound to, as many as it holds.
+
+        Returns:
+            the lease's devices now (UUIDs, sorted).
+
+        Raises:
+            NotFound: no such lease.
+            Conflict: the lease is not granted, holds MIG instances or
+                shares, ``uuids`` is not as many devices as it holds or names
+                one that is unknown or held by a MIG instance or share.
+        """
+        now = utcnow()
+        with self._write() as session:
+            lease = self._get(session, lease_id)
+            mine = [a for a in lease.allocations if a.active]
+            want = list(dict.fromkeys(uuids))
+            if lease.state != LeaseState.granted.value or any(a.kind != "device" for a in mine):
+                raise Conflict(f"lease {lease_id}: only a granted lease of whole devices rebinds")
+            if len(want) != len(mine) or any(u not in self._world.devices for u in want):
+                raise Conflict(f"lease {lease_id} holds {len(mine)} devices, not {want}")
+            have = {a.device_uuid for a in mine}
+            if set(want) == have:
+                return sorted(have)
+            moves = self._rebind_moves(session, lease_id, mine, want)
+            for allocation, _ in moves:  # never two active on one device, even mid-way
+                allocation.active = False
+            session.flush()
+            for allocation, uuid in moves:
+                allocation.device = self._world.devices[uuid]
+            session.flush()
+            for allocation, _ in moves:
+                allocation.active = True
+            rec = self._rec(session, now)
+            for other in {a.lease_id for a, _ in moves} - {lease_id}:
+                why = f"its devices swapped with lease {lease_id}'s, as its engine bound them"
+                rec.note(self._get(session, other), "rebound", why, {"lease": lease_id})
+            rec.note(lease, "rebound", "bound by its engine to " + ", ".join(want), {})
+            self._schedule(session, now)
+        self._notify()
+        return sorted(want)
+
+    def _rebind_moves(
+        self, session: Session, lease_id: int, mine: list[Allocation], want: list[str]
+    ) -> list[tuple[Allocation, str]]:
+        """The allocations to move, and where, to give lease ``lease_id``
+        the devices ``want`` (a holder of one takes a device it leaves)."""
+        held = {
+            a.device_uuid: a
+            for a in session.scalars(
+                select(Allocation).where(Allocation.active, Allocation.device_uuid.in_(want))
+            )
+        }
+        spare = [a for a in mine if a.device_uuid not in want]
+        moves: list[tuple[Allocation, str]] = []
+        for uuid in want:
+            if any(a.device_uuid == uuid for a in mine):
+                continue
+            leaving = spare.pop()
+            other = held.get(uuid)
+            if other is not None and other.lease_id != lease_id:
+                if other.kind != "device":
+                    raise Conflict(
+                        f"device {uuid} is held by a {other.kind} of lease {other.lease_id}"
+                    )
+                moves.append((other, leaving.device_uuid))
+            moves.append((leaving, uuid))
+        return moves
 
     @command("broker")
     def adopt(self) -> dict[str, int]:
@@ -1201,3 +1329,15 @@ def _devices_to_prefer(previous: Lease, kind: str, count: int) -> list[str] | No
         return None
     devices = [a.device_uuid for a in previous.allocations if a.kind == "device"]
     return devices if len(devices) == count else None
+
+
+def _outside(nodes: Iterable[Node]) -> dict[str, str]:
+    """The devices an engine takes no new work on, by UUID, with why: every
+    device of a node not up, and those something outside the broker holds."""
+    found: dict[str, str] = {}
+    for node in nodes:
+        if node.state != "up":
+            why = f"node {node.name} is {node.state}" + (f": {node.reason}" if node.reason else "")
+            found.update(dict.fromkeys((d.uuid for d in node.devices), why))
+        found.update({uuid: f"held by {what}" for uuid, what in node.outside.items()})
+    return found

@@ -34,14 +34,20 @@ MigInventory = Mapping[str, Sequence[Instance]]
 
 
 def _slot(
-    device: Device, spec: PoolSpec | None, instances: Sequence[Instance], held: Collection[str]
+    device: Device,
+    spec: PoolSpec | None,
+    instances: Sequence[Instance],
+    held: Collection[str],
+    outside: bool = False,
 ) -> scheduler.Slot:
     """A device as the scheduler sees it. A ``mig`` device whose MIG mode is
     off, a device of another pool whose MIG mode is on (never granted whole
-    or shared, whatever the pools say), or one whose mode change an admin
-    asked for, takes no new grants."""
+    or shared, whatever the pools say), one whose mode change an admin
+    asked for, or one its engine takes no new work on (``outside``: a node
+    drained in Slurm, a Slurm job from outside the broker), takes no new
+    grants."""
     mode = spec.mode if spec else PoolMode.exclusive.value
-    drained = device.drained or device.mig_target is not None
+    drained = device.drained or device.mig_target is not None or outside
     if mode != PoolMode.mig.value and device.mig_enabled:
         drained = True
     mig_static = spec is not None and mode == PoolMode.mig.value and spec.mig_layout == "static"
@@ -103,7 +109,10 @@ def build_state(
     mig_instances = mig_instances or {}
     state = SchedulerState(
         slots=tuple(
-            _slot(d, pools.get(d.uuid), mig_instances.get(d.uuid, ()), held) for d in devices
+            _slot(
+                d, pools.get(d.uuid), mig_instances.get(d.uuid, ()), held, d.uuid in world.outside
+            )
+            for d in devices
         ),
         running=inputs.running_values(skip),
         pending=inputs.pending_values(skip),

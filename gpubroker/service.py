@@ -269,6 +269,8 @@ class BrokerService:
         ]
         if self.app.reconcile_interval > 0:
             tasks.append(asyncio.create_task(self._reconcile_loop()))
+        if self.broker.inventory_changes and self.broker.inventory_interval > 0:
+            tasks.append(asyncio.create_task(self._inventory_loop()))
         if self.culler.enabled:
             tasks.append(asyncio.create_task(self.culler.run()))
         if self.share_guard.enabled:
@@ -300,6 +302,22 @@ class BrokerService:
             self.docker.close()
         self.lock.release()
         self.engine.dispose()
+
+    async def _inventory_loop(self) -> None:
+        """Read the engine's inventory every ``Broker.inventory_interval``
+        seconds, off the event loop; one that cannot be read keeps the last
+        (logged: nothing is ended on it)."""
+        while True:
+            await asyncio.sleep(self.broker.inventory_interval)
+            try:
+                nodes = await asyncio.to_thread(self.broker.engine.nodes)
+            except EngineError as err:
+                self.log.warning("Inventory not read (the last one stays): %s", err)
+                continue
+            try:
+                self.broker.sync_inventory(nodes)
+            except Exception:
+                self.log.exception("Inventory update failed")
 
     async def _schedule_loop(self) -> None:
         while True:

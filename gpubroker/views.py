@@ -205,7 +205,8 @@ def _device(
     """One device's view; admins see every holder, users their own."""
     view = device_view(device)
     held = bool(holders)
-    state = "leased" if held else "drained" if device.drained else "free"
+    outside = broker.outside_reason(device.uuid)
+    state = "leased" if held else "drained" if device.drained else "outside" if outside else "free"
     pool = broker.pool_spec(device.uuid)
     if held and (pool.mode != "exclusive" or holders[0]["kind"] != "device"):
         state = "shared"
@@ -218,6 +219,7 @@ def _device(
         drained=device.drained,
         mig_enabled=device.mig_enabled,
         state=state,
+        outside=outside,
         lease_id=lease_id if admin else None,
         holders=[h for h in holders if admin or h["user"] == me],
         slots_held=len(holders),
@@ -229,9 +231,15 @@ def _device(
 def device_usage(broker: Any, uuid: str, log: Any) -> dict[str, Any] | None:
     """What the device backend reads of device ``uuid`` now: utilization
     (percent), memory used (MiB) and its process count; ``None`` (logged
-    as a warning on ``log``) when the device cannot be read."""
+    as a warning on ``log``) when the device cannot be read, and where its
+    engine reads no usage (Slurm)."""
     try:
-        usage = broker.backend.usage(uuid)
+        if broker.engine.name == "local":
+            usage = broker.backend.usage(uuid)
+        else:
+            usage = broker.engine.telemetry([uuid]).get(uuid)
+            if usage is None:
+                return None
     except Exception as err:  # a device that cannot be read must not fail the listing
         log.warning("Cannot read usage of %s: %s", uuid, err)
         return None

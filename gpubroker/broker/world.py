@@ -64,6 +64,10 @@ class World:
         self.leases: dict[int, Lease] = {}
         #: every device the store knows (present or not) by UUID
         self.devices: dict[str, Device] = {}
+        #: devices the engine says take no new work, by UUID, with why (a
+        #: node drained or down in Slurm, a Slurm job from outside holds
+        #: it); the engine is the truth, so this lives in memory only
+        self.outside: dict[str, str] = {}
         #: fair-share usage records by user (memory is ahead of the rows:
         #: :mod:`gpubroker.usage`)
         self.usage: dict[str, UsageRecord] = {}

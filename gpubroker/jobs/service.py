@@ -78,8 +78,11 @@ class JobService(LoggingConfigurable):
     runner = Unicode(
         "local",
         help="Where jobs run: 'local' (a process on the broker's host, as the job's "
-        "user) or 'docker' (a container per job, configure DockerEngine: image, "
-        "network). Running jobs keep the runner they started with.",
+        "user), 'docker' (a container per job, configure DockerEngine: image, "
+        "network) or 'slurm' (a Slurm job on the node of the lease's GPUs; needs "
+        "Broker.engine_kind = 'slurm', configure SlurmEngine; paths must be the same "
+        "on the nodes: a shared home and Python). Running jobs keep the runner they "
+        "started with.",
     ).tag(config=True)
 
     @validate("runner")
@@ -148,13 +151,16 @@ class JobService(LoggingConfigurable):
             EngineError: a runner this broker has no engine for.
         """
         engine = self.engines.get(name)
+        if engine is None and name == "slurm" and self.broker.engine.name == "slurm":
+            engine = self.engines[name] = self.broker.engine  # the broker's inventory's
         if engine is None and name == "docker":
             from ..engines.docker import DockerEngine
 
             engine = DockerEngine(nbrun=str(_NBRUN), parent=self.parent)
             self.engines[name] = engine
         if engine is None:
-            raise EngineError(f"no {name!r} engine here")
+            why = " (it needs Broker.engine_kind = 'slurm')" if name == "slurm" else ""
+            raise EngineError(f"no {name!r} engine here{why}")
         return engine
 
     # --- paths ------------------------------------------------------------------
@@ -476,6 +482,7 @@ class JobService(LoggingConfigurable):
             self.log.warning("Job %s: cannot read its process: %s", job_id, err)
             return 0
         if status.running and lease is not None and lease["state"] == "granted":
+            self._rebind(job_id, lease, status.devices)
             await self._maybe_warn(job_id, lease, handle, watch)
             return 0
         if status.running:  # its lease ended (time limit, preemption, a release)
@@ -509,6 +516,17 @@ class JobService(LoggingConfigurable):
         else:
             self._finish(job_id, state_now, _describe(state_now, status), status)
         return 1
+
+    def _rebind(self, job_id: int, lease: dict[str, Any], bound: tuple[str, ...]) -> None:
+        """Record on the lease the devices its engine bound the job to, where
+        they are not the ones the lease holds (Slurm picks the GPU indices)."""
+        held = sorted(d["uuid"] for d in lease.get("slots") or [])
+        if not bound or sorted(bound) == held:
+            return
+        try:
+            self.broker.rebind_lease(lease["id"], bound)
+        except BrokerError as err:
+            self.log.warning("Job %s: its lease cannot take the devices bound: %s", job_id, err)
 
     async def _maybe_warn(
         self, job_id: int, lease: dict[str, Any], handle: Handle, watch: _Watch
@@ -698,7 +716,7 @@ class JobService(LoggingConfigurable):
 
 #: the job's shell: run the program, write its exit code, exit with it
 #: the runners of jobs (``JobService.runner``)
-RUNNERS = ("local", "docker")
+RUNNERS = ("local", "docker", "slurm")
 
 #: the notebook jobs' runner script (papermill, interrupted on a warning)
 _NBRUN = Path(__file__).with_name("nbrun.py")

@@ -124,6 +124,8 @@ class _StateCollector(Collector):
                 states["held"] += 1
             elif device.drained or device.mig_target is not None:
                 states["drained"] += 1
+            elif self.broker.outside_reason(device.uuid):
+                states["drained"] += 1  # its engine takes no new work on it
             else:
                 states["free"] += 1
             pool = self.broker.pool_spec(device.uuid).name

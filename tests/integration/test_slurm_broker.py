@@ -1,0 +1,169 @@
+"""The broker on the Slurm engine, against the real two-node cluster
+(tests/slurmutil.py): its inventory is Slurm's, GPUs that jobs from outside
+hold and drained nodes take no grants, and jobs run as Slurm jobs whose
+bound GPUs the lease records."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from traitlets.config import Config
+
+from gpubroker.core import Broker
+from gpubroker.devices.fake import FakeDeviceBackend
+from gpubroker.jobs.service import JobService
+from gpubroker.model import jobs as model
+from gpubroker.store.db import make_engine, make_session_factory
+from gpubroker.views import device_listing
+
+from ..slurmutil import SlurmCluster
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture
+def broker(db_url: str, slurm_cluster: SlurmCluster) -> Iterator[Broker]:
+    config = Config()
+    config.Broker.engine_kind = "slurm"
+    config.Broker.check_state = "raise"
+    config.SlurmEngine.slurm_conf = str(slurm_cluster.conf)
+    config.SlurmEngine.partition = "batch"
+    made = Broker(
+        session_factory=make_session_factory(make_engine(db_url)),
+        backend=FakeDeviceBackend(inventory=[]),
+        config=config,
+    )
+    made.sync_inventory()
+    made.adopt()
+    yield made
+    slurm_cluster.run("scancel", "--full", "--user=root", check=False)
+    slurm_cluster.run("scontrol", "update", "nodename=n1,n2", "state=resume", check=False)
+    deadline = time.monotonic() + 30
+    while slurm_cluster.run("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
+        time.sleep(0.3)
+
+
+def _nodes_of(broker: Broker, lease: dict[str, Any]) -> set[str]:
+    devices = {d["uuid"]: d for d in device_listing(broker, True, "admin", logging)["devices"]}
+    return {devices[s["device"]]["node"] for s in lease["slots"]}
+
+
+def _ask(broker: Broker, user: str, gpus: int) -> dict[str, Any]:
+    return broker.request_lease(user, "", gpus=gpus, holder_kind="external")
+
+
+def test_the_inventory_is_slurms_nodes_and_gpus(broker: Broker) -> None:
+    listing = device_listing(broker, True, "admin", logging)
+    devices = listing["devices"]
+    assert sorted({d["node"] for d in devices}) == ["n1", "n2"]
+    assert len(devices) == 8
+    assert all(d["state"] == "free" and d["outside"] is None for d in devices)
+    assert all(d["usage"] is None for d in devices)  # Slurm reports no GPU use
+
+
+def test_gpus_a_job_from_outside_holds_are_never_granted(
+    broker: Broker, slurm_cluster: SlurmCluster
+) -> None:
+    theirs = slurm_cluster.run(
+        "sbatch", "--parsable", "-w", "n1", "--gres=gpu:3", "-o", "/dev/null", "--wrap", "sleep 120"
+    ).stdout.strip()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        broker.sync_inventory()
+        held = [
+            d for d in device_listing(broker, True, "admin", logging)["devices"] if d["outside"]
+        ]
+        if len(held) == 3:
+            break
+        time.sleep(0.5)
+    assert {d["state"] for d in held} == {"outside"}
+    assert {d["outside"] for d in held} == {f"held by Slurm job {theirs} of root"}
+    first, second = _ask(broker, "ann", 2), _ask(broker, "bob", 2)
+    assert first["state"] == second["state"] == "granted"
+    assert _nodes_of(broker, first) == _nodes_of(broker, second) == {"n2"}
+    third = _ask(broker, "cy", 2)
+    assert third["state"] == "pending"  # n1 has one GPU the broker may grant
+    slurm_cluster.run("scancel", theirs)
+    deadline = time.monotonic() + 30
+    while broker.get_lease(third["id"])["state"] != "granted" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        broker.sync_inventory()
+    granted = broker.get_lease(third["id"])
+    assert granted["state"] == "granted" and _nodes_of(broker, granted) == {"n1"}
+
+
+def test_a_node_drained_in_slurm_takes_no_grants_and_keeps_its_leases(
+    broker: Broker, slurm_cluster: SlurmCluster
+) -> None:
+    on_n2 = [_ask(broker, "ann", 4), _ask(broker, "bob", 4)]
+    n2 = next(lease for lease in on_n2 if _nodes_of(broker, lease) == {"n2"})
+    broker.release_lease(next(x for x in on_n2 if x is not n2)["id"], "done")
+    slurm_cluster.run("scontrol", "update", "nodename=n1", "state=drain", "reason=firmware")
+    broker.sync_inventory()
+    devices = device_listing(broker, True, "admin", logging)["devices"]
+    n1 = [d for d in devices if d["node"] == "n1"]
+    assert {d["state"] for d in n1} == {"outside"}
+    assert {d["outside"] for d in n1} == {"node n1 is drained: firmware"}
+    waiting = _ask(broker, "cy", 1)
+    assert waiting["state"] == "pending"
+    assert broker.get_lease(n2["id"])["state"] == "granted"
+    slurm_cluster.run("scontrol", "update", "nodename=n1", "state=resume")
+    deadline = time.monotonic() + 30
+    while broker.get_lease(waiting["id"])["state"] != "granted" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        broker.sync_inventory()
+    assert broker.get_lease(waiting["id"])["state"] == "granted"
+
+
+def test_a_job_runs_as_a_slurm_job_and_its_lease_records_the_gpus_slurm_bound(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """A lease the broker granted outside Slurm holds a GPU in the broker's
+    books only; a second fills the other node. Slurm binds the job to the
+    first free GPU in its own books, the one the broker gave the first
+    lease: the two leases swap, and the job's lease records what Slurm
+    bound (what the job's CUDA_VISIBLE_DEVICES says)."""
+    home = tmp_path / "home"
+    jobs = JobService(broker, broker.engine, run_as_self=True, poll_interval=0.2, runner="slurm")
+    jobs.root_dir_template = str(home / "{username}")
+    (home / "ann").mkdir(parents=True)
+    blocker = _ask(broker, "bob", 1)
+    filler = _ask(broker, "bob", 4)
+    node = _nodes_of(broker, blocker).pop()
+    assert _nodes_of(broker, filler) != {node}
+    devices = {d["uuid"]: d for d in device_listing(broker, True, "admin", logging)["devices"]}
+    blocked = blocker["slots"][0]["device"]
+    script = "echo $CUDA_VISIBLE_DEVICES $SLURMD_NODENAME > seen.txt; sleep 4"
+    job = jobs.submit("ann", {"command": ["/bin/sh", "-c", script], "gpus": 1, "time": "5m"})
+    first = jobs.broker.get_lease(job["lease_id"])
+    assert first["state"] == "granted"
+    given = first["slots"][0]["device"]
+
+    async def run() -> dict[str, Any]:
+        for _ in range(400):
+            await jobs.tick()
+            view = jobs.get(job["id"])
+            if view["state"] in model.FINAL:
+                return view
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"job still {jobs.get(job['id'])}")
+
+    done = asyncio.run(run())
+    assert done["state"] == "succeeded", done
+    index, ran_on = (home / "ann" / "seen.txt").read_text().split()
+    assert ran_on == node
+    assert int(index) == devices[blocked]["index"]  # Slurm: the first free in its books
+    lease = broker.get_lease(done["lease_id"])
+    assert [s["device"] for s in lease["slots"]] == [blocked]
+    assert [s["device"] for s in broker.get_lease(blocker["id"])["slots"]] == [given]
+    kinds = [e["kind"] for e in broker.lease_events(done["lease_id"])]
+    assert "rebound" in kinds and "job-started" in kinds
+    assert "rebound" in [e["kind"] for e in broker.lease_events(blocker["id"])]
+    for other in (blocker, filler):
+        broker.release_lease(other["id"], "done")
