@@ -58,6 +58,35 @@ def _ask(broker: Broker, user: str, gpus: int) -> dict[str, Any]:
     return broker.request_lease(user, "", gpus=gpus, holder_kind="external")
 
 
+def _jobs(broker: Broker, home: Path, **more: Any) -> JobService:
+    made = JobService(
+        broker, broker.engine, run_as_self=True, poll_interval=0.2, runner="slurm", **more
+    )
+    made.root_dir_template = str(home / "{username}")
+    (home / "ann").mkdir(parents=True, exist_ok=True)
+    return made
+
+
+def _ticks(jobs: JobService, job_id: int, until: Any, timeout: float = 80) -> dict[str, Any]:
+    """Tick the jobs service until ``until(view)`` holds; the job's view."""
+
+    async def run() -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            await jobs.tick()
+            view = jobs.get(job_id)
+            if until(view):
+                return view
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"job not there after {timeout}s: {jobs.get(job_id)}")
+
+    return asyncio.run(run())
+
+
+def _final(view: dict[str, Any]) -> bool:
+    return view["state"] in model.FINAL
+
+
 def test_the_inventory_is_slurms_nodes_and_gpus(broker: Broker) -> None:
     listing = device_listing(broker, True, "admin", logging)
     devices = listing["devices"]
@@ -167,3 +196,87 @@ def test_a_job_runs_as_a_slurm_job_and_its_lease_records_the_gpus_slurm_bound(
     assert "rebound" in [e["kind"] for e in broker.lease_events(blocker["id"])]
     for other in (blocker, filler):
         broker.release_lease(other["id"], "done")
+
+
+def test_a_failing_squeue_ends_nothing_and_the_job_is_followed_when_slurm_answers(
+    broker: Broker, tmp_path: Path
+) -> None:
+    jobs = _jobs(broker, tmp_path / "home")
+    script = "while [ ! -e go ]; do sleep 0.2; done; echo done > out.txt"
+    job = jobs.submit("ann", {"command": ["/bin/sh", "-c", script], "gpus": 1, "time": "5m"})
+    _ticks(jobs, job["id"], lambda v: v["state"] == "running")
+    broken = tmp_path / "bin"
+    broken.mkdir()
+    (broken / "squeue").write_text(
+        "#!/bin/sh\necho 'Unable to contact slurm controller' >&2\nexit 1\n"
+    )
+    (broken / "squeue").chmod(0o755)
+    engine = broker.engine
+    engine.bin_dir = str(broken)  # type: ignore[attr-defined]
+    try:
+        for _ in range(5):
+            asyncio.run(jobs.tick())
+            time.sleep(0.2)
+        assert jobs.get(job["id"])["state"] == "running"
+        assert broker.get_lease(job["lease_id"])["state"] == "granted"
+    finally:
+        engine.bin_dir = ""  # type: ignore[attr-defined]
+    (tmp_path / "home" / "ann" / "go").touch()
+    done = _ticks(jobs, job["id"], _final)
+    assert done["state"] == "succeeded", done
+    assert (tmp_path / "home" / "ann" / "out.txt").read_text() == "done\n"
+    assert broker.get_lease(job["lease_id"])["state"] == "released"
+
+
+def test_scancel_from_outside_ends_the_job_and_releases_its_lease(
+    broker: Broker, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    jobs = _jobs(broker, tmp_path / "home")
+    job = jobs.submit("ann", {"command": ["sleep", "120"], "gpus": 2, "time": "5m"})
+    _ticks(jobs, job["id"], lambda v: v["state"] == "running")
+    listed = slurm_cluster.run("squeue", "-h", "-o", "%j %i").stdout.split()
+    slurm_id = listed[listed.index(f"gpubroker-lease-{job['lease_id']}") + 1]
+    slurm_cluster.run("scancel", slurm_id)
+    done = _ticks(jobs, job["id"], _final, timeout=30)
+    assert done["state"] == "failed" and done["signal"] == 15, done
+    assert broker.get_lease(job["lease_id"])["state"] == "released"
+
+
+def test_a_job_near_its_time_limit_gets_the_warning_signal_first(
+    broker: Broker, tmp_path: Path
+) -> None:
+    jobs = _jobs(broker, tmp_path / "home", warn_before=60.0)
+    script = "trap 'echo warned > warned.txt; exit 0' USR1; while :; do sleep 0.2; done"
+    job = jobs.submit("ann", {"command": ["/bin/sh", "-c", script], "gpus": 1, "time": "62s"})
+    done = _ticks(jobs, job["id"], _final, timeout=60)
+    assert done["state"] == "succeeded", done
+    assert (tmp_path / "home" / "ann" / "warned.txt").read_text() == "warned\n"
+    kinds = [e["kind"] for e in broker.lease_events(done["lease_id"])]
+    assert "job-warned" in kinds
+
+
+def test_a_broker_restarted_while_a_slurm_job_runs_adopts_it_and_runs_it_once(
+    broker: Broker, db_url: str, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    jobs = _jobs(broker, home)
+    script = "echo run >> runs.txt; while [ ! -e go ]; do sleep 0.2; done"
+    job = jobs.submit("ann", {"command": ["/bin/sh", "-c", script], "gpus": 1, "time": "5m"})
+    _ticks(jobs, job["id"], lambda v: v["state"] == "running")
+    config = Config()
+    config.Broker.engine_kind = "slurm"
+    config.SlurmEngine.slurm_conf = str(slurm_cluster.conf)
+    again = Broker(
+        session_factory=make_session_factory(make_engine(db_url)),
+        backend=FakeDeviceBackend(inventory=[]),
+        config=config,
+    )
+    again.sync_inventory()
+    again.adopt()
+    later = _jobs(again, home)
+    assert later.get(job["id"])["state"] == "running"
+    (home / "ann" / "go").touch()
+    done = _ticks(later, job["id"], _final)
+    assert done["state"] == "succeeded", done
+    assert (home / "ann" / "runs.txt").read_text() == "run\n"
+    assert again.get_lease(job["lease_id"])["state"] == "released"
