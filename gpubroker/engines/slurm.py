@@ -28,7 +28,9 @@ protocol.
   Slurm sets the job's ``CUDA_VISIBLE_DEVICES`` (the broker's own is left
   out of the environment).
 * **Status** (:meth:`SlurmEngine.poll`): ``squeue --json --states=all``,
-  which keeps a finished job for ``MinJobAge`` seconds (300 by default);
+  which keeps a finished job for ``MinJobAge`` seconds (300 by default;
+  Slurm 22.05's ``squeue --json`` ignores ``--jobs`` and ``--states`` and
+  lists every job, so the engine picks the job by id itself);
   once it is gone, ``sacct`` where accounting runs; otherwise ``lost``. A
   command that fails or times out raises :class:`EngineError`: the state is
   *unknown*, and callers retry later; nothing is ended on it.
@@ -65,6 +67,9 @@ from .base import EngineError, Handle, LaunchSpec, Node, Status
 #: environment variables Slurm sets for a job itself from its binding: the
 #: broker's values (UUIDs of its own choosing) are left out
 SLURM_SET = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
+
+#: job states in which a job holds its GPUs
+_HOLDING = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "SIGNALING", "STAGE_OUT"})
 
 #: seconds between looks while :meth:`SlurmEngine.stop` waits
 _STOP_POLL = 0.5
@@ -252,7 +257,8 @@ class SlurmEngine(LoggingConfigurable):
         held: dict[str, dict[int, str]] = {}
         for job in jobs:
             job_id = str(job.get("job_id"))
-            if job_id in ours:
+            # Slurm 22.05's squeue --json ignores --states and --jobs: filter here
+            if job_id in ours or str(job.get("job_state") or "").upper() not in _HOLDING:
                 continue
             what = f"Slurm job {job_id} of {job.get('user_name') or '?'}"
             for node, indices in slurm_json.job_gpus(job).items():

@@ -105,7 +105,7 @@ def test_a_job_runs_on_the_node_of_its_devices_with_only_its_environment(
     assert env["SLURMD_NODENAME"] == "n2"
     bound = sorted(engine._where[u][1] for u in running.devices)
     assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, bound))
-    info = engine._json(["squeue", "--json", "--states=all", f"--jobs={handle.id}"])["jobs"][0]
+    info = _job(engine, handle)
     assert info["partition"] == "batch"
     assert info["name"] == "gpubroker-lease-7"
     assert info["time_limit"] == 2  # minutes: 90 s rounded up
@@ -212,6 +212,12 @@ def test_bad_launches_are_refused_with_the_reason(engine: SlurmEngine, tmp_path:
         engine.poll(Handle("local", "123", "n1"))
 
 
+def _job(engine: SlurmEngine, handle: Handle) -> dict[str, Any]:
+    """The job's entry in ``squeue --json`` (22.05 lists every job: pick it)."""
+    jobs = engine._json(["squeue", "--json", "--states=all"])["jobs"]
+    return next(j for j in jobs if str(j["job_id"]) == handle.id)
+
+
 def _text(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
@@ -226,5 +232,5 @@ def test_environment_of_the_broker_is_not_passed_to_sbatch(
         handle = engine.launch(_spec(tmp_path, ["true"]))
     finally:
         del os.environ["SBATCH_TIMELIMIT"]
-    info = engine._json(["squeue", "--json", "--states=all", f"--jobs={handle.id}"])["jobs"][0]
+    info = _job(engine, handle)
     assert info["time_limit"] in (None, 0) or info["time_limit"] > 1
