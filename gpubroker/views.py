@@ -231,17 +231,14 @@ def _device(
 def device_usage(broker: Any, uuid: str, log: Any) -> dict[str, Any] | None:
     """What the device backend reads of device ``uuid`` now: utilization
     (percent), memory used (MiB) and its process count; ``None`` (logged
-    as a warning on ``log``) when the device cannot be read, and where its
-    engine reads no usage (Slurm)."""
+    as a warning on ``log``) when the device cannot be read; ``None`` where
+    its engine reads no usage of it (Slurm's)."""
     try:
-        if broker.engine.name == "local":
-            usage = broker.backend.usage(uuid)
-        else:
-            usage = broker.engine.telemetry([uuid]).get(uuid)
-            if usage is None:
-                return None
+        usage = broker.engine.telemetry([uuid]).get(uuid)
     except Exception as err:  # a device that cannot be read must not fail the listing
         log.warning("Cannot read usage of %s: %s", uuid, err)
+        return None
+    if usage is None:
         return None
     return {
         "utilization_gpu": usage.utilization_gpu,

@@ -151,8 +151,6 @@ class JobService(LoggingConfigurable):
             EngineError: a runner this broker has no engine for.
         """
         engine = self.engines.get(name)
-        if engine is None and name == "slurm" and self.broker.engine.name == "slurm":
-            engine = self.engines[name] = self.broker.engine  # the broker's inventory's
         if engine is None and name == "docker":
             from ..engines.docker import DockerEngine
 
