@@ -7,10 +7,11 @@ BIN := $(VENV)/bin
 PROXY := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: help setup postgres docker-engine chromium slurm demo test lint format typecheck unit docs bench clean
+.PHONY: help setup postgres docker-engine chromium slurm demo demo-slurm test lint format typecheck unit docs bench clean
 
 help:
 	@echo "make demo   - set up, then run JupyterHub + broker on simulated GPUs (http://127.0.0.1:8000)"
+	@echo "make demo-slurm - the same on a real two-node Slurm cluster started here (root)"
 	@echo "make test   - set up, then lint, type-check, build docs and run every test"
 	@echo "make bench  - set up, then run the benchmarks (writes bench-results.json)"
 	@echo "make docs   - build the documentation into docs/_build/html"
@@ -65,6 +66,13 @@ demo: setup
 	@echo "and log in as any user with any password (user 'admin' is also a broker admin);"
 	@echo "pick a GPU profile on the spawn page. Ctrl-C stops it."
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyterhub -f jupyterhub_config/demo_config.py
+
+demo-slurm: setup slurm
+	@echo "JupyterHub with gpubroker on a two-node Slurm cluster (n1, n2: 4 GPUs each):"
+	@echo "open http://127.0.0.1:$${GPUBROKER_DEMO_PORT:-8000}, log in as any user; servers"
+	@echo "and jobs run as Slurm jobs (squeue shows them). Ctrl-C stops hub and cluster."
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m gpubroker.engines.slurm_testbed \
+	  $(BIN)/jupyterhub -f jupyterhub_config/demo_config.py
 
 lint: setup
 	$(BIN)/ruff check .

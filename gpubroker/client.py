@@ -143,15 +143,19 @@ class BrokerClient:
         url: str,
         container_id: str | None = None,
         docker_engine: str | None = None,
+        slurm_job: str | None = None,
     ) -> dict[str, Any]:
         """``PATCH /leases/{id}`` with ``server_url`` and, for a server in a
         Docker container, its ``container_id`` and the ``docker_engine``'s
-        ID (admins: the spawner)."""
+        ID, or for a server run as a Slurm job, its ``slurm_job`` id
+        (admins: the spawner)."""
         body: dict[str, Any] = {"server_url": url}
         if container_id:
             body["container_id"] = container_id
         if docker_engine:
             body["docker_engine"] = docker_engine
+        if slurm_job:
+            body["slurm_job"] = slurm_job
         return await self._call("PATCH", f"/leases/{lease_id}", body)  # type: ignore[no-any-return]
 
     async def notices(self, user: str | None = None) -> list[Any]:

@@ -908,17 +908,49 @@ class Broker(
             ids of the leases released.
         """
 
-        def ended_container(lease: Lease) -> str | None:
+        return self._reconcile_ended(
+            ended, lambda x: x.container_id, "the container {run:.12}", "container ended"
+        )
+
+    def reconcile_slurm_servers(self, ended: dict[int, tuple[str, str]]) -> list[int]:
+        """Release server leases whose Slurm job (``SlurmGPUSpawner``) has
+        ended or is gone.
+
+        Args:
+            ended: lease id -> (the Slurm job id that was checked, what
+                Slurm said of it, e.g. ``"was cancelled (signal 15)"``). A
+                lease whose job has changed since the check, or that is no
+                longer granted, is left alone.
+
+        Returns:
+            ids of the leases released.
+        """
+        return self._reconcile_ended(
+            ended, lambda x: x.slurm_job, "the Slurm job {run}", "Slurm job ended"
+        )
+
+    def _reconcile_ended(
+        self,
+        ended: dict[int, tuple[str, str]],
+        recorded: Callable[[Lease], str | None],
+        name: str,
+        what: str,
+    ) -> list[int]:
+        """Release the granted server leases of ``ended`` whose recorded run
+        (``recorded(lease)``) is still the one checked; the reason names the
+        run (``name``, formatted with ``run``) and what its engine said."""
+
+        def gone(lease: Lease) -> str | None:
             checked = ended.get(lease.id)
             if checked is None or lease.state != LeaseState.granted.value:
                 return None
-            container, said = checked
-            if lease.container_id != container:
+            run, said = checked
+            if recorded(lease) != run:
                 return None
             server = f"{lease.user}/{lease.server_name}"
-            return f"reconcile: the container {container[:12]} of server {server} {said}"
+            return f"reconcile: {name.format(run=run)} of server {server} {said}"
 
-        return self._reconcile_release(ended_container, "container ended")
+        return self._reconcile_release(gone, what)
 
     # -- reads ---------------------------------------------------------------------
 
@@ -1294,13 +1326,16 @@ class Broker(
         url: str,
         container_id: str | None = None,
         docker_engine: str | None = None,
+        slurm_job: str | None = None,
     ) -> dict[str, Any]:
         """Record where the lease's single-user server listens (from the spawner),
         so the culler can read its kernels directly (not through the proxy,
         which would count as activity), and the Docker container it runs in
         and that engine's ID (``DockerGPUSpawner``), which
         :meth:`reconcile_containers` checks; ``container_id=None`` leaves
-        the recorded container as it is.
+        the recorded container as it is. ``slurm_job`` is the Slurm job the
+        server runs as (``SlurmGPUSpawner``), which
+        :meth:`reconcile_slurm_servers` checks; ``None`` leaves it as it is.
 
         Raises:
             NotFound: no such lease.
@@ -1310,6 +1345,8 @@ class Broker(
             lease.server_url = url
             if container_id is not None:
                 lease.container_id, lease.docker_engine = container_id, docker_engine
+            if slurm_job is not None:
+                lease.slurm_job = slurm_job
             view = lease_view(lease)
         return view
 

@@ -21,6 +21,7 @@ from tornado.httpserver import HTTPServer
 from .api.app import make_app
 from .broker.actuator import Actuator
 from .broker.passloop import PassLoop
+from .broker.slurm_servers import SlurmServers
 from .core import Broker, utcnow
 from .culler import Culler
 from .devices import load_backend
@@ -32,7 +33,7 @@ from .observe.metrics import BrokerMetrics
 from .share_guard import ShareGuard
 from .store.db import make_engine, make_session_factory, upgrade
 from .store.lock import DatabaseLocked, DatabaseUnavailable, WriterLock, describe_self
-from .usage.ledger import Ledger
+from .usage.ledger import EngineTelemetry, Ledger
 
 if TYPE_CHECKING:
     from .app import GPUBrokerApp
@@ -115,7 +116,9 @@ class BrokerService:
         self.culler = Culler(self.broker, self.hub, parent=app)
         self.ledger = Ledger(
             self.broker.session_factory,
-            self.backend,
+            self.backend
+            if self.broker.engine.name == "local"
+            else EngineTelemetry(self.broker.engine),
             pool_of=lambda uuid: self.broker.pool_spec(uuid).name,
             inventory=self._inventory,
             parent=app,
@@ -123,6 +126,7 @@ class BrokerService:
         self.jobs = JobService(self.broker, self.broker.engine, parent=app)
         #: the Docker engine asked about DockerGPUSpawner containers (made on first use)
         self.docker: DockerEngine | None = None
+        self.slurm_servers = SlurmServers(self.broker, self.log)
         self.metrics = BrokerMetrics(self.broker, self.ledger if self.ledger.enabled else None)
         self.broker.bus.subscribe(self.metrics.on_event)
         self.share_guard = ShareGuard(self.broker, parent=app)
@@ -230,6 +234,10 @@ class BrokerService:
             self.broker.load_held_usage()
         self.broker.sync_inventory()
         self.broker.adopt()
+        if self.slurm_servers.watched():
+            # servers' Slurm jobs from before the restart are the broker's own
+            self.slurm_servers.adopt()
+            self.broker.sync_inventory()
         web_app = make_app(
             self.broker,
             base_url=self.app.base_url,
@@ -309,6 +317,7 @@ class BrokerService:
         (logged: nothing is ended on it)."""
         while True:
             await asyncio.sleep(self.broker.inventory_interval)
+            self.slurm_servers.adopt()  # the hub's server jobs are not from outside
             try:
                 nodes = await asyncio.to_thread(self.broker.engine.nodes)
             except EngineError as err:
@@ -329,16 +338,20 @@ class BrokerService:
                 self.log.exception("Scheduling pass failed")
 
     async def reconcile_once(self) -> list[int]:
-        """Ask the hub which servers exist and the Docker engine which
-        servers' containers still run; release the leases of those gone."""
+        """Ask the hub which servers exist, the Docker engine which
+        servers' containers still run and Slurm which servers' jobs do;
+        release the leases of those gone."""
         as_of: dt.datetime = utcnow()
         try:
             servers = await self.hub.active_servers()
         except Exception:
-            await self.reconcile_containers()  # Docker knows, whatever the hub's state
+            # Docker and Slurm know, whatever the hub's state
+            await self.reconcile_containers()
+            await self.slurm_servers.reconcile()
             raise
         released = self.broker.reconcile(servers, as_of)
-        return released + await self.reconcile_containers()
+        released += await self.reconcile_containers()
+        return released + await self.slurm_servers.reconcile()
 
     async def reconcile_containers(self) -> list[int]:
         """Release the leases of servers whose Docker container (told by

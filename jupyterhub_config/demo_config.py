@@ -38,6 +38,14 @@ config on free ports):
   shares -- and gives the spawn form profiles ("Full H100", "MIG 1g.10gb",
   "MIG 3g.40gb", "Shared GPU, 10 GiB", "No GPU"); ``0``: eight whole GPUs
   and a GPU-count form (the tests' default).
+- ``GPUBROKER_DEMO_SLURM_CONF``: the ``slurm.conf`` of a Slurm cluster
+  (``make demo-slurm`` starts one of two nodes here): the broker takes its
+  inventory from Slurm and runs jobs as Slurm jobs on the ``batch``
+  partition, servers are Slurm jobs on the ``interactive`` partition
+  (``SlurmGPUSpawner``, as this account), whole GPUs only (no sharing
+  profiles: Slurm cannot split GPUs the broker's way).
+  ``GPUBROKER_DEMO_INVENTORY_INTERVAL``: seconds between the broker's reads
+  of Slurm's inventory (default 30).
 """
 
 import os
@@ -94,7 +102,8 @@ c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
 # -- the broker, a hub-managed service ------------------------------------------------
 c.JupyterHub.custom_scopes = CUSTOM_SCOPES
 inventory = os.environ.get("GPUBROKER_DEMO_INVENTORY", "8 x NVIDIA H100 80GB HBM3")
-sharing = os.environ.get("GPUBROKER_DEMO_SHARING", "1") == "1"
+slurm_conf = os.environ.get("GPUBROKER_DEMO_SLURM_CONF", "")
+sharing = os.environ.get("GPUBROKER_DEMO_SHARING", "0" if slurm_conf else "1") == "1"
 default_db = f"sqlite:///{state / 'gpubroker.sqlite'}"
 broker_config = os.environ.get("GPUBROKER_DEMO_BROKER_CONFIG", str(state / "gpubroker_config.py"))
 sharing_args = []
@@ -117,6 +126,14 @@ if os.environ.get("GPUBROKER_DEMO_LEDGER_INTERVAL"):
     extra_broker_args += [
         f"--Ledger.flush_interval={interval}",
         f"--Ledger.sample_interval={3 * interval}",
+    ]
+if slurm_conf:
+    extra_broker_args += [
+        "--Broker.engine_kind=slurm",
+        f"--Broker.inventory_interval={os.environ.get('GPUBROKER_DEMO_INVENTORY_INTERVAL', '30')}",
+        f"--SlurmEngine.slurm_conf={slurm_conf}",
+        "--SlurmEngine.partition=batch",
+        "--JobService.runner=slurm",
     ]
 c.JupyterHub.services = [
     {
@@ -245,6 +262,25 @@ if sharing:
         },
         {"display_name": "No GPU", "request": {}},
     ]
+
+if slurm_conf:
+    # servers as Slurm jobs on the interactive partition, all as this account
+    # (the demo's users have no system accounts), each in its own directory
+    import getpass
+
+    c.JupyterHub.spawner_class = "gpubroker-slurm"
+    c.SlurmGPUSpawner.broker_url = broker_url
+    c.SlurmGPUSpawner.broker_api_token = broker_token
+    c.SlurmGPUSpawner.system_user = getpass.getuser()
+    c.SlurmEngine.slurm_conf = slurm_conf
+    c.SlurmEngine.partition = "interactive"
+    c.Spawner.notebook_dir = str(state / "home" / "{username}")
+    c.SlurmGPUSpawner.output_template = str(state / "home" / "{username}" / "slurm{servername}.log")
+
+    def _make_home(spawner):
+        (state / "home" / spawner.user.name).mkdir(parents=True, exist_ok=True)
+
+    c.Spawner.pre_spawn_hook = _make_home
 
 # a spawn may wait in the GPU queue: answer the spawn request quickly
 c.JupyterHub.tornado_settings = {"slow_spawn_timeout": 3}

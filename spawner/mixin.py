@@ -209,6 +209,8 @@ class GPUSpawnerMixin(LoggingConfigurable):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: UUIDs of the devices the current lease was granted (``[]`` without one)
+        self.gpu_devices: list[str] = []
         #: the values the applied profile's spawner_override replaced
         self._gpu_saved_settings: dict[str, Any] = {}
         #: the option checks that need the broker were put off to start()
@@ -673,6 +675,7 @@ class GPUSpawnerMixin(LoggingConfigurable):
         deferred, self._gpu_checks_deferred = self._gpu_checks_deferred, False
         self._broker_wait_until = None
         self._gpu_env = dict(NO_GPU_ENV)
+        self.gpu_devices = []
         if self.gpu_last_end:
             message = f"Your previous server lost its GPUs: {self.gpu_last_end}"
             self._gpu_events.append({"progress": 5, "message": message})
@@ -685,6 +688,7 @@ class GPUSpawnerMixin(LoggingConfigurable):
                     await self._broker_checks(request)
                 lease = await self._acquire(request)
                 self._gpu_env = dict(lease["env"])
+                self.gpu_devices = [d["uuid"] for d in lease.get("devices") or []]
         except BaseException:
             await self._release("spawn failed or was cancelled while waiting for GPUs")
             raise

@@ -36,6 +36,10 @@ MAX_WAIT = 300.0
 CONTAINER_ID = re.compile(r"[0-9a-f]{12,64}")
 #: a Docker engine's ID (``docker info``: a UUID, or the older key-derived form)
 ENGINE_ID = re.compile(r"[A-Za-z0-9:-]{1,128}")
+#: a Slurm job id (``SlurmGPUSpawner``)
+SLURM_JOB = re.compile(r"[0-9]{1,20}")
+#: what a spawner may record of its server
+SERVER_RECORD = frozenset({"server_url", "container_id", "docker_engine", "slurm_job"})
 #: longest ``server_url`` a lease may record, characters
 MAX_URL = 2048
 #: the handler methods of HTTP verbs that carry a declaration
@@ -385,10 +389,11 @@ class LeaseHandler(APIHandler):
     def patch(self, raw_id: str) -> None:
         """Admins: ``{"priority_class": NAME}`` moves a pending request;
         ``{"server_url": URL[, "container_id": ID]}`` records where its
-        server listens and, in Docker, its container (the spawner)."""
+        server listens and, in Docker, its container, or on Slurm its
+        ``slurm_job`` (the spawner)."""
         body = validation.parse_json_object(self.request.body)
         lease_id = self.lease_id(raw_id)
-        if "server_url" in body and set(body) <= {"server_url", "container_id", "docker_engine"}:
+        if "server_url" in body and set(body) <= SERVER_RECORD:
             url = body["server_url"]
             if (
                 not isinstance(url, str)
@@ -415,7 +420,15 @@ class LeaseHandler(APIHandler):
                     "docker_engine: must come with container_id and be a Docker engine ID"
                     f" (at most 128 letters, digits, ':' and '-'), got {validation.echo(engine)}"
                 )
-            self.write_json(self.broker.set_server_url(lease_id, url, container, engine))
+            job = body.get("slurm_job")
+            if job is not None and not (
+                isinstance(job, str) and SLURM_JOB.fullmatch(job) and container is None
+            ):
+                raise validation.BadRequest(
+                    "slurm_job: must be a Slurm job id (1 to 20 digits), not with container_id,"
+                    f" got {validation.echo(job)}"
+                )
+            self.write_json(self.broker.set_server_url(lease_id, url, container, engine, job))
             return
         if set(body) != {"priority_class"} or not isinstance(body["priority_class"], str):
             raise validation.BadRequest(

@@ -144,6 +144,8 @@ class SlurmEngine(LoggingConfigurable):
         self._ours: set[str] = set()
         #: (node, index) of each device UUID of the last inventory
         self._where: dict[str, tuple[str, int]] = {}
+        #: each node's address (Slurm's NodeAddr) of the last inventory
+        self._addresses: dict[str, str] = {}
 
     # -- commands --------------------------------------------------------------
 
@@ -217,6 +219,7 @@ class SlurmEngine(LoggingConfigurable):
         outside = self._outside(jobs.get("jobs") or [])
         seen: dict[str, Node] = {}
         where: dict[str, tuple[str, int]] = {}
+        addresses: dict[str, str] = {}
         for raw in info.get("nodes") or []:
             name = str(raw.get("name") or "")
             if not name or name in seen:  # sinfo lists a node once per partition
@@ -224,8 +227,10 @@ class SlurmEngine(LoggingConfigurable):
             node = self._node(raw, outside.get(name, {}))
             seen[name] = node
             where.update({d.uuid: (name, d.index) for d in node.devices})
+            addresses[name] = str(raw.get("address") or raw.get("hostname") or name)
         with self._lock:
             self._where = where
+            self._addresses = addresses
         return sorted(seen.values(), key=lambda n: n.name)
 
     def _node(self, raw: Mapping[str, Any], held: Mapping[int, str]) -> Node:
@@ -264,6 +269,31 @@ class SlurmEngine(LoggingConfigurable):
             for node, indices in slurm_json.job_gpus(job).items():
                 held.setdefault(node, {}).update(dict.fromkeys(indices, what))
         return held
+
+    def node_address(self, node: str) -> str:
+        """The address the hub reaches ``node`` at: Slurm's ``NodeAddr``
+        (``sinfo --json``'s ``address``), read again when not yet known.
+
+        Raises:
+            EngineError: no such node, or the inventory cannot be read.
+        """
+        with self._lock:
+            address = self._addresses.get(node)
+        if address is None:
+            self.nodes()
+            with self._lock:
+                address = self._addresses.get(node)
+        if address is None:
+            raise EngineError(f"no Slurm node {node!r}")
+        return address
+
+    def adopt(self, job_ids: Iterable[str]) -> None:
+        """Count the jobs ``job_ids`` as the broker's own (not *outside*):
+        jobs another process launched for the broker, such as the notebook
+        servers :class:`gpubroker_spawner.slurm.SlurmGPUSpawner` submits
+        from the hub, whose lease names them."""
+        with self._lock:
+            self._ours.update(str(j) for j in job_ids if str(j).isdigit())
 
     def telemetry(self, uuids: Iterable[str]) -> dict[str, DeviceUsage]:
         """Slurm reports no GPU utilization or memory per device: always
@@ -364,20 +394,47 @@ class SlurmEngine(LoggingConfigurable):
         Raises:
             EngineError: not a Slurm handle, or ``squeue`` failed (unknown).
         """
+        view = self.describe(handle)
+        return view.status if view is not None else self._accounted(handle.id)
+
+    def poll_many(self, handles: Iterable[Handle]) -> dict[str, Status]:
+        """The status of each job of ``handles``, by job id, from one
+        ``squeue`` (Slurm 22.05 lists every job however it is asked); jobs
+        gone from it are asked of ``sacct`` one by one.
+
+        Raises:
+            EngineError: a handle is not a Slurm one, or ``squeue`` failed.
+        """
+        wanted = {self._check(h) for h in handles}
+        if not wanted:
+            return {}
+        views = self._views(wanted)
+        return {
+            job_id: views[job_id].status if job_id in views else self._accounted(job_id)
+            for job_id in sorted(wanted, key=int)
+        }
+
+    def describe(self, handle: Handle) -> slurm_json.JobView | None:
+        """What ``squeue`` says of the job: state, reason, node, the port
+        its server reported and its status; ``None`` when ``squeue`` no
+        longer lists it (ended more than ``MinJobAge`` ago, or never was).
+
+        Raises:
+            EngineError: not a Slurm handle, or ``squeue`` failed (unknown).
+        """
         job_id = self._check(handle)
-        answer = self._json(["squeue", "--json", "--states=all", f"--jobs={job_id}"])
-        job = next((j for j in answer.get("jobs") or [] if str(j.get("job_id")) == job_id), None)
-        if job is None:
-            return self._accounted(job_id)
-        status = slurm_json.job_status(job)
-        if not status.running:
-            return status
-        bound = [
-            slurm_json.device_uuid(self.cluster, node, index)
-            for node, indices in slurm_json.job_gpus(job).items()
-            for index in sorted(indices)
-        ]
-        return Status("running", started=status.started, devices=tuple(bound))
+        return self._views({job_id}).get(job_id)
+
+    def _views(self, job_ids: set[str]) -> dict[str, slurm_json.JobView]:
+        argv = ["squeue", "--json", "--states=all"]
+        if len(job_ids) == 1:
+            argv.append(f"--jobs={next(iter(job_ids))}")
+        answer = self._json(argv)
+        return {
+            str(job.get("job_id")): slurm_json.job_view(job, self.cluster)
+            for job in answer.get("jobs") or []
+            if str(job.get("job_id")) in job_ids
+        }
 
     def _accounted(self, job_id: str) -> Status:
         """The final status ``sacct`` records; ``lost`` without accounting."""

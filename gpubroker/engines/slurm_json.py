@@ -143,9 +143,12 @@ def gpu_gres(text: str) -> list[GpuGres]:
         if kind is not None and kind.isdigit() and count is None:
             kind, count = None, kind  # "gpu:4": a count, no type
         indices: set[int] = set()
+        key = ""
         for item in split_top(detail or ""):
-            if item.startswith("IDX:"):
-                indices |= index_set(item[4:])
+            # "IDX:1,3" and "S:0,1": a list goes on after its comma
+            key, _, value = item.partition(":") if ":" in item else (key, "", item)
+            if key == "IDX":
+                indices |= index_set(value)
         found.append(GpuGres(kind or "", int(count or 1), frozenset(indices)))
     return found
 
@@ -254,3 +257,72 @@ def _sacct_time(text: str) -> datetime | None:
         return datetime.fromisoformat(text.strip()).replace(tzinfo=timezone.utc)
     except ValueError:
         return None
+
+
+#: how a server job tells its port: the job's comment (``scontrol update
+#: JobId=N Comment=...``, which Slurm lets a job's owner do), written by
+#: :mod:`gpubroker_spawner.slurm_server` on the node
+SERVER_COMMENT = "gpubroker server port="
+
+_SERVER_PORT = re.compile(r"^gpubroker server port=(\d{1,5})$")
+
+
+def server_comment(port: int) -> str:
+    """The comment a server job sets once it has chosen ``port`` (1-65535)."""
+    return f"{SERVER_COMMENT}{int(port)}"
+
+
+def server_port(comment: str) -> int | None:
+    """The port in a server job's comment (:func:`server_comment`), or
+    ``None`` when the comment is not one (not yet written, or another)."""
+    match = _SERVER_PORT.fullmatch(comment.strip())
+    if match is None:
+        return None
+    port = int(match.group(1))
+    return port if 0 < port < 65536 else None
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One job of ``squeue --json``, as a spawner follows it.
+
+    Attributes:
+        job_id: Slurm's job id.
+        state: Slurm's job state, upper case (``PENDING``, ``RUNNING``, ...).
+        reason: Slurm's state reason (``Resources``, ``Priority``,
+            ``NonZeroExitCode``, ...), ``""`` for none.
+        node: the node its batch script runs on (``""`` while pending).
+        port: the port its server reported (:func:`server_port`), or ``None``.
+        status: its :class:`~gpubroker.engines.base.Status`, with the
+            devices it is bound to while running (UUIDs of ``cluster``).
+    """
+
+    job_id: str
+    state: str
+    reason: str
+    node: str
+    port: int | None
+    status: Status
+
+
+def job_view(job: Mapping[str, Any], cluster: str) -> JobView:
+    """The :class:`JobView` of one job of ``squeue --json`` on ``cluster``
+    (the name in its devices' UUIDs, see :func:`device_uuid`)."""
+    status = job_status(job)
+    if status.running:
+        bound = tuple(
+            device_uuid(cluster, node, index)
+            for node, indices in job_gpus(job).items()
+            for index in sorted(indices)
+        )
+        status = Status("running", started=status.started, devices=bound)
+    nodes = expand_hostlist(str(job.get("nodes") or ""))
+    reason = str(job.get("state_reason") or "")
+    return JobView(
+        job_id=str(job.get("job_id")),
+        state=str(job.get("job_state") or "").upper(),
+        reason="" if reason == "None" else reason,
+        node=str(job.get("batch_host") or (nodes[0] if nodes else "")),
+        port=server_port(str(job.get("comment") or "")),
+        status=status,
+    )

@@ -151,6 +151,8 @@ class Lease(Base):
     container_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     #: ID of the Docker engine that runs it (``docker info``), as the spawner saw it
     docker_engine: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    #: Slurm job id of a SlurmGPUSpawner server
+    slurm_job: Mapped[str | None] = mapped_column(String(20), nullable=True)
     kind: Mapped[str] = mapped_column(String(8), default="gpus", server_default="gpus")
     mig_profile: Mapped[str | None] = mapped_column(String(32), nullable=True)
     memory_mib: Mapped[int | None] = mapped_column(Integer, nullable=True)

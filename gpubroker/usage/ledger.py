@@ -337,3 +337,24 @@ def _utilization(kind: str, usage: Any) -> float | None:
     if usage.utilization_gpu is None:
         return None
     return float(usage.utilization_gpu) / 100.0
+
+
+class EngineTelemetry:
+    """What the ledger samples, read from an engine rather than a device
+    backend (the Slurm engine: its devices are on other hosts, and Slurm
+    reports no GPU use, so every read is ``None``: allocated, use unknown).
+
+    Args:
+        engine: an :class:`~gpubroker.engines.base.Engine`.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def usage(self, uuid: str) -> Any:
+        """The engine's telemetry of ``uuid``, ``None`` when it has none."""
+        return self.engine.telemetry([uuid]).get(uuid)
+
+    def mig_devices(self, uuid: str) -> list[Any]:
+        """No MIG devices: engines other than the local one report none."""
+        return []

@@ -204,9 +204,16 @@ def test_a_servers_container_is_recorded_and_bad_ids_are_refused_by_field(
         ({"server_url": url, "docker_engine": "E1"}, "docker_engine"),
         ({"server_url": url, "container_id": "ab" * 32, "docker_engine": "a b"}, "docker_engine"),
         ({"server_url": 7, "container_id": "ab" * 32}, "server_url"),
+        ({"server_url": url, "slurm_job": "12a"}, "slurm_job"),
+        ({"server_url": url, "slurm_job": 12}, "slurm_job"),
+        ({"server_url": url, "slurm_job": "1" * 21}, "slurm_job"),
+        ({"server_url": url, "slurm_job": "12", "container_id": "ab" * 32}, "slurm_job"),
     ]:
         r = hub.broker_api("PATCH", path, json=body)
         assert r.status_code == 400 and r.json()["message"].startswith(f"{field}: "), body
     good = {"server_url": url, "container_id": "ab" * 32, "docker_engine": "5c3a:1f0e-9d2b"}
     r = hub.broker_api("PATCH", path, json=good)
     assert r.status_code == 200 and r.json()["state"] == "granted"
+    assert r.json()["slurm_job"] is None
+    r = hub.broker_api("PATCH", path, json={"server_url": url, "slurm_job": "4711"})
+    assert r.status_code == 200 and r.json()["slurm_job"] == "4711"

@@ -1,6 +1,7 @@
-"""Broker.reconcile_containers: a server lease whose Docker container has
-ended is released with the engine's words; a lease whose container changed
-since the check, or that is no longer granted, is left alone."""
+"""Broker.reconcile_containers and reconcile_slurm_servers: a server lease
+whose Docker container (or Slurm job) has ended is released with the
+engine's words; a lease whose container changed since the check, or that
+is no longer granted, is left alone."""
 
 from __future__ import annotations
 
@@ -48,4 +49,17 @@ def test_a_url_without_a_container_keeps_the_recorded_one(broker: Broker) -> Non
         "http://127.0.0.1:10/user/dee/",
         CONTAINER,
         "E1",
+    )
+
+
+def test_an_ended_slurm_job_releases_its_server_lease_with_what_slurm_said(
+    broker: Broker,
+) -> None:
+    lease = broker.request_lease("eve", "", gpus=1)
+    broker.set_server_url(lease["id"], "http://127.0.0.1:9/user/eve/", slurm_job="41")
+    assert broker.reconcile_slurm_servers({lease["id"]: ("40", "is gone from Slurm")}) == []
+    done = broker.reconcile_slurm_servers({lease["id"]: ("41", "was ended by signal 15")})
+    assert done == [lease["id"]]
+    assert broker.get_lease(lease["id"])["release_reason"] == (
+        "reconcile: the Slurm job 41 of server eve/ was ended by signal 15"
     )

@@ -30,6 +30,8 @@ def test_gres_strings() -> None:
     assert sj.gpu_gres("gpu:4") == [sj.GpuGres("", 4)]
     assert sj.gpu_gres("gpu:h100:2(IDX:0-1)") == [sj.GpuGres("h100", 2, frozenset({0, 1}))]
     assert sj.gpu_gres("gpu:h100:0(IDX:N/A)") == [sj.GpuGres("h100", 0)]
+    # indices that are not one range: Slurm lists them after the comma
+    assert sj.gpu_gres("gpu:h100:2(IDX:1,3)") == [sj.GpuGres("h100", 2, frozenset({1, 3}))]
     both = sj.gpu_gres("gpu:a100:2(S:0,1),gpu:v100:1(IDX:3),shard:8")
     assert both == [sj.GpuGres("a100", 2), sj.GpuGres("v100", 1, frozenset({3}))]
     assert sj.gpu_gres("") == []
@@ -102,3 +104,41 @@ def test_sacct_lines() -> None:
     assert timeout is not None and timeout.timed_out
     assert sj.sacct_status("RUNNING|0:0|x|Unknown") is None
     assert sj.sacct_status("") is None
+
+
+def test_a_server_jobs_comment_gives_its_port() -> None:
+    assert sj.server_port(sj.server_comment(40123)) == 40123
+    assert sj.server_port("gpubroker server port=40123\n") == 40123
+    assert sj.server_port("gpubroker lease 7") is None
+    assert sj.server_port("gpubroker server port=0") is None
+    assert sj.server_port("gpubroker server port=70000") is None
+    assert sj.server_port("gpubroker server port=1; rm -rf") is None
+
+
+def test_job_view_of_a_pending_and_a_running_server_job() -> None:
+    pending = {"job_id": 12, "job_state": "PENDING", "state_reason": "Resources", "nodes": ""}
+    view = sj.job_view(pending, "c")
+    assert (view.job_id, view.state, view.reason, view.node, view.port) == (
+        "12",
+        "PENDING",
+        "Resources",
+        "",
+        None,
+    )
+    assert view.status.running and view.status.devices == ()
+    running = {
+        "job_id": 12,
+        "job_state": "RUNNING",
+        "state_reason": "None",
+        "nodes": "n2",
+        "batch_host": "n2",
+        "comment": "gpubroker server port=41000",
+        "gres_detail": ["gpu:h100:2(IDX:1,3)"],
+        "start_time": 1764748800,
+    }
+    view = sj.job_view(running, "c")
+    assert (view.reason, view.node, view.port) == ("", "n2", 41000)
+    assert view.status.devices == (sj.device_uuid("c", "n2", 1), sj.device_uuid("c", "n2", 3))
+    failed = {"job_id": 12, "job_state": "FAILED", "exit_code": 127 << 8, "nodes": "n2"}
+    view = sj.job_view(failed, "c")
+    assert not view.status.running and view.status.exit_code == 127

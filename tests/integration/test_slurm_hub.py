@@ -1,0 +1,200 @@
+"""A real JupyterHub whose servers are Slurm jobs (SlurmGPUSpawner) and
+whose broker takes its inventory from Slurm, on the real two-node cluster
+of the tests (tests/slurmutil.py): the demo config with
+``GPUBROKER_DEMO_SLURM_CONF``, as ``make demo-slurm`` runs it."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..hubutil import RunningHub
+from ..slurmutil import SlurmCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.hub]
+
+EXTRA = """
+c.SlurmGPUSpawner.time_limit = 3600
+c.SlurmGPUSpawner.slurm_poll_interval = 0.5
+c.SlurmGPUSpawner.stop_grace = 3
+c.SlurmGPUSpawner.gpu_profiles = [
+    {"display_name": "Two GPUs", "slug": "two", "request": {"gpus": 2}, "default": True},
+    {"display_name": "One GPU", "slug": "one", "request": {"gpus": 1}},
+    {
+        "display_name": "Broken",
+        "slug": "broken",
+        "request": {"gpus": 1},
+        "spawner_override": {"cmd": ["/nonexistent/jupyterhub-singleuser"]},
+    },
+]
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm_hub(
+    slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningHub]:
+    workdir = tmp_path_factory.mktemp("slurm-hub")
+    extra = workdir / "extra_config.py"
+    extra.write_text(EXTRA)
+    running = RunningHub(
+        workdir,
+        GPUBROKER_DEMO_SLURM_CONF=str(slurm_cluster.conf),
+        GPUBROKER_DEMO_RECONCILE_INTERVAL="2",
+        GPUBROKER_DEMO_POLL_INTERVAL="2",
+        GPUBROKER_DEMO_INVENTORY_INTERVAL="1",
+        GPUBROKER_DEMO_EXTRA_CONFIG=str(extra),
+    ).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def hub(slurm_hub: RunningHub, slurm_cluster: SlurmCluster) -> Iterator[RunningHub]:
+    """The Slurm hub, left with no servers, leases or Slurm jobs."""
+    yield slurm_hub
+    users = slurm_hub.api("GET", "/users", params={"state": "active"}).json()
+    for user in users:
+        for name in user["servers"]:
+            slurm_hub.api("DELETE", f"/users/{user['name']}/servers/{name}")
+    for user in users:
+        for name in user["servers"]:
+            slurm_hub.wait_for_no_server(user["name"], name)
+    for lease in slurm_hub.leases():
+        slurm_hub.broker_api("DELETE", f"/leases/{lease['id']}", json={"reason": "test cleanup"})
+    slurm_cluster.run("scancel", "--full", "--user=root", check=False)
+    _wait(lambda: not slurm_cluster.run("squeue", "-h").stdout.strip(), 30, "Slurm jobs left")
+
+
+def _wait(check: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise TimeoutError(f"{what} (after {timeout} s)")
+
+
+def _spawn(hub: RunningHub, user: str, profile: str) -> None:
+    hub.create_user(user)
+    r = hub.api("POST", f"/users/{user}/server", json={"profile": profile})
+    assert r.status_code in (201, 202), r.text
+
+
+def _lease_of(hub: RunningHub, user: str) -> dict[str, Any] | None:
+    leases = [x for x in hub.leases() if x["user"] == user]
+    return leases[0] if leases else None
+
+
+def _outside(hub: RunningHub) -> int:
+    devices = hub.broker_api("GET", "/devices").json()["devices"]
+    return sum(1 for d in devices if d.get("state") == "outside")
+
+
+def _server_devices(hub: RunningHub, user: str) -> list[int]:
+    """The GPU indices Slurm gave the user's server (CUDA_VISIBLE_DEVICES,
+    printed by the launcher into the job's output file)."""
+    log = Path(hub.workdir) / "home" / user / "slurm.log"
+    found = re.findall(r"CUDA_VISIBLE_DEVICES=([0-9,]*)", log.read_text())
+    assert found, log.read_text()
+    return [int(x) for x in found[-1].split(",") if x]
+
+
+def _bound_as_lease_says(hub: RunningHub, user: str) -> dict[str, Any] | None:
+    lease = _lease_of(hub, user)
+    if lease is None or not lease.get("slurm_job"):
+        return None
+    indices = sorted(d["index"] for d in lease["devices"])
+    return lease if indices == sorted(_server_devices(hub, user)) else None
+
+
+def test_two_servers_run_as_slurm_jobs_where_the_broker_placed_them_and_a_third_waits(
+    hub: RunningHub, slurm_cluster: SlurmCluster
+) -> None:
+    # jobs from outside the broker take two GPUs of each node: four remain
+    for node in ("n1", "n2"):
+        slurm_cluster.run(
+            "sbatch", f"--nodelist={node}", "--gres=gpu:2", "--output=/dev/null", "--wrap=sleep 600"
+        )
+    _wait(lambda: _outside(hub) == 4, 30, "the broker does not count the outside jobs' GPUs")
+
+    _spawn(hub, "alice", "two")
+    with ThreadPoolExecutor(1) as pool:
+        # the spawn's progress, read while it starts
+        progress = pool.submit(hub.progress, "alice", "", 60)
+        _spawn(hub, "bob", "two")
+        events = [e.get("message", "") for e in progress.result()]
+    assert any(re.search(r"Slurm job \d+ submitted on n\d", m) for m in events), events
+    assert any("RUNNING on" in m and "server on port" in m for m in events), events
+    leases = {}
+    for user in ("alice", "bob"):
+        hub.wait_for_server(user, timeout=120)
+        lease = _wait(lambda u=user: _bound_as_lease_says(hub, u), 30, f"{user}'s lease")
+        leases[user] = lease
+        nodes = {d["node"] for d in lease["devices"]}
+        assert len(nodes) == 1 and len(lease["devices"]) == 2
+        # the server is a Slurm job of the lease, on the node the broker chose
+        job = json.loads(slurm_cluster.run("squeue", "--json").stdout)
+        mine = [j for j in job["jobs"] if str(j["job_id"]) == lease["slurm_job"]]
+        assert mine and mine[0]["job_state"] == "RUNNING"
+        assert mine[0]["nodes"] == nodes.pop()
+        assert mine[0]["partition"] == "interactive"
+    # two outside jobs hold two GPUs per node: one server per node
+    assert {leases[u]["devices"][0]["node"] for u in leases} == {"n1", "n2"}
+    # the broker counts the servers' jobs as its own, not as outside
+    assert _outside(hub) == 4
+
+    _spawn(hub, "carol", "one")
+    carol = _wait(lambda: _lease_of(hub, "carol"), 30, "carol's request")
+    assert carol["state"] == "pending"
+    assert carol["queue"]["reason"] and carol["queue"]["message"]
+    assert carol["queue"]["eta"], carol["queue"]
+
+    # alice stops: her GPUs go to carol, whose server starts on that node
+    r = hub.api("DELETE", "/users/alice/server")
+    assert r.status_code in (202, 204), r.text
+    hub.wait_for_server("carol", timeout=120)
+    carol = _wait(lambda: _bound_as_lease_says(hub, "carol"), 30, "carol's lease")
+    assert carol["devices"][0]["node"] == leases["alice"]["devices"][0]["node"]
+
+
+def test_scancel_of_a_server_releases_its_lease_and_the_hub_sees_it_stopped(
+    hub: RunningHub, slurm_cluster: SlurmCluster
+) -> None:
+    _spawn(hub, "dave", "one")
+    hub.wait_for_server("dave", timeout=120)
+    lease = _wait(lambda: _bound_as_lease_says(hub, "dave"), 30, "dave's lease")
+
+    slurm_cluster.run("scancel", lease["slurm_job"])
+
+    _wait(lambda: _lease_of(hub, "dave") is None, 20, "the lease was not released")
+    ended = hub.broker_api("GET", f"/leases/{lease['id']}").json()
+    assert ended["state"] == "released"
+    hub.wait_for_no_server("dave", timeout=30)
+
+
+def test_a_server_job_that_dies_before_its_server_answers_fails_the_spawn_at_once(
+    hub: RunningHub,
+) -> None:
+    hub.create_user("erin")
+    started = time.monotonic()
+    r = hub.api("POST", "/users/erin/server", json={"profile": "broken"})
+    if r.status_code in (201, 202):  # the hub answered before the spawn failed
+        _wait(lambda: hub.server("erin") is None, 60, "the failed spawn is still pending")
+        message = hub.log_tail(20000)
+    else:
+        message = r.json()["message"]
+    # the spawn failed on the job's end, not on the hub's start timeout (3720 s)
+    assert time.monotonic() - started < 60
+    assert re.search(r"Slurm job \d+ ended: FAILED \(exit status 127", message), message
+    assert "cannot run /nonexistent/jupyterhub-singleuser: No such file" in message
+    assert not hub.user_model("erin")["servers"]
+    _wait(lambda: _lease_of(hub, "erin") is None, 10, "the lease of the failed spawn")
