@@ -184,10 +184,20 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
             "SHELL": entry.pw_shell or "/bin/sh",
         }
 
+    def _start_dir(self, entry: pwd.struct_passwd) -> str:
+        """Where the job starts: ``Spawner.notebook_dir`` (``~`` being the
+        user's home) when set, else the home; kernels started without a
+        path (the hub API, scripts) run there."""
+        if not self.notebook_dir:
+            return entry.pw_dir
+        root = self.format_string(self.notebook_dir)
+        return entry.pw_dir + root[1:] if root.startswith("~") else root
+
     def launch_spec(self) -> LaunchSpec:
         """What the job runs: ``node_python -m gpubroker_spawner.slurm_server
-        CMD ARGS`` in the user's home, as the user, with the server's
-        environment; no devices (:class:`SlurmGPUSpawner` adds the lease's)."""
+        CMD ARGS`` in ``notebook_dir`` (else the user's home), as the user,
+        with the server's environment; no devices (:class:`SlurmGPUSpawner`
+        adds the lease's)."""
         entry = self._user()
         output = self.output_template.format(
             home=entry.pw_dir, username=self.user.name, servername=self.name or ""
@@ -196,7 +206,7 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
         return LaunchSpec(
             argv=argv,
             env=self.user_env(self.get_env(), entry),
-            cwd=entry.pw_dir,
+            cwd=self._start_dir(entry),
             user=entry.pw_name,
             lease_id=0,
             stdout=output,

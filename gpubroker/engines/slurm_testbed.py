@@ -195,6 +195,7 @@ def _start_munge(where: Path) -> subprocess.Popen[bytes]:
         extra_groups=[],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 20
     while not (home / "munge.socket.2").exists():
@@ -224,6 +225,7 @@ def start() -> SlurmCluster:
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl-C is not for them
         )
         for node in NODES:
             cluster.procs[f"slurmd-{node}"] = subprocess.Popen(
@@ -231,6 +233,7 @@ def start() -> SlurmCluster:
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
+                start_new_session=True,
             )
         cluster.wait_idle()
     except BaseException:
@@ -260,12 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        try:
-            return proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
+        # the terminal's Ctrl-C reached the command too: let it stop its
+        # servers (scancel) while the cluster still runs
+        for stop in (None, signal.SIGTERM, signal.SIGKILL):
+            if stop is not None:
+                proc.send_signal(stop)
+            try:
+                return proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                continue
+        return proc.wait()
     finally:
         cluster.stop()
 

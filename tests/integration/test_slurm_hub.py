@@ -13,9 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import nbformat
 import pytest
 
 from ..hubutil import RunningHub
+from ..kernelutil import connect, execute, start_kernel
+from ..nbutil import write_notebook
 from ..slurmutil import SlurmCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.hub]
@@ -81,6 +84,10 @@ def _wait(check: Any, timeout: float, what: str) -> Any:
             return value
         time.sleep(0.3)
     raise TimeoutError(f"{what} (after {timeout} s)")
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _spawn(hub: RunningHub, user: str, profile: str) -> None:
@@ -198,3 +205,37 @@ def test_a_server_job_that_dies_before_its_server_answers_fails_the_spawn_at_onc
     assert "cannot run /nonexistent/jupyterhub-singleuser: No such file" in message
     assert not hub.user_model("erin")["servers"]
     _wait(lambda: _lease_of(hub, "erin") is None, 10, "the lease of the failed spawn")
+
+
+def test_gpu_submit_from_a_slurm_server_runs_the_notebook_as_a_slurm_job_on_batch(
+    hub: RunningHub, slurm_cluster: SlurmCluster
+) -> None:
+    user = "frank"
+    token = hub.create_user(user)
+    home = Path(hub.workdir) / "home" / user
+    home.mkdir(parents=True, exist_ok=True)
+    write_notebook(
+        home / "train.ipynb",
+        ["epochs = 1", "import os\nprint(os.environ['SLURM_JOB_PARTITION'], epochs)"],
+    )
+    _spawn(hub, user, "one")
+    hub.wait_for_server(user, timeout=120)
+    ws = connect(hub, user, token, start_kernel(hub, user, token))
+    try:
+        errors = execute(
+            ws,
+            "%load_ext gpubroker\nimport json\n"
+            "job = %gpu_submit train.ipynb --gpus 1 --time 10m --param epochs=2\n"
+            "open('submitted.json', 'w').write(json.dumps(job))\n",
+        )
+        assert not errors, errors
+        submitted = _wait(lambda: _read_json(home / "submitted.json"), 60, "no job submitted")
+    finally:
+        ws.close()
+    done = hub.wait_for_job(submitted["id"], token, timeout=120)
+    assert (done["state"], done["exit_code"]) == ("succeeded", 0), done
+    out = nbformat.read(home / f"train.{done['id']}.ipynb", as_version=4)
+    assert "".join(o.get("text", "") for o in out.cells[-1].outputs).split() == ["batch", "2"]
+    jobs = json.loads(slurm_cluster.run("squeue", "--json").stdout)["jobs"]
+    (ran,) = [j for j in jobs if j["name"] == f"gpubroker-lease-{done['lease_id']}"]
+    assert (ran["partition"], ran["job_state"]) == ("batch", "COMPLETED")
