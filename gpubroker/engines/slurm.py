@@ -33,7 +33,10 @@ protocol.
   lists every job, so the engine picks the job by id itself);
   once it is gone, ``sacct`` where accounting runs; otherwise ``lost``. A
   command that fails or times out raises :class:`EngineError`: the state is
-  *unknown*, and callers retry later; nothing is ended on it.
+  *unknown*, and callers retry later; nothing is ended on it. So is an
+  answer with ``errors`` (Slurm 22.05's ``squeue --json`` and ``sinfo
+  --json`` exit 0, with an empty list and ``errors``, when slurmctld does
+  not answer).
 * **Signals and stop**: ``scancel --full --signal=N`` (the batch shell and
   every process of the job); :meth:`SlurmEngine.stop` sends SIGTERM, waits
   ``grace`` seconds, then ``scancel`` (Slurm's SIGKILL after its
@@ -203,6 +206,11 @@ class SlurmEngine(LoggingConfigurable):
             raise EngineError(f"{argv[0]} --json answered no JSON: {out[:200]!r}") from err
         if not isinstance(value, dict):
             raise EngineError(f"{argv[0]} --json answered {type(value).__name__}, not an object")
+        errors = slurm_json.errors(value)
+        if errors:
+            # Slurm 22.05 exits 0 with an empty list and "errors" when
+            # slurmctld does not answer: that list is not the truth
+            raise EngineError(f"{argv[0]} --json failed: {errors}")
         return value
 
     # -- inventory -------------------------------------------------------------

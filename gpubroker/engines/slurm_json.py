@@ -166,6 +166,22 @@ def node_state(state: str, flags: Iterable[str]) -> NodeState:
     return "up"
 
 
+def errors(answer: Mapping[str, Any]) -> str:
+    """The errors a ``--json`` answer reports (``""``: none): Slurm 22.05's
+    ``squeue --json`` and ``sinfo --json`` exit 0 with an empty list and an
+    ``errors`` entry (``"Failed while looking for jobs"``) when slurmctld
+    does not answer."""
+    found = []
+    for error in answer.get("errors") or []:
+        if isinstance(error, Mapping):
+            words = error.get("description") or error.get("error") or "error"
+            source = error.get("source")
+            found.append(f"{words} ({source})" if source else str(words))
+        else:
+            found.append(str(error))
+    return "; ".join(found)
+
+
 def device_uuid(cluster: str, node: str, index: int) -> str:
     """A stable ``GPU-`` UUID for GPU ``index`` of ``node`` (Slurm knows
     no NVML UUIDs): the same cluster, node and index give the same UUID

@@ -6,7 +6,9 @@ of the tests (tests/slurmutil.py): the demo config with
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -239,3 +241,42 @@ def test_gpu_submit_from_a_slurm_server_runs_the_notebook_as_a_slurm_job_on_batc
     jobs = json.loads(slurm_cluster.run("squeue", "--json").stdout)["jobs"]
     (ran,) = [j for j in jobs if j["name"] == f"gpubroker-lease-{done['lease_id']}"]
     assert (ran["partition"], ran["job_state"]) == ("batch", "COMPLETED")
+
+
+def test_a_stopped_slurmctld_ends_no_lease_and_orphans_no_server(
+    hub: RunningHub, slurm_cluster: SlurmCluster
+) -> None:
+    _spawn(hub, "gina", "one")
+    hub.wait_for_server("gina", timeout=120)
+    lease = _wait(lambda: _bound_as_lease_says(hub, "gina"), 30, "gina's lease")
+    ctld = slurm_cluster.procs["slurmctld"]
+    ctld.send_signal(signal.SIGSTOP)  # every Slurm command now hangs, then fails
+    try:
+        time.sleep(12)  # six reconcile intervals, six hub polls
+        assert hub.broker_api("GET", f"/leases/{lease['id']}").json()["state"] == "granted"
+        assert (hub.server("gina") or {}).get("ready")
+    finally:
+        ctld.send_signal(signal.SIGCONT)
+    # Slurm answers again: the job still runs, and its end is seen as before
+    assert "Slurm job" in hub.log_tail(200000)
+    slurm_cluster.run("scancel", lease["slurm_job"])
+    _wait(lambda: _lease_of(hub, "gina") is None, 60, "the lease was not released")
+    hub.wait_for_no_server("gina", timeout=60)
+
+
+def test_a_restarted_broker_adopts_the_servers_slurm_jobs(
+    hub: RunningHub, slurm_cluster: SlurmCluster
+) -> None:
+    _spawn(hub, "hana", "two")
+    hub.wait_for_server("hana", timeout=120)
+    lease = _wait(lambda: _bound_as_lease_says(hub, "hana"), 30, "hana's lease")
+    old = hub.broker_pid()
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    _wait(lambda: (pid := hub.broker_pid()) and pid != old, 60, "the broker did not restart")
+    _wait(lambda: _lease_of(hub, "hana") is not None, 60, "the broker does not answer")
+    # the job's GPUs are still the lease's, not held from outside
+    assert _lease_of(hub, "hana") == lease | {"version": _lease_of(hub, "hana")["version"]}
+    assert _outside(hub) == 0
+    slurm_cluster.run("scancel", lease["slurm_job"])
+    _wait(lambda: _lease_of(hub, "hana") is None, 30, "the adopted job's end was not seen")

@@ -142,3 +142,21 @@ def test_job_view_of_a_pending_and_a_running_server_job() -> None:
     failed = {"job_id": 12, "job_state": "FAILED", "exit_code": 127 << 8, "nodes": "n2"}
     view = sj.job_view(failed, "c")
     assert not view.status.running and view.status.exit_code == 127
+
+
+def test_an_answer_with_errors_is_no_answer() -> None:
+    # what squeue --json (22.05) prints, exit status 0, while slurmctld is stopped
+    answer = {
+        "errors": [
+            {
+                "description": "Failed while looking for jobs",
+                "error_number": -1,
+                "error": "Unspecified error",
+                "source": "slurm_load_jobs",
+            }
+        ],
+        "jobs": [],
+    }
+    assert sj.errors(answer) == "Failed while looking for jobs (slurm_load_jobs)"
+    assert sj.errors({"errors": [], "jobs": []}) == ""
+    assert sj.errors({"jobs": []}) == ""
