@@ -92,7 +92,7 @@ docs: setup
 test: lint typecheck docs postgres docker-engine chromium slurm
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: setup chromium
+bench: setup chromium slurm
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m benchmarks
 
 clean:

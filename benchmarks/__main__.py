@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import api, jobs, packing, panel, scheduler, sharing, simulate, usage
+from . import api, jobs, packing, panel, scheduler, sharing, simulate, slurm, usage
 
 
 def main() -> None:
@@ -24,6 +24,8 @@ def main() -> None:
     results.update(jobs.run())
     print(panel.describe())
     results.update(panel.run())
+    print(slurm.describe())
+    results.update(slurm.run())
     print(f"API: {api.PAIRS} lease request/release pairs on loopback vs a bare Tornado handler")
     results.update(api.run())
     width = max(len(name) for name in results)

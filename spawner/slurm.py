@@ -60,6 +60,8 @@ from .mixin import GPUSpawnerMixin, spawn_error
 SERVER_MODULE = "gpubroker_spawner.slurm_server"
 #: lines of the job's output file shown when its server fails to start
 OUTPUT_LINES = 8
+#: seconds between two HTTP looks at a starting server whose port is known
+HTTP_PROBE = 0.2
 #: a job whose state Slurm could not say (its command failed): still starting
 _UNKNOWN = Status("running")
 
@@ -250,27 +252,31 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
             self._slurm_changed.set()
 
     async def _wait_for_server(self, spec: LaunchSpec) -> tuple[str, int]:
-        """Follow the job until its server answers HTTP; fail at once when
-        the job ends first."""
+        """Follow the job (``squeue`` every ``slurm_poll_interval``) until
+        its server answers HTTP (asked every :data:`HTTP_PROBE` seconds once
+        its port is known); fail at once when the job ends first."""
         address: tuple[str, int] | None = None
         while True:
             view = await self._describe()
-            if view is not None and not view.status.running:
+            if view is None or not view.status.running:
                 raise self._ended(view, spec)
-            if view is None and address is not None:
-                raise self._ended(None, spec)
-            if view is not None and view.state == "PENDING":
+            if view.state == "PENDING":
                 why = f" ({view.reason})" if view.reason else ""
                 self._slurm_event(55, f"Slurm job {view.job_id}: PENDING{why}")
-            elif view is not None and view.port is not None and address is None:
+            elif view.port is not None and address is None:
                 host = await asyncio.to_thread(self.engine.node_address, view.node)
                 address = (host, view.port)
                 running = f"RUNNING on {view.node}, server on port {view.port}"
                 self._slurm_event(70, f"Slurm job {view.job_id}: {running}")
-            if address is not None and await self._answers(*address):
-                self._slurm_event(90, f"Slurm job {self.slurm_job_id}: server answers")
-                return address
-            await asyncio.sleep(self.slurm_poll_interval)
+            next_look = time.monotonic() + self.slurm_poll_interval
+            while True:
+                if address is not None and await self._answers(*address):
+                    self._slurm_event(90, f"Slurm job {self.slurm_job_id}: server answers")
+                    return address
+                remaining = next_look - time.monotonic()
+                if remaining <= 0:
+                    break
+                await asyncio.sleep(min(HTTP_PROBE, remaining))
 
     async def _describe(self) -> JobView | None:
         """``squeue``'s view of the job; while Slurm does not answer, the

@@ -239,7 +239,12 @@ def test_gpu_submit_from_a_slurm_server_runs_the_notebook_as_a_slurm_job_on_batc
     out = nbformat.read(home / f"train.{done['id']}.ipynb", as_version=4)
     assert "".join(o.get("text", "") for o in out.cells[-1].outputs).split() == ["batch", "2"]
     jobs = json.loads(slurm_cluster.run("squeue", "--json").stdout)["jobs"]
-    (ran,) = [j for j in jobs if j["name"] == f"gpubroker-lease-{done['lease_id']}"]
+    (ran,) = [
+        j
+        for j in jobs  # other tests' brokers (stores) have leases of the same ids
+        if j["name"] == f"gpubroker-lease-{done['lease_id']}"
+        and j["current_working_directory"] == str(home)
+    ]
     assert (ran["partition"], ran["job_state"]) == ("batch", "COMPLETED")
 
 
