@@ -39,3 +39,10 @@ class Conflict(BrokerError):
     """The request clashes with current state, e.g. a second active lease (HTTP 409)."""
 
     status = 409
+
+
+class Unavailable(BrokerError):
+    """Something the broker depends on does not answer now, e.g. Slurm while
+    the inventory is read again (HTTP 503); try again later."""
+
+    status = 503

@@ -25,7 +25,7 @@ from .broker.slurm_servers import SlurmServers
 from .core import Broker, utcnow
 from .culler import Culler
 from .devices import load_backend
-from .engines.base import EngineError
+from .engines.base import EngineError, Node
 from .engines.docker import DockerEngine
 from .hub import HubClient
 from .jobs.service import JobService
@@ -250,6 +250,7 @@ class BrokerService:
             ledger=self.ledger,
             metrics=self.metrics,
             metrics_scope=self.app.metrics_scope,
+            read_inventory=self.read_inventory,
             service_name=os.environ.get("JUPYTERHUB_SERVICE_NAME", "gpubroker"),
             jobs=self.jobs,
             panel_auth=self.panel_auth,
@@ -311,15 +312,24 @@ class BrokerService:
         self.lock.release()
         self.engine.dispose()
 
+    async def read_inventory(self) -> list[Node]:
+        """The engine's nodes, read off the event loop; the hub's servers'
+        Slurm jobs are counted as the broker's own first (not *outside*).
+
+        Raises:
+            EngineError: the engine cannot say.
+        """
+        self.slurm_servers.adopt()
+        return await asyncio.to_thread(self.broker.engine.nodes)
+
     async def _inventory_loop(self) -> None:
         """Read the engine's inventory every ``Broker.inventory_interval``
         seconds, off the event loop; one that cannot be read keeps the last
         (logged: nothing is ended on it)."""
         while True:
             await asyncio.sleep(self.broker.inventory_interval)
-            self.slurm_servers.adopt()  # the hub's server jobs are not from outside
             try:
-                nodes = await asyncio.to_thread(self.broker.engine.nodes)
+                nodes = await self.read_inventory()
             except EngineError as err:
                 self.log.warning("Inventory not read (the last one stays): %s", err)
                 continue

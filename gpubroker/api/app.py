@@ -30,6 +30,7 @@ ROUTES: list[tuple[str, type[web.RequestHandler]]] = [
     ("/health", handlers.HealthHandler),
     ("/devices", handlers.DevicesHandler),
     ("/devices/{uuid}", handlers.DeviceHandler),
+    ("/inventory", handlers.InventoryHandler),
     ("/leases", handlers.LeasesHandler),
     ("/leases/{id}", handlers.LeaseHandler),
     ("/leases/{id}/events", handlers.LeaseEventsHandler),

@@ -23,7 +23,8 @@ from tornado import web
 
 from .. import __version__
 from ..core import Broker, utcnow
-from ..errors import BrokerError, NotFound
+from ..engines.base import EngineError
+from ..errors import BrokerError, NotFound, Unavailable
 from ..store.models import HolderKind
 from ..views import device_listing
 from . import auth, validation
@@ -285,6 +286,23 @@ class DevicesHandler(APIHandler):
 
     @auth.needs(auth.ACCESS_SCOPE)
     def get(self) -> None:
+        self.write_json(device_listing(self.broker, self.admin, self.me, self.log))
+
+
+class InventoryHandler(APIHandler):
+    """``POST /api/v1/inventory``: admins: read the engine's inventory now
+    (Slurm: ``sinfo``/``squeue``, off the event loop) rather than at the
+    next ``Broker.inventory_interval``; answers the device listing."""
+
+    @auth.needs(auth.ADMIN_SCOPE, action="reading the inventory again")
+    async def post(self) -> None:
+        read = self.settings.get("read_inventory")
+        try:
+            nodes = await (read() if read else asyncio.to_thread(self.broker.engine.nodes))
+        except EngineError as err:
+            message = f"inventory: the engine cannot say now (nothing changed): {err}"
+            raise Unavailable(message) from err
+        self.broker.sync_inventory(nodes)
         self.write_json(device_listing(self.broker, self.admin, self.me, self.log))
 
 

@@ -54,7 +54,7 @@ def slurm_hub(
         GPUBROKER_DEMO_SLURM_CONF=str(slurm_cluster.conf),
         GPUBROKER_DEMO_RECONCILE_INTERVAL="2",
         GPUBROKER_DEMO_POLL_INTERVAL="2",
-        GPUBROKER_DEMO_INVENTORY_INTERVAL="1",
+        GPUBROKER_DEMO_INVENTORY_INTERVAL="600",  # read again by POST /inventory
         GPUBROKER_DEMO_EXTRA_CONFIG=str(extra),
     ).start()
     yield running
@@ -108,6 +108,16 @@ def _outside(hub: RunningHub) -> int:
     return sum(1 for d in devices if d.get("state") == "outside")
 
 
+def _held_outside(cluster: SlurmCluster) -> int:
+    """GPUs held by the running jobs not of the broker (this test's, 2 GPUs each)."""
+    jobs = json.loads(cluster.run("squeue", "--json").stdout)["jobs"]
+    return sum(
+        2
+        for j in jobs
+        if j["job_state"] == "RUNNING" and not j["name"].startswith("gpubroker-lease-")
+    )
+
+
 def _server_devices(hub: RunningHub, user: str) -> list[int]:
     """The GPU indices Slurm gave the user's server (CUDA_VISIBLE_DEVICES,
     printed by the launcher into the job's output file)."""
@@ -133,7 +143,10 @@ def test_two_servers_run_as_slurm_jobs_where_the_broker_placed_them_and_a_third_
         slurm_cluster.run(
             "sbatch", f"--nodelist={node}", "--gres=gpu:2", "--output=/dev/null", "--wrap=sleep 600"
         )
-    _wait(lambda: _outside(hub) == 4, 30, "the broker does not count the outside jobs' GPUs")
+    _wait(lambda: _held_outside(slurm_cluster) == 4, 30, "the outside jobs do not run")
+    assert _outside(hub) == 0  # not read yet: the hub's interval is long
+    hub.broker_api("POST", "/inventory").raise_for_status()
+    assert _outside(hub) == 4
 
     _spawn(hub, "alice", "two")
     with ThreadPoolExecutor(1) as pool:
@@ -159,6 +172,7 @@ def test_two_servers_run_as_slurm_jobs_where_the_broker_placed_them_and_a_third_
     # two outside jobs hold two GPUs per node: one server per node
     assert {leases[u]["devices"][0]["node"] for u in leases} == {"n1", "n2"}
     # the broker counts the servers' jobs as its own, not as outside
+    hub.broker_api("POST", "/inventory").raise_for_status()
     assert _outside(hub) == 4
 
     _spawn(hub, "carol", "one")
@@ -285,3 +299,26 @@ def test_a_restarted_broker_adopts_the_servers_slurm_jobs(
     assert _outside(hub) == 0
     slurm_cluster.run("scancel", lease["slurm_job"])
     _wait(lambda: _lease_of(hub, "hana") is None, 30, "the adopted job's end was not seen")
+
+
+def test_an_admin_reads_the_inventory_again_at_once(
+    hub: RunningHub, slurm_cluster: SlurmCluster
+) -> None:
+    # the hub's inventory interval is 600 s: what changes is POST's doing
+    slurm_cluster.run("scontrol", "update", "nodename=n2", "state=drain", "reason=fans")
+    try:
+        listing = hub.broker_api("POST", "/inventory").json()
+        drained = [d for d in listing["devices"] if d["node"] == "n2"]
+        assert len(drained) == 4 and {d["state"] for d in drained} == {"outside"}
+        assert all("fans" in d["outside"] for d in drained), drained
+        token = hub.create_user("ivan")
+        r = hub.broker_api("POST", "/inventory", token=token)
+        assert r.status_code == 403, r.text
+    finally:
+        slurm_cluster.run("scontrol", "update", "nodename=n2", "state=resume")
+
+    def none_outside() -> bool:
+        listing = hub.broker_api("POST", "/inventory").json()
+        return not [d for d in listing["devices"] if d["state"] == "outside"]
+
+    _wait(none_outside, 10, "n2 still drained after its resume")
