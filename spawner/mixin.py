@@ -21,7 +21,6 @@ lease at once and the next start asks for the same devices back
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import html
 import json
 import os
@@ -37,6 +36,7 @@ from traitlets.config import LoggingConfigurable
 from gpubroker.client import BrokerClient, BrokerClientError
 
 from . import form, profiles
+from .progress import ProgressFeed
 
 try:
     from jupyterhub.spawner import SpawnException
@@ -240,9 +240,8 @@ class GPUSpawnerMixin(LoggingConfigurable):
         )
 
     def _reset_progress(self) -> None:
-        self._gpu_events: list[dict[str, Any]] = []
-        self._gpu_changed = asyncio.Event()
-        self._gpu_wait_over = False
+        #: the lease's part of the spawn progress (queue, grant)
+        self._gpu_feed = ProgressFeed()
         self._gpu_env: dict[str, str] | None = None
 
     @default("broker_url")
@@ -454,8 +453,7 @@ class GPUSpawnerMixin(LoggingConfigurable):
             err,
             instead,
         )
-        self._gpu_events.append({"progress": 5, "message": message})
-        self._gpu_changed.set()
+        self._gpu_feed.add(5, message)
         no_options: dict[str, Any] = {}
         self.user_options = no_options
         orm_spawner = getattr(self, "orm_spawner", None)
@@ -588,8 +586,7 @@ class GPUSpawnerMixin(LoggingConfigurable):
                         err,
                         self.broker_wait_timeout,
                     )
-                    self._gpu_events.append({"progress": 5, "message": BROKER_RETRY_MESSAGE})
-                    self._gpu_changed.set()
+                    self._gpu_feed.add(5, BROKER_RETRY_MESSAGE)
                 remaining = self._broker_wait_until - now
                 if remaining <= 0:
                     self._broker_wait_until = None
@@ -678,7 +675,7 @@ class GPUSpawnerMixin(LoggingConfigurable):
         self.gpu_devices = []
         if self.gpu_last_end:
             message = f"Your previous server lost its GPUs: {self.gpu_last_end}"
-            self._gpu_events.append({"progress": 5, "message": message})
+            self._gpu_feed.add(5, message)
             self.gpu_last_end = None
         await self._drop_stale_lease()
         try:
@@ -693,8 +690,7 @@ class GPUSpawnerMixin(LoggingConfigurable):
             await self._release("spawn failed or was cancelled while waiting for GPUs")
             raise
         finally:
-            self._gpu_wait_over = True
-            self._gpu_changed.set()
+            self._gpu_feed.close()
         try:
             url = await maybe_future(super().start())  # type: ignore[misc]
         except BaseException:
@@ -815,23 +811,12 @@ class GPUSpawnerMixin(LoggingConfigurable):
                 "message": f"Queued for {what}: {place}({queue.get('reason')})"
                 f" - {queue.get('message')}",
             }
-        if not self._gpu_events or self._gpu_events[-1] != event:
-            self._gpu_events.append(event)
-            self._gpu_changed.set()
+        self._gpu_feed.add(event["progress"], event["message"], once=True)
 
     async def progress(self) -> AsyncIterator[dict[str, Any]]:
         """Spawn progress: queue position and reason while waiting, then the grant."""
-        sent = 0
-        while True:
-            self._gpu_changed.clear()
-            events = self._gpu_events
-            for event in events[sent:]:
-                yield event
-            sent = len(events)
-            if self._gpu_wait_over:
-                break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._gpu_changed.wait(), 5)
+        async for event in self._gpu_feed.follow():
+            yield event
         async for event in super().progress():  # type: ignore[misc]
             yield event
 

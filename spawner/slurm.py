@@ -55,6 +55,7 @@ from gpubroker.engines.slurm import SlurmEngine
 from gpubroker.engines.slurm_json import JobView
 
 from .mixin import GPUSpawnerMixin, spawn_error
+from .progress import ProgressFeed
 
 #: the module the batch script runs on the node (it chooses the port)
 SERVER_MODULE = "gpubroker_spawner.slurm_server"
@@ -122,9 +123,8 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._engine: SlurmEngine | None = None
-        self._slurm_events: list[dict[str, Any]] = []
-        self._slurm_changed = asyncio.Event()
-        self._slurm_over = False
+        #: the job's part of the spawn progress
+        self._slurm_feed = ProgressFeed()
 
     @default("ip")
     def _default_ip(self) -> str:
@@ -216,10 +216,7 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
         )
 
     def _slurm_event(self, progress: int, message: str) -> None:
-        event = {"progress": progress, "message": message}
-        if not self._slurm_events or self._slurm_events[-1] != event:
-            self._slurm_events.append(event)
-            self._slurm_changed.set()
+        if self._slurm_feed.add(progress, message, once=True):
             self.log.info("%s: %s", self._log_name, message)
 
     async def start(self) -> tuple[str, int]:
@@ -234,22 +231,25 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
                 server answered (Slurm's state and reason, and the end of
                 its output where readable).
         """
-        self._slurm_events, self._slurm_over = [], False
-        spec = self.launch_spec()
+        if self._slurm_feed.over:  # a start after a failed one, without a stop
+            self._slurm_feed = ProgressFeed()
+        feed = self._slurm_feed
         try:
+            spec = self.launch_spec()
             handle = await asyncio.to_thread(self.engine.launch, spec)
         except EngineError as err:
+            feed.close()
             raise spawn_error(f"Slurm refused the server's job: {err}", "slurm-refused") from err
-        finally:
-            self._slurm_changed.set()
+        except BaseException:
+            feed.close()
+            raise
         self.slurm_job_id, self.slurm_node = handle.id, handle.node
         where = f" on {handle.node}" if handle.node else ""
         self._slurm_event(50, f"Slurm job {handle.id} submitted{where}")
         try:
             return await self._wait_for_server(spec)
         finally:
-            self._slurm_over = True
-            self._slurm_changed.set()
+            feed.close()
 
     async def _wait_for_server(self, spec: LaunchSpec) -> tuple[str, int]:
         """Follow the job (``squeue`` every ``slurm_poll_interval``) until
@@ -323,19 +323,8 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
     async def progress(self) -> AsyncIterator[dict[str, Any]]:
         """The job's progress: submitted, Slurm's state and reason, running
         on which node and port, answering."""
-        sent = 0
-        while True:
-            self._slurm_changed.clear()
-            events = self._slurm_events
-            for event in events[sent:]:
-                yield event
-            sent = len(events)
-            if self._slurm_over:
-                return
-            try:
-                await asyncio.wait_for(self._slurm_changed.wait(), 5)
-            except asyncio.TimeoutError:
-                continue
+        async for event in self._slurm_feed.follow():
+            yield event
 
     async def poll(self) -> int | None:
         """None while the job runs (or pends, or Slurm cannot be asked: the
@@ -377,6 +366,7 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
             time.monotonic() - started,
         )
         self.clear_state()
+        self._slurm_feed = ProgressFeed()  # the next start's
 
 
 class SlurmGPUSpawner(GPUSpawnerMixin, SlurmSpawner):  # type: ignore[misc]

@@ -44,7 +44,7 @@ from typing import Any
 from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
-from ..engines.base import EngineError, Handle, LaunchSpec
+from ..engines.base import EngineError, Handle, LaunchSpec, Status
 from ..errors import BadRequest, BrokerError, NotFound
 from ..model import jobs as model
 from ..store import jobs_repo as repo
@@ -439,6 +439,8 @@ class JobService(LoggingConfigurable):
                 (j.id, j.state, j.lease_id, _handle(j), _Watch.of(j))
                 for j in repo.unfinished(session)
             ]
+        running = [h for _, state, _, h, _ in pending if state == model.RUNNING and h is not None]
+        polled = await self._poll_together(running)
         changed = 0
         for job_id, state, lease_id, handle, watch in pending:
             if job_id in self._cancelling:
@@ -447,8 +449,33 @@ class JobService(LoggingConfigurable):
             if state == model.QUEUED:
                 changed += await self._tick_queued(job_id, lease)
             elif state == model.RUNNING and handle is not None:
-                changed += await self._tick_running(job_id, lease, handle, watch)
+                changed += await self._tick_running(
+                    job_id, lease, handle, watch, polled.get((handle.engine, handle.id))
+                )
         return changed
+
+    async def _poll_together(
+        self, handles: list[Handle]
+    ) -> dict[tuple[str, str], Status | EngineError]:
+        """The statuses of running jobs on engines that read many at once
+        (Slurm: one ``squeue`` for all, not one per job), by (engine, id);
+        an engine that cannot say gives each of its jobs the error. Jobs of
+        other engines are not in the result (polled one by one)."""
+        found: dict[tuple[str, str], Status | EngineError] = {}
+        loop = asyncio.get_running_loop()
+        for name in sorted({h.engine for h in handles}):
+            engine = self.engines.get(name)
+            poll_many = getattr(engine, "poll_many", None)
+            if poll_many is None:
+                continue
+            mine = [h for h in handles if h.engine == name]
+            try:
+                statuses = await loop.run_in_executor(None, poll_many, mine)
+            except EngineError as err:
+                found.update({(name, h.id): err for h in mine})
+                continue
+            found.update({(name, h.id): statuses[h.id] for h in mine if h.id in statuses})
+        return found
 
     async def _tick_queued(self, job_id: int, lease: dict[str, Any] | None) -> int:
         if lease is not None and lease["state"] == "granted":
@@ -471,11 +498,19 @@ class JobService(LoggingConfigurable):
         return 0
 
     async def _tick_running(
-        self, job_id: int, lease: dict[str, Any] | None, handle: Handle, watch: _Watch
+        self,
+        job_id: int,
+        lease: dict[str, Any] | None,
+        handle: Handle,
+        watch: _Watch,
+        polled: Status | EngineError | None = None,
     ) -> int:
         loop = asyncio.get_running_loop()
         try:
-            status = await loop.run_in_executor(None, self._engine(handle.engine).poll, handle)
+            if isinstance(polled, EngineError):
+                raise polled
+            engine = self._engine(handle.engine)
+            status = polled or await loop.run_in_executor(None, engine.poll, handle)
         except EngineError as err:  # its engine cannot tell now (Docker down): next time
             self.log.warning("Job %s: cannot read its process: %s", job_id, err)
             return 0

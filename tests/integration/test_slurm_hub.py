@@ -98,6 +98,13 @@ def _spawn(hub: RunningHub, user: str, profile: str) -> None:
     assert r.status_code in (201, 202), r.text
 
 
+def _server_up(hub: RunningHub, user: str, profile: str) -> dict[str, Any]:
+    """Spawn ``user``'s server; its lease once Slurm's binding is on it."""
+    _spawn(hub, user, profile)
+    hub.wait_for_server(user, timeout=120)
+    return dict(_wait(lambda: _bound_as_lease_says(hub, user), 30, f"{user}'s lease"))
+
+
 def _lease_of(hub: RunningHub, user: str) -> dict[str, Any] | None:
     leases = [x for x in hub.leases() if x["user"] == user]
     return leases[0] if leases else None
@@ -192,9 +199,7 @@ def test_two_servers_run_as_slurm_jobs_where_the_broker_placed_them_and_a_third_
 def test_scancel_of_a_server_releases_its_lease_and_the_hub_sees_it_stopped(
     hub: RunningHub, slurm_cluster: SlurmCluster
 ) -> None:
-    _spawn(hub, "dave", "one")
-    hub.wait_for_server("dave", timeout=120)
-    lease = _wait(lambda: _bound_as_lease_says(hub, "dave"), 30, "dave's lease")
+    lease = _server_up(hub, "dave", "one")
 
     slurm_cluster.run("scancel", lease["slurm_job"])
 
@@ -265,9 +270,7 @@ def test_gpu_submit_from_a_slurm_server_runs_the_notebook_as_a_slurm_job_on_batc
 def test_a_stopped_slurmctld_ends_no_lease_and_orphans_no_server(
     hub: RunningHub, slurm_cluster: SlurmCluster
 ) -> None:
-    _spawn(hub, "gina", "one")
-    hub.wait_for_server("gina", timeout=120)
-    lease = _wait(lambda: _bound_as_lease_says(hub, "gina"), 30, "gina's lease")
+    lease = _server_up(hub, "gina", "one")
     ctld = slurm_cluster.procs["slurmctld"]
     ctld.send_signal(signal.SIGSTOP)  # every Slurm command now hangs, then fails
     try:
@@ -286,9 +289,7 @@ def test_a_stopped_slurmctld_ends_no_lease_and_orphans_no_server(
 def test_a_restarted_broker_adopts_the_servers_slurm_jobs(
     hub: RunningHub, slurm_cluster: SlurmCluster
 ) -> None:
-    _spawn(hub, "hana", "two")
-    hub.wait_for_server("hana", timeout=120)
-    lease = _wait(lambda: _bound_as_lease_says(hub, "hana"), 30, "hana's lease")
+    lease = _server_up(hub, "hana", "two")
     old = hub.broker_pid()
     assert old is not None
     os.kill(old, signal.SIGKILL)

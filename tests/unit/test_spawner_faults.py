@@ -158,7 +158,7 @@ async def wait_for(predicate: Any, timeout: float = 10) -> Any:
 
 
 def messages(spawner: SimpleLocalGPUSpawner) -> list[str]:
-    return [e["message"] for e in spawner._gpu_events]
+    return [e["message"] for e in spawner._gpu_feed.events]
 
 
 # -- 3: a server that dies -----------------------------------------------------------------

@@ -444,7 +444,7 @@ async def test_acquire_requests_the_profile_and_reports_the_summary(broker: Stub
         "mig_profile": "1g.10gb",
         "time_limit": 3600,
     }
-    assert spawner._gpu_events[-1]["message"] == (
+    assert spawner._gpu_feed.events[-1]["message"] == (
         "GPUs granted: 1 x MIG 1g.10gb on NVIDIA H100 80GB HBM3 (GPU-abc)"
     )
 
@@ -454,7 +454,7 @@ def test_queued_message_uses_the_summary_or_the_count() -> None:
     queue = {"position": 2, "reason": "Resources", "message": "waiting"}
     spawner._event({"state": "pending", "summary": "2 x shared GPU (10 GiB each)", "queue": queue})
     spawner._event({"state": "pending", "gpus": 4, "queue": queue})
-    assert [e["message"] for e in spawner._gpu_events] == [
+    assert [e["message"] for e in spawner._gpu_feed.events] == [
         "Queued for 2 x shared GPU (10 GiB each): position 2 (Resources) - waiting",
         "Queued for 4 GPU(s): position 2 (Resources) - waiting",
     ]
