@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from gpubroker.engines.base import EngineError, Handle, Status
 from gpubroker.engines.slurm import SlurmEngine
-from gpubroker.errors import BrokerError
+
+from .rebind import Rebinder
 
 if TYPE_CHECKING:
     from gpubroker.core import Broker
@@ -53,6 +54,7 @@ class SlurmServers:
     def __init__(self, broker: Broker, log: logging.Logger) -> None:
         self.broker = broker
         self.log = log
+        self.rebinder = Rebinder(broker, log)
 
     @property
     def engine(self) -> SlurmEngine | None:
@@ -107,15 +109,6 @@ class SlurmServers:
         return self.broker.reconcile_slurm_servers(ended) if ended else []
 
     def _rebind(self, lease: Lease, bound: tuple[str, ...]) -> None:
-        held = sorted(a.device_uuid for a in lease.allocations if a.active)
-        if not bound or sorted(bound) == held:
-            return
-        try:
-            self.broker.rebind_lease(lease.id, bound)
-        except BrokerError as err:
-            self.log.warning(
-                "Lease %s: cannot take the GPUs Slurm job %s is bound to: %s",
-                lease.id,
-                lease.slurm_job,
-                err,
-            )
+        held = [a.device_uuid for a in lease.allocations if a.active]
+        what = f"Slurm job {lease.slurm_job} of server {lease.user}/{lease.server_name}"
+        self.rebinder.apply(lease.id, held, bound, what)

@@ -44,6 +44,7 @@ from typing import Any
 from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
+from ..broker.rebind import Rebinder
 from ..engines.base import EngineError, Handle, LaunchSpec, Status
 from ..errors import BadRequest, BrokerError, NotFound
 from ..model import jobs as model
@@ -141,6 +142,7 @@ class JobService(LoggingConfigurable):
         self.broker = broker
         #: the engines jobs run on, by name (the docker one made on first use)
         self.engines: dict[str, Any] = {engine.name: engine}
+        self.rebinder = Rebinder(broker, self.log)
         self.sessions = broker.session_factory
         self._cancelling: set[int] = set()
 
@@ -553,13 +555,8 @@ class JobService(LoggingConfigurable):
     def _rebind(self, job_id: int, lease: dict[str, Any], bound: tuple[str, ...]) -> None:
         """Record on the lease the devices its engine bound the job to, where
         they are not the ones the lease holds (Slurm picks the GPU indices)."""
-        held = sorted(d["uuid"] for d in lease.get("slots") or [])
-        if not bound or sorted(bound) == held:
-            return
-        try:
-            self.broker.rebind_lease(lease["id"], bound)
-        except BrokerError as err:
-            self.log.warning("Job %s: its lease cannot take the devices bound: %s", job_id, err)
+        held = [d["uuid"] for d in lease.get("slots") or []]
+        self.rebinder.apply(lease["id"], held, bound, f"job {job_id}")
 
     async def _maybe_warn(
         self, job_id: int, lease: dict[str, Any], handle: Handle, watch: _Watch

@@ -63,3 +63,22 @@ def test_an_ended_slurm_job_releases_its_server_lease_with_what_slurm_said(
     assert broker.get_lease(lease["id"])["release_reason"] == (
         "reconcile: the Slurm job 41 of server eve/ was ended by signal 15"
     )
+
+
+def test_a_refused_binding_is_told_once(broker: Broker, caplog) -> None:
+    import logging
+
+    from gpubroker.broker.rebind import Rebinder
+
+    first = broker.request_lease("fay", "", gpus=1)
+    second = broker.request_lease("gus", "", gpus=1)
+    rebinder = Rebinder(broker, logging.getLogger("test.rebind"))
+    held = [d["uuid"] for d in first["devices"]]
+    assert not rebinder.apply(first["id"], held, held, "job 1")  # nothing to move
+    broker.release_lease(first["id"], "done")
+    taken = [d["uuid"] for d in second["devices"]]
+    with caplog.at_level(logging.DEBUG, logger="test.rebind"):
+        for _ in range(3):
+            assert not rebinder.apply(first["id"], held, taken, "job 1")
+    levels = [r.levelno for r in caplog.records if r.name == "test.rebind"]
+    assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG]
