@@ -50,10 +50,9 @@ class ProgressFeed:
         sent = 0
         while True:
             self._changed.clear()
-            events = self.events
-            for event in events[sent:]:
-                yield event
-            sent = len(events)
+            while sent < len(self.events):  # also those added while a yield waited
+                sent += 1
+                yield self.events[sent - 1]
             if self.over:
                 return
             with contextlib.suppress(asyncio.TimeoutError):

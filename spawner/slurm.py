@@ -38,16 +38,18 @@ installed on the nodes at ``node_python``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
 import pwd
+import stat
 import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from jupyterhub.spawner import Spawner
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from traitlets import Float, Unicode, default
 
 from gpubroker.engines.base import EngineError, Handle, LaunchSpec, Status
@@ -61,19 +63,45 @@ from .progress import ProgressFeed
 SERVER_MODULE = "gpubroker_spawner.slurm_server"
 #: lines of the job's output file shown when its server fails to start
 OUTPUT_LINES = 8
+#: bytes read from the end of that file
+TAIL_BYTES = 16384
+#: pending reasons that do not clear by waiting: the spawn fails at once
+#: (Slurm's squeue(1) REASON CODES)
+HOPELESS = frozenset(
+    {
+        "PartitionTimeLimit",
+        "PartitionNodeLimit",
+        "PartitionConfig",
+        "AccountNotAllowed",
+        "QOSNotAllowed",
+        "InvalidAccount",
+        "InvalidQOS",
+        "BadConstraints",
+        "JobHeldAdmin",
+    }
+)
 #: seconds between two HTTP looks at a starting server whose port is known
 HTTP_PROBE = 0.2
 #: a job whose state Slurm could not say (its command failed): still starting
 _UNKNOWN = Status("running")
 
 
-def output_tail(path: str, lines: int = OUTPUT_LINES) -> str:
-    """The last ``lines`` lines of ``path`` ("" when it cannot be read here,
-    e.g. a node's local disk)."""
+def output_tail(path: str, uid: int, lines: int = OUTPUT_LINES) -> str:
+    """The last ``lines`` lines of ``path``, read only when it is a regular
+    file owned by ``uid`` (the server's user) and not a symbolic link: the
+    hub may run as root, and the user chooses what lies in her home
+    (``ln -s /etc/shadow``). ``""`` when it cannot be read here (e.g. a
+    node's local disk) or is not such a file."""
     try:
-        text = Path(path).read_text(errors="replace")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return ""
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+            return ""
+        file.seek(max(0, info.st_size - TAIL_BYTES))
+        text = file.read(TAIL_BYTES).decode(errors="replace")
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
@@ -236,7 +264,7 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
         feed = self._slurm_feed
         try:
             spec = self.launch_spec()
-            handle = await asyncio.to_thread(self.engine.launch, spec)
+            handle = await self._submit(spec)
         except EngineError as err:
             feed.close()
             raise spawn_error(f"Slurm refused the server's job: {err}", "slurm-refused") from err
@@ -251,6 +279,19 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
         finally:
             feed.close()
 
+    async def _submit(self, spec: LaunchSpec) -> Handle:
+        """``sbatch`` in a thread; a start cancelled meanwhile (the hub's
+        start timeout, a user's cancel) cancels the job once it is known,
+        so no job runs that nothing follows."""
+        submitted = asyncio.ensure_future(asyncio.to_thread(self.engine.launch, spec))
+        try:
+            return await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                handle = await submitted
+                await asyncio.to_thread(self.engine.stop, handle, 0.0)
+            raise
+
     async def _wait_for_server(self, spec: LaunchSpec) -> tuple[str, int]:
         """Follow the job (``squeue`` every ``slurm_poll_interval``) until
         its server answers HTTP (asked every :data:`HTTP_PROBE` seconds once
@@ -263,11 +304,10 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
             if view.state == "PENDING":
                 why = f" ({view.reason})" if view.reason else ""
                 self._slurm_event(55, f"Slurm job {view.job_id}: PENDING{why}")
+                if view.reason in HOPELESS:
+                    raise await self._hopeless(view)
             elif view.port is not None and address is None:
-                host = await asyncio.to_thread(self.engine.node_address, view.node)
-                address = (host, view.port)
-                running = f"RUNNING on {view.node}, server on port {view.port}"
-                self._slurm_event(70, f"Slurm job {view.job_id}: {running}")
+                address = await self._address(view)
             next_look = time.monotonic() + self.slurm_poll_interval
             while True:
                 if address is not None and await self._answers(*address):
@@ -277,6 +317,29 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
                 if remaining <= 0:
                     break
                 await asyncio.sleep(min(HTTP_PROBE, remaining))
+
+    async def _address(self, view: JobView) -> tuple[str, int] | None:
+        """The server's (node address, port); ``None`` while ``sinfo``
+        cannot say (asked again at the next look)."""
+        try:
+            host = await asyncio.to_thread(self.engine.node_address, view.node)
+        except EngineError as err:
+            self._slurm_event(65, f"Slurm job {view.job_id}: node {view.node} not known ({err})")
+            return None
+        running = f"RUNNING on {view.node}, server on port {view.port}"
+        self._slurm_event(70, f"Slurm job {view.job_id}: {running}")
+        return host, int(view.port or 0)
+
+    async def _hopeless(self, view: JobView) -> Exception:
+        """Cancel a job Slurm will never start; the spawn's failure."""
+        with contextlib.suppress(EngineError):
+            await asyncio.to_thread(self.engine.stop, self._handle, 0.0)
+        self.slurm_job_id = self.slurm_node = ""
+        return spawn_error(
+            f"Slurm will not start the server's job {view.job_id}: PENDING ({view.reason}); "
+            "it was cancelled. Ask your administrator (partition, account, QOS, time limit).",
+            "slurm-job-hopeless",
+        )
 
     async def _describe(self) -> JobView | None:
         """``squeue``'s view of the job; while Slurm does not answer, the
@@ -293,15 +356,15 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
         url = f"http://{host}:{port}{base.rstrip('/')}/api"
         request = HTTPRequest(url, connect_timeout=2, request_timeout=5, follow_redirects=False)
         try:
-            response = await AsyncHTTPClient().fetch(request, raise_error=False)
-        except OSError:  # refused, unreachable: not listening yet
+            await AsyncHTTPClient().fetch(request, raise_error=False)
+        except (OSError, HTTPClientError):  # refused, unreachable, timed out: not yet
             return False
-        return response.code != 599
+        return True
 
     def _ended(self, view: JobView | None, spec: LaunchSpec) -> Exception:
         """The spawn failure of a job that ended before its server answered."""
         job = self.slurm_job_id
-        self.clear_state()
+        self.slurm_job_id = self.slurm_node = ""  # not clear_state: the lease is released after
         if view is None:
             what = "is gone from Slurm"
         else:
@@ -313,7 +376,7 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
             )
             why = f", reason {view.reason}" if view.reason else ""
             what = f"ended: {view.state} ({how}{why})"
-        tail = output_tail(spec.stdout or "")
+        tail = output_tail(spec.stdout or "", self._user().pw_uid)
         output = f"; the end of {spec.stdout}:\n{tail}" if tail else ""
         return spawn_error(
             f"The server's Slurm job {job} {what} before the server answered{output}",

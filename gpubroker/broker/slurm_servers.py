@@ -80,6 +80,7 @@ class SlurmServers:
         Returns:
             ids of the leases released.
         """
+        self.adopt()
         watched = self.watched()
         if not watched:
             return []
@@ -92,7 +93,7 @@ class SlurmServers:
             return []
         handles = [Handle(engine.name, x.slurm_job or "", "") for x in watched.values()]
         try:
-            statuses = await asyncio.to_thread(engine.poll_many, handles)
+            statuses = await asyncio.to_thread(engine.poll_many, handles, False)
         except EngineError as err:
             self.log.warning("Cannot ask Slurm about servers' jobs (nothing ended): %s", err)
             return []

@@ -145,6 +145,8 @@ class SlurmEngine(LoggingConfigurable):
         self._lock = threading.Lock()
         #: job ids this engine launched or was asked to poll (its own jobs)
         self._ours: set[str] = set()
+        #: server jobs the broker's leases name now (replaced by each adopt)
+        self._servers: set[str] = set()
         #: (node, index) of each device UUID of the last inventory
         self._where: dict[str, tuple[str, int]] = {}
         #: each node's address (Slurm's NodeAddr) of the last inventory
@@ -223,7 +225,7 @@ class SlurmEngine(LoggingConfigurable):
             EngineError: either command failed (the inventory is unknown).
         """
         info = self._json(["sinfo", "--json"])
-        jobs = self._json(["squeue", "--json", "--states=RUNNING,COMPLETING,SUSPENDED"])
+        jobs = self._json(["squeue", "--json", "--all", "--states=RUNNING,COMPLETING,SUSPENDED"])
         outside = self._outside(jobs.get("jobs") or [])
         seen: dict[str, Node] = {}
         where: dict[str, tuple[str, int]] = {}
@@ -266,7 +268,7 @@ class SlurmEngine(LoggingConfigurable):
     def _outside(self, jobs: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, str]]:
         """GPU indices per node held by running jobs this engine did not launch."""
         with self._lock:
-            ours = set(self._ours)
+            ours = self._ours | self._servers
         held: dict[str, dict[int, str]] = {}
         for job in jobs:
             job_id = str(job.get("job_id"))
@@ -296,12 +298,15 @@ class SlurmEngine(LoggingConfigurable):
         return address
 
     def adopt(self, job_ids: Iterable[str]) -> None:
-        """Count the jobs ``job_ids`` as the broker's own (not *outside*):
-        jobs another process launched for the broker, such as the notebook
-        servers :class:`gpubroker_spawner.slurm.SlurmGPUSpawner` submits
-        from the hub, whose lease names them."""
+        """Count exactly the jobs ``job_ids`` as the broker's servers (not
+        *outside*): jobs another process launched for the broker, such as
+        the notebook servers :class:`gpubroker_spawner.slurm.SlurmGPUSpawner`
+        submits from the hub, whose granted leases name them. Each call
+        replaces the last: a server job whose lease has ended (one a failed
+        stop left running) counts as outside again, so its GPUs are not
+        granted twice."""
         with self._lock:
-            self._ours.update(str(j) for j in job_ids if str(j).isdigit())
+            self._servers = {str(j) for j in job_ids if str(j).isdigit()}
 
     def telemetry(self, uuids: Iterable[str]) -> dict[str, DeviceUsage]:
         """Slurm reports no GPU utilization or memory per device: always
@@ -370,7 +375,9 @@ class SlurmEngine(LoggingConfigurable):
                 root), or ``sbatch`` refused (its message).
         """
         node, gpus = self._placement(spec.devices) if spec.devices else (None, 0)
-        env = {k: v for k, v in spec.env.items() if k not in SLURM_SET}
+        # with --gres Slurm sets the device variables from its binding;
+        # without, the spec's (a server without GPUs: none visible) stay
+        env = {k: v for k, v in spec.env.items() if not gpus or k not in SLURM_SET}
         out = self._run(self.sbatch_args(spec, node, gpus), stdin=_script(spec), env=env)
         job_id = out.strip().split(";")[0]
         if not job_id.isdigit():
@@ -388,11 +395,15 @@ class SlurmEngine(LoggingConfigurable):
 
     # -- status, signals, stop ----------------------------------------------------
 
-    def _check(self, handle: Handle) -> str:
+    def _check(self, handle: Handle, claim: bool = True) -> str:
+        """The handle's job id; with ``claim``, the job counts as this
+        engine's own from now on (a job a restarted broker polls is one it
+        launched before)."""
         if handle.engine != self.name or not handle.id.isdigit():
             raise EngineError(f"not a Slurm job handle: {handle}")
-        with self._lock:
-            self._ours.add(handle.id)
+        if claim:
+            with self._lock:
+                self._ours.add(handle.id)
         return handle.id
 
     def poll(self, handle: Handle) -> Status:
@@ -405,15 +416,17 @@ class SlurmEngine(LoggingConfigurable):
         view = self.describe(handle)
         return view.status if view is not None else self._accounted(handle.id)
 
-    def poll_many(self, handles: Iterable[Handle]) -> dict[str, Status]:
+    def poll_many(self, handles: Iterable[Handle], claim: bool = True) -> dict[str, Status]:
         """The status of each job of ``handles``, by job id, from one
         ``squeue`` (Slurm 22.05 lists every job however it is asked); jobs
-        gone from it are asked of ``sacct`` one by one.
+        gone from it are asked of ``sacct`` one by one. With ``claim`` the
+        jobs count as this engine's own from now on (batch jobs); servers'
+        jobs are counted by :meth:`adopt` instead.
 
         Raises:
             EngineError: a handle is not a Slurm one, or ``squeue`` failed.
         """
-        wanted = {self._check(h) for h in handles}
+        wanted = {self._check(h, claim) for h in handles}
         if not wanted:
             return {}
         views = self._views(wanted)
@@ -434,10 +447,10 @@ class SlurmEngine(LoggingConfigurable):
         return self._views({job_id}).get(job_id)
 
     def _views(self, job_ids: set[str]) -> dict[str, slurm_json.JobView]:
-        argv = ["squeue", "--json", "--states=all"]
-        if len(job_ids) == 1:
-            argv.append(f"--jobs={next(iter(job_ids))}")
-        answer = self._json(argv)
+        # no --jobs: 22.05 ignores it, and later versions refuse a job id
+        # already purged (MinJobAge), which would read as "unknown" forever;
+        # --all: jobs in hidden partitions too
+        answer = self._json(["squeue", "--json", "--all", "--states=all"])
         return {
             str(job.get("job_id")): slurm_json.job_view(job, self.cluster)
             for job in answer.get("jobs") or []
@@ -454,7 +467,10 @@ class SlurmEngine(LoggingConfigurable):
         except EngineError as err:
             self.log.debug("Slurm job %s: sacct: %s", job_id, err)
             return Status("lost")
-        return slurm_json.sacct_status(out) or Status("lost")
+        status = slurm_json.sacct_status(out)
+        if status is None:
+            return Status("lost")
+        return status
 
     def signal(self, handle: Handle, signum: int) -> None:
         """``scancel --full --signal=signum``: the batch shell and every

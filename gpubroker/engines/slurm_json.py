@@ -240,17 +240,20 @@ def job_status(job: Mapping[str, Any]) -> Status:
 
 
 def sacct_status(text: str) -> Status | None:
-    """The final status from ``sacct -n -P -X -j ID -o State,ExitCode,Start,End``
-    (``"COMPLETED|0:0|2026-12-03T07:07:24|2026-12-03T07:08:00"``); ``None``
-    when it lists no job or the job has not ended. Times are read as UTC
-    (set ``TZ=UTC`` for the command)."""
+    """The status from ``sacct -n -P -X -j ID -o State,ExitCode,Start,End``
+    (``"COMPLETED|0:0|2026-12-03T07:07:24|2026-12-03T07:08:00"``): final
+    once ended, ``running`` while it runs or pends (a job ``squeue`` did
+    not list, e.g. hidden from it); ``None`` when it lists no job. Times are
+    read as UTC (set ``TZ=UTC`` for the command)."""
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         return None
     state, exit_code, start, end = ([*lines[0].split("|"), "", "", ""])[:4]
     state = state.split()[0].upper() if state.strip() else ""
-    if not state or state in ACTIVE_JOB_STATES:
+    if not state:
         return None
+    if state in ACTIVE_JOB_STATES:
+        return Status("running", started=_sacct_time(start))
     code_text, _, signal_text = exit_code.partition(":")
     code = int(code_text) if code_text.isdigit() else None
     signum = int(signal_text) if signal_text.isdigit() and int(signal_text) else None

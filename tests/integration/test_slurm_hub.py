@@ -225,7 +225,8 @@ def test_a_server_job_that_dies_before_its_server_answers_fails_the_spawn_at_onc
     assert re.search(r"Slurm job \d+ ended: FAILED \(exit status 127", message), message
     assert "cannot run /nonexistent/jupyterhub-singleuser: No such file" in message
     assert not hub.user_model("erin")["servers"]
-    _wait(lambda: _lease_of(hub, "erin") is None, 10, "the lease of the failed spawn")
+    # released by the spawn's failure itself, not later by the reconciliation
+    _wait(lambda: _lease_of(hub, "erin") is None, 1.5, "the lease of the failed spawn")
 
 
 def test_gpu_submit_from_a_slurm_server_runs_the_notebook_as_a_slurm_job_on_batch(

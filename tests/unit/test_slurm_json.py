@@ -102,7 +102,7 @@ def test_sacct_lines() -> None:
     assert cancelled is not None and cancelled.signal == 15
     timeout = sj.sacct_status("TIMEOUT|0:15|x|y")
     assert timeout is not None and timeout.timed_out
-    assert sj.sacct_status("RUNNING|0:0|x|Unknown") is None
+    assert sj.sacct_status("RUNNING|0:0|x|Unknown") == sj.Status("running")
     assert sj.sacct_status("") is None
 
 

@@ -60,3 +60,36 @@ async def test_a_failing_squeue_is_unknown_and_the_server_counts_as_running() ->
 
 async def test_without_a_job_there_is_no_server() -> None:
     assert await make_spawner().poll() == 0
+
+
+def test_the_output_shown_is_only_the_users_own_regular_file(tmp_path) -> None:
+    import os
+
+    from gpubroker_spawner.slurm import output_tail
+
+    log = tmp_path / "server.log"
+    log.write_text("".join(f"line {i}\n" for i in range(20)))
+    uid = os.getuid()
+    assert output_tail(str(log), uid, lines=2) == "line 18\nline 19"
+    assert output_tail(str(log), uid + 1) == ""  # not the user's: not read
+    secret = tmp_path / "secret"
+    secret.write_text("root's secret\n")
+    link = tmp_path / "link.log"
+    link.symlink_to(secret)
+    assert output_tail(str(link), uid) == ""  # a link the user planted: not followed
+    assert output_tail(str(tmp_path / "missing.log"), uid) == ""
+
+
+async def test_progress_events_added_while_one_is_read_are_all_yielded() -> None:
+    from gpubroker_spawner.progress import ProgressFeed
+
+    feed = ProgressFeed()
+    feed.add(10, "one")
+    seen = []
+    async for event in feed.follow():
+        seen.append(event["message"])
+        if event["message"] == "one":  # while the reader is busy with "one"
+            feed.add(20, "two")
+            feed.add(30, "three")
+            feed.close()
+    assert seen == ["one", "two", "three"]
