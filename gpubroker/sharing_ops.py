@@ -13,6 +13,7 @@ occupies its slices; :meth:`SharingOpsMixin.clean_mig` retries.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 import time
 from collections.abc import Iterable
@@ -33,6 +34,11 @@ from .passes import PREPARING, grant_parts, set_wait
 from .pools import PoolSpec
 from .scheduler import Instance, Part, PoolMode
 from .store.models import Device, Lease
+
+
+def mig_mode_key(uuid: str) -> str:
+    """The actuator's key of device ``uuid``'s MIG mode change."""
+    return f"MIG mode of {uuid}"
 
 
 class SharingOpsMixin:
@@ -472,18 +478,33 @@ class SharingOpsMixin:
             self._audit(session, "device-mig", uuid, {"mig_mode": enabled})  # type: ignore[attr-defined]
         if self.apply_mig_modes():
             self.schedule_now()  # type: ignore[attr-defined]
-        with self._read() as session:  # type: ignore[attr-defined]
-            device = session.get(Device, uuid)
-            assert device is not None
-            return {
-                "uuid": uuid,
-                "mig_enabled": device.mig_enabled,
-                "mig_target": device.mig_target,
-            }
+        return self.mig_mode_view(uuid)
+
+    def mig_mode_view(self, uuid: str) -> dict[str, Any]:
+        """``{"uuid", "mig_enabled", "mig_target"}`` of a known device."""
+        device = self._world.devices[uuid]  # type: ignore[attr-defined]
+        return {"uuid": uuid, "mig_enabled": device.mig_enabled, "mig_target": device.mig_target}
+
+    async def after_mig_mode(self, view: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+        """The answer of :meth:`request_mig_mode` once a change it started
+        off the event loop has finished (at most ``timeout`` seconds; then
+        the device as it stands, its ``mig_target`` still set)."""
+        uuid = str(view["uuid"])
+        if self.actuator is None or not self.actuator.busy(mig_mode_key(uuid)):
+            return view
+        await self.actuator.settled(mig_mode_key(uuid), timeout)
+        return self.mig_mode_view(uuid)
 
     def apply_mig_modes(self) -> list[str]:
         """Change the MIG mode of every device an admin asked for, once no
-        active lease holds any of its slots. Returns the UUIDs changed."""
+        active lease holds any of its slots. Returns the UUIDs changed now.
+
+        With an actuator (the service), the device calls (destroying the
+        device's instances, then setting the mode: NVML takes seconds for
+        it) run off the event loop, and the outcome is committed by
+        :meth:`_mig_mode_done`, so nothing is changed now and ``[]`` is
+        returned; until then the device keeps its ``mig_target`` and takes
+        no grants. Without one (unit tests, the CLI) they run here."""
         changed = []
         with self._write() as session:  # type: ignore[attr-defined]
             world = self._world  # type: ignore[attr-defined]
@@ -495,18 +516,70 @@ class SharingOpsMixin:
             for device in targets:
                 if device.uuid in busy:
                     continue
-                for instance in self._mig_inventory.get(device.uuid, []):
-                    self._destroy(device.uuid, instance.uuid)
-                try:
-                    self.backend.set_mig_mode(device.uuid, bool(device.mig_target))
-                except DeviceBackendError as err:
-                    self.log.error("Cannot set MIG mode of %s: %s", device.uuid, err)
+                uuid, target = device.uuid, bool(device.mig_target)
+                instances = [i.uuid for i in self._mig_inventory.get(uuid, [])]
+                if self.actuator is not None:
+                    self.actuator.submit(
+                        mig_mode_key(uuid),
+                        functools.partial(self._switch_mig_mode, uuid, target, instances),
+                        functools.partial(self._mig_mode_done, uuid, target),
+                    )
                     continue
-                self.log.warning("MIG mode of %s is now %s", device.uuid, device.mig_target)
-                device.mig_enabled = bool(device.mig_target)
-                device.mig_target = None
-                changed.append(device.uuid)
+                try:
+                    self._switch_mig_mode(uuid, target, instances)
+                except DeviceBackendError as err:
+                    self.log.error("Cannot set MIG mode of %s: %s", uuid, err)
+                    continue
+                self._mig_mode_set(device, target)
+                changed.append(uuid)
             if changed:
                 session.flush()
                 self._refresh_pools(session)
         return changed
+
+    def _switch_mig_mode(self, uuid: str, target: bool, instances: list[str]) -> None:
+        """The device calls of a MIG mode change: destroy ``instances``
+        (those the broker knows of on the device), then set the mode
+        (NVML's rule: no instance may exist when MIG mode changes). Runs in
+        a worker thread with an actuator; touches no broker state.
+
+        Raises:
+            DeviceBackendError: the mode cannot be set (an instance that
+                could not be destroyed makes the mode change fail).
+        """
+        for instance in instances:
+            try:
+                self.backend.destroy_mig_device(uuid, instance)
+            except (DeviceBackendError, KeyError) as err:
+                self.log.error("Cannot destroy MIG instance %s on %s: %s", instance, uuid, err)
+        self.backend.set_mig_mode(uuid, target)
+
+    def _mig_mode_set(self, device: Device, target: bool) -> None:
+        """Record that ``device``'s MIG mode is now ``target`` (inside a write)."""
+        self.log.warning("MIG mode of %s is now %s", device.uuid, target)
+        device.mig_enabled = target
+        if device.mig_target is not None and bool(device.mig_target) == target:
+            device.mig_target = None  # an admin may have asked otherwise meanwhile
+        self._mig_inventory.pop(device.uuid, None)
+
+    @command("scheduler")
+    def _mig_mode_done(
+        self, uuid: str, target: bool, _result: Any, err: BaseException | None
+    ) -> None:
+        """The outcome of an off-loop MIG mode change, on the event loop: on
+        success the mode is committed and a pass runs (the device's slots
+        changed); on failure it is logged and the device keeps its target
+        (the scheduling loop's next housekeeping tries again)."""
+        if err is not None:
+            self.log.error("Cannot set MIG mode of %s: %s", uuid, err)
+            with self._read() as session:  # type: ignore[attr-defined]
+                self._refresh_pools(session)  # what instances are left
+            return
+        with self._write() as session:  # type: ignore[attr-defined]
+            device = self._world.devices.get(uuid)  # type: ignore[attr-defined]
+            if device is None:
+                return
+            self._mig_mode_set(device, target)
+            session.flush()
+            self._refresh_pools(session)
+        self.schedule_now()  # type: ignore[attr-defined]

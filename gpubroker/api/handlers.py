@@ -538,11 +538,12 @@ class DeviceHandler(APIHandler):
     operation: no new grants meanwhile). Admins only."""
 
     @auth.needs(auth.ADMIN_SCOPE)
-    def patch(self, uuid: str) -> None:
+    async def patch(self, uuid: str) -> None:
         uuid = validation.check_name(uuid, "uuid")
         body = validation.parse_json_object(self.request.body)
         if set(body) == {"mig_mode"} and isinstance(body["mig_mode"], bool):
-            self.write_json(self.broker.request_mig_mode(uuid, body["mig_mode"], actor=self.me))
+            view = self.broker.request_mig_mode(uuid, body["mig_mode"], actor=self.me)
+            self.write_json(await self.broker.after_mig_mode(view))
             return
         if set(body) != {"drained"} or not isinstance(body["drained"], bool):
             raise validation.BadRequest(

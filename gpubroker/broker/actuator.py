@@ -81,6 +81,16 @@ class Actuator:
         except Exception:
             self.log.exception("Committing the outcome of %s failed", key)
 
+    async def settled(self, key: str, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the call submitted under
+        ``key`` (if one runs) to finish and be handed back. Returns whether
+        none runs any more."""
+        task = self._tasks.get(key)
+        if task is None or task.done():
+            return True
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        return bool(done)
+
     async def idle(self) -> None:
         """Wait until every submitted call has finished and been handed back."""
         while pending := [t for t in self._tasks.values() if not t.done()]:

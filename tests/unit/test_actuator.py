@@ -181,3 +181,48 @@ async def test_a_daemon_that_does_not_start_is_an_event_and_the_request_waits(
     broker.schedule_now()
     await broker.actuator.idle()
     assert broker.get_lease(lease["id"])["state"] == "granted"
+
+
+# -- MIG mode changes, carried out off the event loop ----------------------------
+
+
+async def test_a_mig_mode_change_runs_off_the_loop_and_the_answer_waits_for_it(
+    broker: Broker,
+) -> None:
+    gpu0 = broker.backend.devices()[0].uuid
+    view = broker.request_mig_mode(gpu0, False)
+    # the command only asked: NVML has not been called on the event loop
+    assert view == {"uuid": gpu0, "mig_enabled": True, "mig_target": False}
+    assert broker.backend.devices()[0].mig_enabled
+    answered = await broker.after_mig_mode(view)  # what PATCH /devices answers
+    assert answered == {"uuid": gpu0, "mig_enabled": False, "mig_target": None}
+    assert not broker.backend.devices()[0].mig_enabled
+    # the pass after it sees the change: MIG requests go to the other device only
+    lease = broker.request_lease("ann", "", mig_profile="7g.80gb", pool="mig")
+    assert broker.actuator is not None
+    await broker.actuator.idle()
+    assert broker.get_lease(lease["id"])["slots"][0]["device"] != gpu0
+    assert broker.validate_state([lease["id"]]) == []
+
+
+async def test_a_failed_mig_mode_change_keeps_the_target_and_is_tried_again(
+    broker: Broker,
+) -> None:
+    gpu0 = broker.backend.devices()[0].uuid
+    # a process on the GPU: NVML refuses the change (in use)
+    broker.backend.set_usage(gpu0, processes=[{"pid": 4242, "used_memory_mib": 100}])
+    view = await broker.after_mig_mode(broker.request_mig_mode(gpu0, False))
+    assert view == {"uuid": gpu0, "mig_enabled": True, "mig_target": False}
+    assert broker.backend.devices()[0].mig_enabled
+    # no grant lands on it meanwhile
+    lease = broker.request_lease("ann", "", mig_profile="7g.80gb", pool="mig")
+    other = broker.request_lease("bob", "", mig_profile="7g.80gb", pool="mig")
+    assert broker.actuator is not None
+    await broker.actuator.idle()
+    assert broker.get_lease(lease["id"])["slots"][0]["device"] != gpu0
+    assert broker.get_lease(other["id"])["state"] == "pending"
+    # the process ends; the scheduling loop's housekeeping tries again
+    broker.backend.set_usage(gpu0, processes=[])
+    broker.housekeep_mig()
+    await broker.actuator.idle()
+    assert broker.mig_mode_view(gpu0) == {"uuid": gpu0, "mig_enabled": False, "mig_target": None}
