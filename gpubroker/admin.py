@@ -57,12 +57,21 @@ class AdminMixin:
         """Remove a stored quota (the configured one, if any, applies again).
 
         Raises:
-            NotFound: no quota stored for ``kind`` ``name``.
+            NotFound: no quota stored for ``kind`` ``name`` (the message
+                says so when the configuration sets one: that one is
+                changed in the broker's config, not through the API).
         """
         with self._write() as session:
             row = session.get(QuotaRow, (kind, name))
             if row is None:
-                raise NotFound(f"quota: no stored quota for {kind} {name!r}")
+                configured = getattr(self.policy, f"{kind}_quotas", {})
+                where = (
+                    f"; its quota {configured[name]} comes from the configuration "
+                    f"(SchedulingPolicy.{kind}_quotas) and is changed there"
+                    if name in configured
+                    else ""
+                )
+                raise NotFound(f"quota: no stored quota for {kind} {name!r}{where}")
             session.delete(row)
             self._audit(session, "quota-deleted", f"{kind}:{name}", {})
             session.flush()

@@ -266,8 +266,10 @@ def test_stored_quota_overrides_config_and_lowering_keeps_running_leases(db_url:
         broker.request_lease("ann", "b", 1)
     broker.delete_quota("user", "ann")
     assert broker.quotas()["users"]["ann"]["limit"] == 4.0
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFound, match=r"SchedulingPolicy.user_quotas\) and is changed there"):
         broker.delete_quota("user", "ann")
+    with pytest.raises(NotFound, match=r"no stored quota for user 'bob'$"):
+        broker.delete_quota("user", "bob")
 
 
 def test_reclaim_evicts_after_grace_and_hands_over_exactly_that_device(db_url: str) -> None:
