@@ -60,6 +60,13 @@ def test_spawn_and_stop_while_the_broker_restarts(clean_hub: RunningHub) -> None
     assert stop.status_code in (202, 204), stop.text
     answer = spawn(hub, "arriver", {"gpus": 1})
     assert answer.status_code == 202, answer.text  # not 400 "Invalid user options"
+    # The 202 comes after the spawn has run for slow_spawn_timeout (3 s), so
+    # its first call to the broker was made before it. When the broker is
+    # still down now, that call found it down, and the user must be told.
+    # (The hub polls its services every ~30 s: now and then it restarts the
+    # broker within the second between the kill and the spawn, and the
+    # spawn never sees the outage.)
+    down_through_the_first_call = hub.broker_pid() is None
     events: list[dict] = []
     reader = threading.Thread(target=lambda: events.extend(hub.progress("arriver", timeout=90)))
     reader.start()
@@ -68,7 +75,8 @@ def test_spawn_and_stop_while_the_broker_restarts(clean_hub: RunningHub) -> None
     model = hub.wait_for_server("arriver", timeout=90)
     reader.join(30)
     messages = [e.get("message", "") for e in events]
-    assert RETRY_MESSAGE in messages, messages
+    if down_through_the_first_call:
+        assert RETRY_MESSAGE in messages, messages
     assert any(m.startswith("GPUs granted") for m in messages), messages
     lease = lease_of(hub, "arriver")
     assert lease["state"] == "granted"
