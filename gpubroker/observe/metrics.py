@@ -115,7 +115,7 @@ class _StateCollector(Collector):
         yield from self._telemetry()
 
     def _devices(self) -> Iterator[GaugeMetricFamily]:
-        states: Tally[str] = Tally({"free": 0, "held": 0, "drained": 0, "absent": 0})
+        states: Tally[str] = Tally({"free": 0, "held": 0, "drained": 0, "outside": 0, "absent": 0})
         slots: Tally[tuple[str, str]] = Tally()
         for device, holders in self.broker.device_rows():
             if not device.present:
@@ -125,7 +125,7 @@ class _StateCollector(Collector):
             elif device.drained or device.mig_target is not None:
                 states["drained"] += 1
             elif self.broker.outside_reason(device.uuid):
-                states["drained"] += 1  # its engine takes no new work on it
+                states["outside"] += 1  # its engine takes no new work on it (GET /devices too)
             else:
                 states["free"] += 1
             pool = self.broker.pool_spec(device.uuid).name

@@ -1,0 +1,41 @@
+"""``gpubroker_devices`` by state (gpubroker.observe.metrics): a device the
+engine takes no new work on counts as ``outside``, as ``GET /devices`` says,
+not as drained by an admin."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpubroker.core import Broker
+from gpubroker.observe.metrics import BrokerMetrics
+from gpubroker.views import device_listing
+
+
+def _devices(broker: Broker) -> dict[str, float]:
+    text = generate_latest(BrokerMetrics(broker).registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return {s.labels["state"]: s.value for s in families["gpubroker_devices"].samples}
+
+
+def test_devices_by_state_count_outside_apart_from_drained(broker: Broker) -> None:
+    nodes = broker.engine.nodes()
+    (node,) = nodes
+    held_outside = node.devices[0].uuid
+    broker.sync_inventory(
+        [dataclasses.replace(node, outside={held_outside: "Slurm job 41 of bob"})]
+    )
+    broker.set_drained(node.devices[1].uuid, True)
+    broker.request_lease("ann", "", gpus=2, holder_kind="external")
+    assert _devices(broker) == {"free": 4, "held": 2, "drained": 1, "outside": 1, "absent": 0}
+    # the same word as the device listing
+    listed = {d["uuid"]: d for d in device_listing(broker, True, "admin", broker.log)["devices"]}
+    assert listed[held_outside]["state"] == "outside"
+    assert listed[held_outside]["outside"] == "held by Slurm job 41 of bob"
+    # a node the engine says is down: all its devices are outside
+    down = dataclasses.replace(node, state="down", reason="not responding", outside={})
+    broker.sync_inventory([down])
+    # the 2 held stay held, the one an admin drained stays drained
+    assert _devices(broker) == {"free": 0, "held": 2, "drained": 1, "outside": 5, "absent": 0}
