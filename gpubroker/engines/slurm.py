@@ -490,7 +490,9 @@ class SlurmEngine(LoggingConfigurable):
     def stop(self, handle: Handle, grace: float) -> Status:
         """SIGTERM to every process of the job, ``grace`` seconds, then
         ``scancel`` (Slurm kills what is left after its ``KillWait``); waits
-        up to :data:`KILL_WAIT` seconds more for the job to end.
+        up to :data:`KILL_WAIT` seconds more for the job to end. A job still
+        pending has no processes (``scancel --signal`` refuses it): it is
+        cancelled at once.
 
         Raises:
             EngineError: not a Slurm handle, or Slurm could not be asked.
@@ -498,8 +500,10 @@ class SlurmEngine(LoggingConfigurable):
         status = self.poll(handle)
         if not status.running:
             return status
-        self.signal(handle, 15)
-        status = self._wait(handle, grace)
+        view = self.describe(handle)
+        if view is None or view.state != "PENDING":
+            self.signal(handle, 15)
+            status = self._wait(handle, grace)
         if status.running:
             try:
                 self._run(["scancel", handle.id])

@@ -173,6 +173,23 @@ def test_stop_kills_a_job_that_ignores_sigterm(engine: SlurmEngine, tmp_path: Pa
     assert status.signal is not None or status.exit_code != 0
 
 
+def test_stop_cancels_a_job_still_pending_at_once(
+    engine: SlurmEngine, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    # MaxTime below the job's limit: it pends for ever (EnforcePartLimits off)
+    slurm_cluster.run("scontrol", "update", "PartitionName=batch", "MaxTime=1")
+    try:
+        handle = engine.launch(_spec(tmp_path, ["sleep", "30"], time_limit=3600))
+        view = _wait(lambda: (v := engine.describe(handle)) and v.state == "PENDING" and v)
+        assert view.reason.startswith("Partition"), view
+        started = time.monotonic()
+        status = engine.stop(handle, grace=30)  # no processes to warn: no grace
+        assert not status.running
+        assert time.monotonic() - started < 15
+    finally:
+        slurm_cluster.run("scontrol", "update", "PartitionName=batch", "MaxTime=INFINITE")
+
+
 def test_a_failing_status_command_is_an_error_not_an_end(
     engine: SlurmEngine, tmp_path: Path
 ) -> None:

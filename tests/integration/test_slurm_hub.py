@@ -229,6 +229,39 @@ def test_a_server_job_that_dies_before_its_server_answers_fails_the_spawn_at_onc
     _wait(lambda: _lease_of(hub, "erin") is None, 1.5, "the lease of the failed spawn")
 
 
+def test_a_server_job_slurm_will_never_start_fails_the_spawn_and_is_cancelled(
+    hub: RunningHub, slurm_cluster: SlurmCluster
+) -> None:
+    """The partition's MaxTime below the spawner's time limit (1 h): Slurm
+    keeps the job PENDING for ever, as EnforcePartLimits is off (22.05 gives
+    the reason PartitionConfig, later releases PartitionTimeLimit); the spawn
+    fails at once with the reason, and the job is gone."""
+    slurm_cluster.run("scontrol", "update", "PartitionName=interactive", "MaxTime=30")
+    try:
+        hub.create_user("hope")
+        started = time.monotonic()
+        r = hub.api("POST", "/users/hope/server", json={"profile": "one"})
+        if r.status_code in (201, 202):
+            _wait(lambda: hub.server("hope") is None, 60, "the hopeless spawn is still pending")
+            message = hub.log_tail(20000)
+        else:
+            message = r.json()["message"]
+        assert time.monotonic() - started < 60
+        found = re.search(
+            r"Slurm will not start the server's job (\d+): "
+            r"PENDING \(Partition(?:TimeLimit|Config)\)",
+            message,
+        )
+        assert found, message
+        assert not hub.user_model("hope")["servers"]
+        _wait(lambda: _lease_of(hub, "hope") is None, 10, "the lease of the hopeless spawn")
+        job = found.group(1)
+        state = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%T", check=False).stdout
+        assert state.strip() in ("", "CANCELLED"), state
+    finally:
+        slurm_cluster.run("scontrol", "update", "PartitionName=interactive", "MaxTime=INFINITE")
+
+
 def test_gpu_submit_from_a_slurm_server_runs_the_notebook_as_a_slurm_job_on_batch(
     hub: RunningHub, slurm_cluster: SlurmCluster
 ) -> None:
