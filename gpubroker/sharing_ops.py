@@ -555,12 +555,12 @@ class SharingOpsMixin:
         self.backend.set_mig_mode(uuid, target)
 
     def _mig_mode_set(self, device: Device, target: bool) -> None:
-        """Record that ``device``'s MIG mode is now ``target`` (inside a write)."""
+        """Record that ``device``'s MIG mode is now ``target`` (inside a
+        write; the caller then recomputes the pools and MIG inventory)."""
         self.log.warning("MIG mode of %s is now %s", device.uuid, target)
         device.mig_enabled = target
         if device.mig_target is not None and bool(device.mig_target) == target:
             device.mig_target = None  # an admin may have asked otherwise meanwhile
-        self._mig_inventory.pop(device.uuid, None)
 
     @command("scheduler")
     def _mig_mode_done(
@@ -572,8 +572,9 @@ class SharingOpsMixin:
         (the scheduling loop's next housekeeping tries again)."""
         if err is not None:
             self.log.error("Cannot set MIG mode of %s: %s", uuid, err)
-            with self._read() as session:  # type: ignore[attr-defined]
-                self._refresh_pools(session)  # what instances are left
+            device = self._world.devices.get(uuid)  # type: ignore[attr-defined]
+            if device is not None and device.mig_enabled:  # what instances are left
+                self._mig_inventory[uuid] = self._read_instances(uuid)
             return
         with self._write() as session:  # type: ignore[attr-defined]
             device = self._world.devices.get(uuid)  # type: ignore[attr-defined]

@@ -497,10 +497,10 @@ class SlurmEngine(LoggingConfigurable):
         Raises:
             EngineError: not a Slurm handle, or Slurm could not be asked.
         """
-        status = self.poll(handle)
+        view = self.describe(handle)  # one squeue: the state and the status
+        status = view.status if view is not None else self._accounted(handle.id)
         if not status.running:
             return status
-        view = self.describe(handle)
         if view is None or view.state != "PENDING":
             self.signal(handle, 15)
             status = self._wait(handle, grace)
