@@ -14,7 +14,8 @@ from .commands import command
 from .errors import BadRequest, Conflict, NotFound
 from .notices import notice_row
 from .store import audit_repo
-from .store.models import Device, LeaseState, QuotaRow
+from .store.models import LeaseState, QuotaRow
+from .store.repository import Repository
 from .views import device_view, lease_view
 
 
@@ -40,15 +41,15 @@ class AdminMixin:
 
         Lowering a quota never ends a running lease; it holds back pending ones.
         """
-        with self._write() as session:
-            row = session.get(QuotaRow, (kind, name)) or QuotaRow(kind=kind, name=name)
+        with self._write() as repo:
+            row = repo.quota(kind, name) or QuotaRow(kind=kind, name=name)
             row.guaranteed, row.limit = guaranteed, limit
-            session.add(row)
+            repo.add(row)
             self._audit(
-                session, "quota-set", f"{kind}:{name}", {"guaranteed": guaranteed, "limit": limit}
+                repo, "quota-set", f"{kind}:{name}", {"guaranteed": guaranteed, "limit": limit}
             )
-            session.flush()
-            self._schedule(session, dt.datetime.now(dt.timezone.utc))
+            repo.flush()
+            self._schedule(repo, dt.datetime.now(dt.timezone.utc))
         self.log.info("Quota of %s %s: guaranteed %s, limit %s", kind, name, guaranteed, limit)
         self._notify()
 
@@ -61,8 +62,8 @@ class AdminMixin:
                 says so when the configuration sets one: that one is
                 changed in the broker's config, not through the API).
         """
-        with self._write() as session:
-            row = session.get(QuotaRow, (kind, name))
+        with self._write() as repo:
+            row = repo.quota(kind, name)
             if row is None:
                 configured = getattr(self.policy, f"{kind}_quotas", {})
                 where = (
@@ -72,10 +73,10 @@ class AdminMixin:
                     else ""
                 )
                 raise NotFound(f"quota: no stored quota for {kind} {name!r}{where}")
-            session.delete(row)
-            self._audit(session, "quota-deleted", f"{kind}:{name}", {})
-            session.flush()
-            self._schedule(session, dt.datetime.now(dt.timezone.utc))
+            repo.delete(row)
+            self._audit(repo, "quota-deleted", f"{kind}:{name}", {})
+            repo.flush()
+            self._schedule(repo, dt.datetime.now(dt.timezone.utc))
         self._notify()
 
     @command("admin")
@@ -91,18 +92,18 @@ class AdminMixin:
             raise BadRequest(
                 f"priority_class: must be one of {sorted(classes)}, got {priority_class!r}"
             )
-        with self._write() as session:
-            lease = self._get(session, lease_id)
+        with self._write() as repo:
+            lease = self._get(repo, lease_id)
             if lease.state != LeaseState.pending.value:
                 raise Conflict(f"priority_class: lease {lease_id} is {lease.state}, not pending")
             before, lease.priority_class = lease.priority_class, priority_class
             lease.version += 1
             now = dt.datetime.now(dt.timezone.utc)
-            self._rec(session, now).note(  # type: ignore[attr-defined]
+            self._rec(repo, now).note(  # type: ignore[attr-defined]
                 lease, "priority-changed", f"priority class {before} -> {priority_class}"
             )
-            session.flush()
-            self._schedule(session, dt.datetime.now(dt.timezone.utc))
+            repo.flush()
+            self._schedule(repo, dt.datetime.now(dt.timezone.utc))
             view = lease_view(lease)
         self._notify()
         return view
@@ -114,15 +115,15 @@ class AdminMixin:
         Raises:
             NotFound: no such device.
         """
-        with self._write() as session:
-            device = session.get(Device, uuid)
+        with self._write() as repo:
+            device = repo.device(uuid)
             if device is None:
                 raise NotFound(f"device {uuid}: no such device")
             device.drained = drained
             action = "device-drained" if drained else "device-undrained"
-            self._audit(session, action, uuid, {"node": device.node, "index": device.index})
-            session.flush()
-            self._schedule(session, dt.datetime.now(dt.timezone.utc))
+            self._audit(repo, action, uuid, {"node": device.node, "index": device.index})
+            repo.flush()
+            self._schedule(repo, dt.datetime.now(dt.timezone.utc))
             view = device_view(device) | {"drained": device.drained}
         self.log.info("Device %s %s", uuid, "drained" if drained else "back in service")
         self._notify()
@@ -144,34 +145,32 @@ class AdminMixin:
         now = dt.datetime.now(dt.timezone.utc)
         stimulus = self._stimulus
         actor = stimulus.actor if stimulus is not None else "admin"
-        with self._write() as session:
-            lease = self._get(session, lease_id)
+        with self._write() as repo:
+            lease = self._get(repo, lease_id)
             if lease.state != LeaseState.granted.value:
                 raise Conflict(
                     f"lease {lease_id}: is {lease.state}, only a granted lease is preempted"
                 )
             text = f"preempted by {actor}: {reason}"
-            self._rec(session, now).note(lease, "preempted", text)
-            session.add(notice_row(lease, "preempted", text, now))
+            self._rec(repo, now).note(lease, "preempted", text)
+            repo.add(notice_row(lease, "preempted", text, now))
             detail = {"lease_id": lease_id, "reason": reason}
             # target the user: the audit's user filter finds it
-            self._audit(session, "lease-preempted", f"user:{lease.user}", detail)
+            self._audit(repo, "lease-preempted", f"user:{lease.user}", detail)
             if self._evict(lease, text, now, "preemption", actor):
-                session.flush()
-                self._schedule(session, now)
+                repo.flush()
+                self._schedule(repo, now)
             view = lease_view(lease)
         self.log.warning("Lease %s of %s %s", lease_id, view["user"], text)
         self._notify()
         return view
 
-    def _audit(self, session: Any, action: str, target: str, detail: dict[str, Any]) -> None:
-        """Record an admin action in the audit log, in ``session``'s transaction."""
+    def _audit(self, repo: Repository, action: str, target: str, detail: dict[str, Any]) -> None:
+        """Record an admin action in the audit log, in the open transaction (``repo``)."""
         stimulus = self._stimulus  # type: ignore[attr-defined]
         actor = stimulus.actor if stimulus is not None else "admin"
         now = dt.datetime.now(dt.timezone.utc)
-        audit_repo.record(
-            session, now, actor, action, target, detail, stimulus.id if stimulus else ""
-        )
+        audit_repo.record(repo, now, actor, action, target, detail, stimulus.id if stimulus else "")
 
     def queue(self) -> list[dict[str, Any]]:
         """Pending leases in queue order (position 1 first)."""

@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sqlalchemy.orm import Session
-
 from . import scheduler
 from .devices import mig
 from .errors import BadRequest, Forbidden
@@ -248,7 +246,6 @@ class AdmissionMixin:
 
     def _check_limits(
         self,
-        session: Session,
         policy: scheduler.Policy,
         user: str,
         group: str | None,

@@ -317,9 +317,9 @@ class UpgradeDBCommand(_Command):
 
 def _shown(url: str) -> str:
     """``url`` for a log line: any password replaced by ``***``."""
-    from sqlalchemy.engine import make_url
+    from .store.db import shown_url
 
-    return make_url(url).render_as_string(hide_password=True)
+    return shown_url(url)
 
 
 class ServeCommand(_Command):

@@ -24,8 +24,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
 from traitlets import Any as AnyTrait
 from traitlets import Bool, Enum, Float, Instance, Integer, List, TraitError, default, validate
 from traitlets.config import LoggingConfigurable
@@ -54,9 +52,9 @@ from .store.models import (
     HolderKind,
     Intent,
     Lease,
-    LeaseEvent,
     LeaseState,
 )
+from .store.repository import Repository
 from .transitions import EventBus, Recorder, Stimulus, event_view
 from .usage.intervals import CAUSE_ACTORS, release_cause
 from .views import lease_view, summary
@@ -78,7 +76,7 @@ class Broker(
     """Owns leases and devices; see the module docstring.
 
     Args:
-        session_factory: SQLAlchemy session factory bound to the store.
+        session_factory: the store's session factory (:mod:`gpubroker.store.db`).
         backend: the device backend of this node.
     """
 
@@ -284,16 +282,16 @@ class Broker(
         if self.check_state != "off":
             self.validate_state(self._touched)
 
-    def _rec(self, session: Session, now: dt.datetime, actor: str | None = None) -> Recorder:
-        """A recorder of the current command's changes in ``session``."""
+    def _rec(self, repo: Repository, now: dt.datetime, actor: str | None = None) -> Recorder:
+        """A recorder of the current command's changes in ``repo``."""
         stimulus = self._stimulus or Stimulus("broker")
         return Recorder(
-            session, stimulus, now, self.bus, actor, self._touched, self._world.staged_events
+            repo, stimulus, now, self.bus, actor, self._touched, self._world.staged_events
         )
 
     def validate_state(self, touched: Iterable[int] = ()) -> list[str]:
         """Check the invariants (:mod:`gpubroker.state_check`) on what the
-        store holds (read through a fresh session: what a restart would
+        store holds (read through a fresh repository: what a restart would
         load), replaying the transition logs of the leases ``touched``, and
         that the broker's memory holds exactly the store's active leases.
 
@@ -303,11 +301,11 @@ class Broker(
         Raises:
             StateInvalid: one is broken and ``check_state`` is ``raise``.
         """
-        with self._session() as session:
-            found = state_check.problems(session, touched)
-            found += state_check.memory_matches(session, self._world.active())
+        with self._fresh() as repo:
+            found = state_check.problems(repo, touched)
+            found += state_check.memory_matches(repo, self._world.active())
             found += self._world.refresh_inputs().drift(self._world.leases)
-            found += state_check.usage_matches(session, self._world.usage, self._world.half_life)
+            found += state_check.usage_matches(repo, self._world.usage, self._world.half_life)
         for problem in found:
             self.log.error("State check: %s", problem)
         if found and self.check_state == "raise":
@@ -320,16 +318,13 @@ class Broker(
         Raises:
             NotFound: no such lease.
         """
-        with self._read() as session:
-            self._get(session, lease_id)
-            rows = session.scalars(
-                select(LeaseEvent).where(LeaseEvent.lease_id == lease_id).order_by(LeaseEvent.id)
-            )
-            return [event_view(row) for row in rows]
+        with self._read() as repo:
+            self._get(repo, lease_id)
+            return [event_view(row) for row in repo.events_of(lease_id)]
 
     # -- sessions and notification -------------------------------------------------
 
-    def _write(self) -> contextlib.AbstractContextManager[Session]:
+    def _write(self) -> contextlib.AbstractContextManager[Repository]:
         """A write-through transaction on the in-memory state (see
         :meth:`World.write`)."""
         return self._world.write()
@@ -340,15 +335,14 @@ class Broker(
         if self.passes is not None:
             self.passes.mark_dirty()
 
-    def _read(self) -> contextlib.AbstractContextManager[Session]:
+    def _read(self) -> contextlib.AbstractContextManager[Repository]:
         """Read the in-memory state (see :meth:`World.read`)."""
         return self._world.read()
 
-    def _session(self) -> Session:
-        """A fresh session on the store, outside the broker's memory: what a
-        restart would load (for :meth:`validate_state`)."""
-        factory: sessionmaker[Session] = self.session_factory
-        return factory()
+    def _fresh(self) -> contextlib.AbstractContextManager[Repository]:
+        """A fresh repository on the store, outside the broker's memory: what
+        a restart would load (for :meth:`validate_state`)."""
+        return Repository.fresh(self.session_factory)
 
     def _notify(self) -> None:
         """Wake the long-poll waiters whose lease changed (see
@@ -359,8 +353,8 @@ class Broker(
         lease = self._world.leases.get(lease_id)
         if lease is not None:
             return lease.version
-        with self._read() as session:
-            gone = session.get(Lease, lease_id)
+        with self._read() as repo:
+            gone = repo.lease(lease_id)
             return None if gone is None else gone.version
 
     # -- inventory -----------------------------------------------------------------
@@ -410,22 +404,22 @@ class Broker(
             self._topology = {
                 nodes[0].name: tuple(tuple(int(x) for x in row) for row in backend.topology())
             }
-        with self._write() as session:
-            known = {d.uuid: d for d in session.scalars(select(Device))}
+        with self._write() as repo:
+            known = {d.uuid: d for d in repo.devices()}
             for uuid, info in reported.items():
                 row = known.get(uuid) or Device(uuid=uuid, drained=False)
                 row.node, row.index, row.name = info.node, info.index, info.name
                 row.memory_total_mib, row.pci_bus_id = info.memory_total_mib, info.pci_bus_id
                 row.mig_enabled, row.present = info.mig_enabled, True
-                session.add(row)
+                repo.add(row)
             for uuid, row in known.items():
                 if uuid not in reported and row.present:
                     self.log.warning("Device %s (%s) is no longer reported", uuid, row.name)
                     row.present = False
-            session.flush()
-            self._refresh_pools(session)
-            self._leave_mig_mode(list(session.scalars(select(Device))))
-            self._schedule(session, utcnow())
+            repo.flush()
+            self._refresh_pools(repo)
+            self._leave_mig_mode(list(repo.devices()))
+            self._schedule(repo, utcnow())
         self._notify()
         if self.apply_mig_modes():
             self.schedule_now()
@@ -473,8 +467,8 @@ class Broker(
                 one that is unknown or held by a MIG instance or share.
         """
         now = utcnow()
-        with self._write() as session:
-            lease = self._get(session, lease_id)
+        with self._write() as repo:
+            lease = self._get(repo, lease_id)
             mine = [a for a in lease.allocations if a.active]
             want = list(dict.fromkeys(uuids))
             if lease.state != LeaseState.granted.value or any(a.kind != "device" for a in mine):
@@ -484,35 +478,30 @@ class Broker(
             have = {a.device_uuid for a in mine}
             if set(want) == have:
                 return sorted(have)
-            moves = self._rebind_moves(session, lease_id, mine, want)
+            moves = self._rebind_moves(repo, lease_id, mine, want)
             for allocation, _ in moves:  # never two active on one device, even mid-way
                 allocation.active = False
-            session.flush()
+            repo.flush()
             for allocation, uuid in moves:
                 allocation.device = self._world.devices[uuid]
-            session.flush()
+            repo.flush()
             for allocation, _ in moves:
                 allocation.active = True
-            rec = self._rec(session, now)
+            rec = self._rec(repo, now)
             for other in {a.lease_id for a, _ in moves} - {lease_id}:
                 why = f"its devices swapped with lease {lease_id}'s, as its engine bound them"
-                rec.note(self._get(session, other), "rebound", why, {"lease": lease_id})
+                rec.note(self._get(repo, other), "rebound", why, {"lease": lease_id})
             rec.note(lease, "rebound", "bound by its engine to " + ", ".join(want), {})
-            self._schedule(session, now)
+            self._schedule(repo, now)
         self._notify()
         return sorted(want)
 
     def _rebind_moves(
-        self, session: Session, lease_id: int, mine: list[Allocation], want: list[str]
+        self, repo: Repository, lease_id: int, mine: list[Allocation], want: list[str]
     ) -> list[tuple[Allocation, str]]:
         """The allocations to move, and where, to give lease ``lease_id``
         the devices ``want`` (a holder of one takes a device it leaves)."""
-        held = {
-            a.device_uuid: a
-            for a in session.scalars(
-                select(Allocation).where(Allocation.active, Allocation.device_uuid.in_(want))
-            )
-        }
+        held = {a.device_uuid: a for a in repo.active_allocations(on=want)}
         spare = [a for a in mine if a.device_uuid not in want]
         moves: list[tuple[Allocation, str]] = []
         for uuid in want:
@@ -541,18 +530,18 @@ class Broker(
             counts of ``granted`` and ``pending`` leases found.
         """
         now = utcnow()
-        with self._write() as session:
+        with self._write() as repo:
             counts = {state: 0 for state in ACTIVE_STATES}
-            for lease in session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES))):
+            for lease in repo.active_leases():
                 counts[lease.state] += 1
                 lost = self._lost_instances(lease)
                 if lost:
                     why = f"its MIG instance {lost[0]} no longer exists (GPU reset or reboot?)"
                     self.log.warning("Lease %s: %s", lease.id, why)
                     self._evict(lease, why, now, "reconcile", "reconcile")
-            session.flush()
-            self._resume_stops(session)
-            self._schedule(session, now)
+            repo.flush()
+            self._resume_stops(repo)
+            self._schedule(repo, now)
         self.log.info(
             "Adopted %s granted and %s pending leases", counts["granted"], counts["pending"]
         )
@@ -671,18 +660,18 @@ class Broker(
         charged = self._charge_group(user, group, groups, policy)
         self._check_guarantee_room(policy, cls, user, charged, shape.weight)
         now = utcnow()
-        with self._write() as session:
+        with self._write() as repo:
             previous = None
             freed = False  # a restart released the lease it replaces
             if restart_of is not None:
-                previous = self._restarted(session, restart_of, user, server_name, holder_kind)
+                previous = self._restarted(repo, restart_of, user, server_name, holder_kind)
                 if previous.state in ACTIVE_STATES and not dry_run:
                     self._release(previous, "server restarted", now)
-                    session.flush()
+                    repo.flush()
                     freed = True
             if holder_kind == HolderKind.server.value:
-                self._check_no_active_lease(session, user, server_name, restart_of)
-            self._check_limits(session, policy, user, charged, shape.weight)
+                self._check_no_active_lease(repo, user, server_name, restart_of)
+            self._check_limits(policy, user, charged, shape.weight)
             if dry_run:
                 return {
                     "admitted": True,
@@ -721,7 +710,7 @@ class Broker(
             detail = {"summary": summary(lease), "priority_class": cls, "group": charged}
             if previous is not None:
                 detail["restart_of"] = previous.id
-            self._rec(session, now).created(lease, f"requested {summary(lease)}", detail)
+            self._rec(repo, now).created(lease, f"requested {summary(lease)}", detail)
             # nothing free it could have (and no restart freed slots): its pass
             # can only place it in the queue
             lazy = (
@@ -729,7 +718,7 @@ class Broker(
                 and not freed
                 and not self._may_grant_now(lease.kind, lease.pool)
             )
-            self._schedule(session, now, lazy=lazy)
+            self._schedule(repo, now, lazy=lazy)
             if lease.state == LeaseState.pending.value and lease.queue_reason is None:
                 # the pass that covers it runs a little later (coalesced)
                 set_wait(lease, QUEUED, QUEUED_MESSAGE, None, inputs=self._world.inputs)
@@ -747,10 +736,10 @@ class Broker(
         return view
 
     def _restarted(
-        self, session: Session, lease_id: int, user: str, server_name: str, holder_kind: str
+        self, repo: Repository, lease_id: int, user: str, server_name: str, holder_kind: str
     ) -> Lease:
         """The previous lease a restart names; it must be this server's."""
-        previous = session.get(Lease, lease_id)
+        previous = repo.lease(lease_id)
         if (
             previous is None
             or holder_kind != HolderKind.server.value
@@ -764,7 +753,7 @@ class Broker(
         return previous
 
     def _check_no_active_lease(
-        self, session: Session, user: str, server_name: str, replaced: int | None = None
+        self, repo: Repository, user: str, server_name: str, replaced: int | None = None
     ) -> None:
         existing = self._world.server_lease(user, server_name, replaced or 0)
         if existing is not None and existing.state in ACTIVE_STATES:
@@ -783,8 +772,8 @@ class Broker(
             NotFound: no such lease.
         """
         now = utcnow()
-        with self._write() as session:
-            lease = self._get(session, lease_id)
+        with self._write() as repo:
+            lease = self._get(repo, lease_id)
             if lease.state != LeaseState.released.value:
                 # a request withdrawn frees nothing, unless devices were earmarked
                 # for it, its MIG instance was being made, or its reservation kept
@@ -803,8 +792,8 @@ class Broker(
                     cause = stopping.cause or "release"
                     actor = CAUSE_ACTORS.get(cause)
                 self._release(lease, reason, now, cause, actor)
-                session.flush()
-                self._schedule(session, now, lazy=lazy)
+                repo.flush()
+                self._schedule(repo, now, lazy=lazy)
                 self.log.info("Released lease %s of %s: %s", lease.id, lease.user, reason)
             view = lease_view(lease)
         self._notify()
@@ -822,14 +811,14 @@ class Broker(
         of :data:`gpubroker.usage.intervals.CAUSES`; a pending lease's is
         ``cancel``) in its detail, decided by the broker, never read from the
         reason a caller wrote; ``actor``: who decided, when not the command's."""
-        session = self._session_of(lease)
+        repo = self._world.repo  # every lease in memory is the world's
         if lease.state == LeaseState.granted.value:
             self._world.charge(lease, now)
             self._unrealize(lease)
         elif cause == "release":
             cause = "cancel"
         self._retry_after.pop(lease.id, None)
-        self._rec(session, now, actor).transition(
+        self._rec(repo, now, actor).transition(
             lease, LeaseState.released.value, reason, {"cause": cause}
         )
         stop = self._world.stops.get(lease.id)
@@ -842,14 +831,6 @@ class Broker(
         lease.earmarked = None
         for allocation in lease.allocations:
             allocation.active = False
-
-    @staticmethod
-    def _session_of(lease: Lease) -> Session:
-        from sqlalchemy.orm import object_session
-
-        session = object_session(lease)
-        assert session is not None
-        return session
 
     @command("reconcile")
     def reconcile(self, servers: Iterable[tuple[str, str]], as_of: dt.datetime) -> list[int]:
@@ -880,15 +861,15 @@ class Broker(
         ``reconcile``), then one pass; return their ids."""
         released = []
         now = utcnow()
-        with self._write() as session:
+        with self._write() as repo:
             for lease in self._world.active():
                 reason = why(lease)
                 if reason is not None:
                     self._release(lease, reason, now, "reconcile")
                     released.append(lease.id)
             if released:
-                session.flush()
-                self._schedule(session, now)
+                repo.flush()
+                self._schedule(repo, now)
         if released:
             self.log.warning("Reconciliation released leases %s (%s)", released, what)
             self._notify()
@@ -954,8 +935,8 @@ class Broker(
 
     # -- reads ---------------------------------------------------------------------
 
-    def _get(self, session: Session, lease_id: int) -> Lease:
-        lease = session.get(Lease, lease_id)
+    def _get(self, repo: Repository, lease_id: int) -> Lease:
+        lease = repo.lease(lease_id)
         if lease is None:
             raise NotFound(f"lease {lease_id}: no such lease")
         return lease
@@ -966,8 +947,8 @@ class Broker(
         Raises:
             NotFound: no such lease.
         """
-        with self._read() as session:
-            return lease_view(self._get(session, lease_id))
+        with self._read() as repo:
+            return lease_view(self._get(repo, lease_id))
 
     def list_leases(self, user: str | None = None, active: bool = True) -> list[dict[str, Any]]:
         """Lease views, oldest first; only ``user``'s when given; only
@@ -975,11 +956,8 @@ class Broker(
         if active:
             leases = [x for x in self._world.active() if user is None or x.user == user]
             return [lease_view(lease) for lease in leases]
-        stmt = select(Lease).order_by(Lease.id)
-        if user is not None:
-            stmt = stmt.where(Lease.user == user)
-        with self._read() as session:
-            return [lease_view(lease) for lease in session.scalars(stmt)]
+        with self._read() as repo:
+            return [lease_view(lease) for lease in repo.leases(user)]
 
     def device_rows(self) -> list[tuple[Device, list[dict[str, Any]]]]:
         """Every known device with every slot of it held now: a whole device
@@ -1102,10 +1080,10 @@ class Broker(
         """Run a scheduling pass in its own transaction (the periodic timer);
         server stops that took longer than ``evict_timeout`` end first."""
         now = utcnow()
-        with self._write() as session:
-            self._expire_stops(session, now)
-            session.flush()
-            self._schedule(session, now, force=True)
+        with self._write() as repo:
+            self._expire_stops(repo, now)
+            repo.flush()
+            self._schedule(repo, now, force=True)
             if time.monotonic() - self._usage_written >= self.usage_write_interval:
                 self._write_usage()
         self._notify()
@@ -1143,13 +1121,13 @@ class Broker(
 
     def _schedule(
         self,
-        session: Session,
+        repo: Repository,
         now: dt.datetime,
         again: bool = True,
         force: bool = False,
         lazy: bool = False,
     ) -> None:
-        """Run the pure scheduler on the session's state and apply its
+        """Run the pure scheduler on the in-memory state and apply its
         decisions; with a pass loop (:attr:`passes`) and a pass less than
         its gap ago, only mark the state dirty (unless ``force``). ``lazy``:
         the pass cannot grant anything at once (the longer gap of
@@ -1162,7 +1140,7 @@ class Broker(
         state, leases = self._scheduler_state()
         decisions = scheduler.schedule(state, now)
         evicted = apply_decisions(
-            session,
+            repo,
             decisions,
             leases,
             now,
@@ -1170,7 +1148,7 @@ class Broker(
                 lease, why, now, release_cause(why, "scheduler", lease.state), "scheduler"
             ),
             self._prepare,
-            self._rec(session, now, "scheduler"),
+            self._rec(repo, now, "scheduler"),
             self._world.inputs,
             state,
         )
@@ -1186,7 +1164,7 @@ class Broker(
                 preemption.reason,
             )
         if evicted and again:
-            self._schedule(session, now, again=False, force=True)
+            self._schedule(repo, now, again=False, force=True)
         if self.passes is not None and again:
             self.passes.ran()
 
@@ -1227,7 +1205,7 @@ class Broker(
         restarted broker asks the hub again (:meth:`adopt`), and the first
         reason stays the release reason."""
         if lease.holder_kind == HolderKind.server.value and self.on_evict is not None:
-            session = self._session_of(lease)
+            repo = self._world.repo
             intent = self._open_stop(lease.id)
             if intent is None:
                 intent = Intent(
@@ -1239,9 +1217,9 @@ class Broker(
                     state="open",
                     attempts=1,
                 )
-                session.add(intent)
+                repo.add(intent)
                 self._world.stops[lease.id] = intent
-                self._rec(session, now, actor).note(lease, "stopping", reason)
+                self._rec(repo, now, actor).note(lease, "stopping", reason)
                 self.log.warning("Stopping server of lease %s: %s", lease.id, reason)
                 self.on_evict(lease_view(lease) | {"release_reason": reason})
             if (now - intent.created).total_seconds() < self.evict_timeout:
@@ -1257,13 +1235,13 @@ class Broker(
         intent = self._world.stops.get(lease_id)
         return intent if intent is not None and intent.state == "open" else None
 
-    def _expire_stops(self, session: Session, now: dt.datetime) -> None:
+    def _expire_stops(self, repo: Repository, now: dt.datetime) -> None:
         """Release the leases whose server stop was asked ``evict_timeout``
         seconds ago or more and has not happened."""
         since = now - dt.timedelta(seconds=self.evict_timeout)
         stale = [i for i in self._world.stops.values() if i.created <= since]
         for intent in stale:
-            lease = session.get(Lease, intent.lease_id)
+            lease = repo.lease(intent.lease_id)
             if lease is not None and lease.state == LeaseState.granted.value:
                 self.log.warning(
                     "Server of lease %s did not stop in %s s; releasing it",
@@ -1275,14 +1253,14 @@ class Broker(
             else:
                 intent.state, intent.done_at = "done", now
 
-    def _resume_stops(self, session: Session) -> int:
+    def _resume_stops(self, repo: Repository) -> int:
         """Ask the hub again to stop the servers whose stop a previous run of
         the broker asked for (at start-up). Returns how many."""
         if self.on_evict is None:
             return 0
         count = 0
         for intent in list(self._world.stops.values()):
-            lease = session.get(Lease, intent.lease_id)
+            lease = repo.lease(intent.lease_id)
             if lease is None or lease.state != LeaseState.granted.value:
                 continue
             intent.attempts += 1
@@ -1310,14 +1288,14 @@ class Broker(
             NotFound: no such lease.
         """
         now = utcnow()
-        with self._write() as session:
-            lease = self._get(session, lease_id)
+        with self._write() as repo:
+            lease = self._get(repo, lease_id)
             actor = CAUSE_ACTORS.get(cause)
             if lease.state == LeaseState.granted.value and self._evict(
                 lease, reason, now, cause, actor
             ):
-                session.flush()
-                self._schedule(session, now)
+                repo.flush()
+                self._schedule(repo, now)
         self._notify()
 
     def set_server_url(
@@ -1340,8 +1318,8 @@ class Broker(
         Raises:
             NotFound: no such lease.
         """
-        with self._write() as session:
-            lease = self._get(session, lease_id)
+        with self._write() as repo:
+            lease = self._get(repo, lease_id)
             lease.server_url = url
             if container_id is not None:
                 lease.container_id, lease.docker_engine = container_id, docker_engine

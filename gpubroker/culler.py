@@ -49,9 +49,9 @@ from traitlets import Bool, Float, Integer, List, Unicode
 from traitlets.config import LoggingConfigurable
 
 from .core import Broker, utcnow
-from .culler_store import load_tracks, save_tracks
 from .enforce.watchdog import lease_of_pid
 from .hub import HubClient
+from .store.culler_repo import load_tracks, save_tracks
 from .store.models import Lease
 
 
@@ -276,7 +276,7 @@ class Culler(LoggingConfigurable):
         The tracks (clocks, warnings) are read from the store at the first
         check and written back after each check that changed them, so a
         broker restart keeps a warning's deadline
-        (:mod:`gpubroker.culler_store`)."""
+        (:mod:`gpubroker.store.culler_repo`)."""
         if self._stored is None:
             self._stored = load_tracks(self.broker.session_factory)
             self.tracks = {k: Track(**v) for k, v in self._stored.items()}

@@ -5,8 +5,6 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import select
-
 from .commands import command
 from .store.models import Lease, Notice
 from .views import isoformat
@@ -29,12 +27,12 @@ class NoticesMixin:
         ``detail`` and the deadline in its detail: a ``culled`` notice says
         ``idle_seconds``, which the usage ledger reads)."""
         now = dt.datetime.now(dt.timezone.utc)
-        with self._write() as session:  # type: ignore[attr-defined]
+        with self._write() as repo:  # type: ignore[attr-defined]
             detail = dict(detail or {})
             if deadline:
                 detail["deadline"] = isoformat(deadline)
-            self._rec(session, now).note(lease, kind, message, detail)  # type: ignore[attr-defined]
-            session.add(notice_row(lease, kind, message, now, deadline))
+            self._rec(repo, now).note(lease, kind, message, detail)  # type: ignore[attr-defined]
+            repo.add(notice_row(lease, kind, message, now, deadline))
         self.log.info("Notice for %s/%s (%s): %s", lease.user, lease.server_name, kind, message)
 
     @command("broker")
@@ -54,18 +52,15 @@ class NoticesMixin:
             NotFound: no such lease.
         """
         now = dt.datetime.now(dt.timezone.utc)
-        with self._write() as session:  # type: ignore[attr-defined]
-            lease = self._get(session, lease_id)  # type: ignore[attr-defined]
-            self._rec(session, now).note(lease, kind, reason, detail)  # type: ignore[attr-defined]
+        with self._write() as repo:  # type: ignore[attr-defined]
+            lease = self._get(repo, lease_id)  # type: ignore[attr-defined]
+            self._rec(repo, now).note(lease, kind, reason, detail)  # type: ignore[attr-defined]
             if notify:
-                session.add(notice_row(lease, kind, reason, now))
+                repo.add(notice_row(lease, kind, reason, now))
 
     def notices(self, user: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Newest first; only ``user``'s when given."""
-        stmt = select(Notice).order_by(Notice.id.desc()).limit(limit)
-        if user is not None:
-            stmt = stmt.where(Notice.user == user)
-        with self._read() as session:
+        with self._read() as repo:  # type: ignore[attr-defined]
             return [
                 {
                     "id": n.id,
@@ -77,7 +72,7 @@ class NoticesMixin:
                     "created": isoformat(n.created),
                     "deadline": isoformat(n.deadline),
                 }
-                for n in session.scalars(stmt)
+                for n in repo.notices(user, limit)
             ]
 
 

@@ -8,10 +8,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import inspect
-from sqlalchemy.orm import Session
-from sqlalchemy.orm.attributes import set_committed_value
-
 from . import scheduler
 from .broker.inputs import SchedulerInputs
 from .broker.world import World
@@ -27,6 +23,7 @@ from .scheduler import (
 )
 from .scheduler.apply import apply
 from .store.models import Allocation, Device, Lease, LeaseState
+from .store.repository import Repository, set_in_memory
 from .transitions import Recorder
 
 #: the MIG instances present on each device: parent UUID -> instances
@@ -148,7 +145,7 @@ Realize = Callable[[Lease, tuple[Part, ...]], tuple[Part, ...] | None]
 
 
 def apply_decisions(
-    session: Session,
+    repo: Repository,
     decisions: Decisions,
     leases: Mapping[int, Lease],
     now: dt.datetime,
@@ -232,9 +229,9 @@ def apply_decisions(
                         lease, "preparing", lease.queue_message or "", {"parts": len(grant.parts)}
                     )
                 continue
-            grant_parts(session, lease, made, now, rec)
+            grant_parts(repo, lease, made, now, rec)
             continue
-        _grant(session, lease, grant.devices, now, rec)
+        _grant(repo, lease, grant.devices, now, rec)
     for preemption in decisions.preemptions:
         victim = leases[preemption.lease_id]
         victim.preempted_for = preemption.for_lease
@@ -272,7 +269,7 @@ def apply_decisions(
 
 
 def _grant(
-    session: Session, lease: Lease, uuids: tuple[str, ...], now: dt.datetime, rec: Any
+    repo: Repository, lease: Lease, uuids: tuple[str, ...], now: dt.datetime, rec: Any
 ) -> None:
     lease.granted_at = now
     if lease.time_limit is not None:
@@ -281,8 +278,8 @@ def _grant(
     lease.queue_eta = None
     lease.earmarked = None
     for uuid in uuids:
-        device = session.get(Device, uuid)  # in memory: no query
-        session.add(
+        device = repo.device(uuid)  # in memory: no query
+        repo.add(
             Allocation(
                 lease=lease, device_uuid=uuid, device=device, active=True, kind="device", weight=1.0
             )
@@ -294,17 +291,17 @@ def _grant(
 
 
 def grant_parts(
-    session: Session, lease: Lease, parts: tuple[Part, ...], now: dt.datetime, rec: Any
+    repo: Repository, lease: Lease, parts: tuple[Part, ...], now: dt.datetime, rec: Any
 ) -> None:
     """Grant ``lease`` its fractional ``parts`` (MIG instances made, shares):
     one allocation each, the lease's weight their sum, then the ``granted``
     transition (``rec``) at ``now``."""
     for part in parts:
-        session.add(
+        repo.add(
             Allocation(
                 lease=lease,
                 device_uuid=part.device,
-                device=session.get(Device, part.device),
+                device=repo.device(part.device),
                 active=True,
                 kind=part.kind,
                 instance_uuid=part.instance or None,
@@ -316,7 +313,7 @@ def grant_parts(
             )
         )
     lease.weight = sum(part.weight for part in parts)
-    _grant(session, lease, (), now, rec)
+    _grant(repo, lease, (), now, rec)
 
 
 def _wait(
@@ -368,7 +365,6 @@ def set_wait(
         eta: estimated start, aware UTC.
         earmarked: devices held back for it (a reservation).
     """
-    changes = inspect(lease).attrs
     for name, value in (
         ("queue_position", position),
         ("queue_reason", reason),
@@ -377,10 +373,7 @@ def set_wait(
         ("earmarked", earmarked),
         ("version", lease.version + 1),
     ):
-        if changes[name].history.has_changes():  # a change of this command: keep it one
-            setattr(lease, name, value)
-        else:
-            set_committed_value(lease, name, value)
+        set_in_memory(lease, name, value)  # a change of this command stays one
     if inputs is not None:
         inputs.changed(lease.id)
         inputs.waits.pop(lease.id, None)

@@ -19,9 +19,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
 from .broker.actuator import Actuator
 from .commands import command
 from .devices.base import DeviceBackendError
@@ -34,6 +31,7 @@ from .passes import PREPARING, grant_parts, set_wait
 from .pools import PoolSpec
 from .scheduler import Instance, Part, PoolMode
 from .store.models import Device, Lease
+from .store.repository import Repository
 
 
 def mig_mode_key(uuid: str) -> str:
@@ -76,9 +74,9 @@ class SharingOpsMixin:
     def _pool_of(self, devices: Iterable[Device]) -> dict[str, PoolSpec]:
         return dict(self.pools.assign([(d.uuid, d.node, d.index, d.name) for d in devices]))
 
-    def _refresh_pools(self, session: Session) -> None:
+    def _refresh_pools(self, repo: Repository) -> None:
         """Recompute each device's pool and re-read the MIG instances."""
-        devices = [d for d in session.scalars(select(Device)) if d.present]
+        devices = [d for d in repo.devices() if d.present]
         self._pools = self._pool_of(devices)
         batch = any(spec.purpose == "batch" for spec in self._pools.values())
         inputs = self._world.inputs
@@ -198,10 +196,10 @@ class SharingOpsMixin:
         self._preparing.pop(lease_id, None)
         now = dt.datetime.now(dt.timezone.utc)
         world = self._world  # type: ignore[attr-defined]
-        with self._write() as session:  # type: ignore[attr-defined]
+        with self._write() as repo:  # type: ignore[attr-defined]
             lease = world.leases.get(lease_id)
             waiting = lease is not None and lease.state == "pending"
-            rec = self._rec(session, now, "scheduler")  # type: ignore[attr-defined]
+            rec = self._rec(repo, now, "scheduler")  # type: ignore[attr-defined]
             if err is not None or made is None:
                 if waiting:
                     self._failed(lease, err, rec)
@@ -217,8 +215,8 @@ class SharingOpsMixin:
                 else:
                     self._retry_after.pop(lease_id, None)
                     lease.grant_env = self._grant_env(lease, made)
-                    grant_parts(session, lease, made, now, rec)
-            self._schedule(session, now)  # type: ignore[attr-defined]
+                    grant_parts(repo, lease, made, now, rec)
+            self._schedule(repo, now)  # type: ignore[attr-defined]
         self._notify()  # type: ignore[attr-defined]
 
     def _failed(self, lease: Lease, err: BaseException | None, rec: Any) -> None:
@@ -325,7 +323,7 @@ class SharingOpsMixin:
         if not shares:
             return env
         share = shares[0]
-        device = self._session_of(lease).get(Device, share.device)  # type: ignore[attr-defined]
+        device = self._world.repo.device(share.device)  # type: ignore[attr-defined]
         assert device is not None
         total = device.memory_total_mib
         env["GPUBROKER_SHARE_MEMORY_MIB"] = str(share.memory_mib)
@@ -398,7 +396,7 @@ class SharingOpsMixin:
         ]
         return True
 
-    def clean_mig(self, session: Session) -> list[str]:
+    def clean_mig(self) -> list[str]:
         """Destroy MIG instances on on-demand devices that no active lease
         holds (left by a failed destroy or made by hand). Returns their UUIDs."""
         held = {
@@ -440,8 +438,8 @@ class SharingOpsMixin:
         (run by the broker's scheduling loop)."""
         if self.apply_mig_modes():
             self.schedule_now()  # type: ignore[attr-defined]
-        with self._read() as session:  # type: ignore[attr-defined]
-            if self.clean_mig(session):
+        with self._read():  # type: ignore[attr-defined]
+            if self.clean_mig():
                 self.schedule_now()  # type: ignore[attr-defined]
 
     # -- MIG mode: an admin drain operation ------------------------------------------
@@ -461,8 +459,8 @@ class SharingOpsMixin:
                 a device outside a pool of mode ``mig`` (no request could
                 use its instances: it would only stop being granted whole).
         """
-        with self._write() as session:  # type: ignore[attr-defined]
-            device = session.get(Device, uuid)
+        with self._write() as repo:  # type: ignore[attr-defined]
+            device = repo.device(uuid)
             if device is None:
                 raise NotFound(f"device {uuid}: no such device")
             model = MODELS.get(device.name)
@@ -475,7 +473,7 @@ class SharingOpsMixin:
                     " MIG mode goes on only in pools of mode mig (Pools.pools)"
                 )
             device.mig_target = None if device.mig_enabled == enabled else enabled
-            self._audit(session, "device-mig", uuid, {"mig_mode": enabled})  # type: ignore[attr-defined]
+            self._audit(repo, "device-mig", uuid, {"mig_mode": enabled})  # type: ignore[attr-defined]
         if self.apply_mig_modes():
             self.schedule_now()  # type: ignore[attr-defined]
         return self.mig_mode_view(uuid)
@@ -506,7 +504,7 @@ class SharingOpsMixin:
         returned; until then the device keeps its ``mig_target`` and takes
         no grants. Without one (unit tests, the CLI) they run here."""
         changed = []
-        with self._write() as session:  # type: ignore[attr-defined]
+        with self._write() as repo:  # type: ignore[attr-defined]
             world = self._world  # type: ignore[attr-defined]
             targets = [d for d in world.devices.values() if d.mig_target is not None]
             if not targets:
@@ -533,8 +531,8 @@ class SharingOpsMixin:
                 self._mig_mode_set(device, target)
                 changed.append(uuid)
             if changed:
-                session.flush()
-                self._refresh_pools(session)
+                repo.flush()
+                self._refresh_pools(repo)
         return changed
 
     def _switch_mig_mode(self, uuid: str, target: bool, instances: list[str]) -> None:
@@ -576,11 +574,11 @@ class SharingOpsMixin:
             if device is not None and device.mig_enabled:  # what instances are left
                 self._mig_inventory[uuid] = self._read_instances(uuid)
             return
-        with self._write() as session:  # type: ignore[attr-defined]
+        with self._write() as repo:  # type: ignore[attr-defined]
             device = self._world.devices.get(uuid)  # type: ignore[attr-defined]
             if device is None:
                 return
             self._mig_mode_set(device, target)
-            session.flush()
-            self._refresh_pools(session)
+            repo.flush()
+            self._refresh_pools(repo)
         self.schedule_now()  # type: ignore[attr-defined]

@@ -19,13 +19,10 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
 from .model.lifecycle import IllegalTransition, replay
 from .scheduler import UsageRecord
-from .store.models import ACTIVE_STATES, Allocation, Device, HolderKind, Lease, LeaseEvent
-from .store.usage_repo import load_usage
+from .store.models import Allocation, HolderKind, Lease
+from .store.repository import Repository
 from .transitions import as_events
 
 
@@ -33,22 +30,22 @@ class StateInvalid(AssertionError):
     """The broker's state breaks an invariant (a bug: never user input)."""
 
 
-def problems(session: Session, touched: Iterable[int] = ()) -> list[str]:
+def problems(repo: Repository, touched: Iterable[int] = ()) -> list[str]:
     """Every invariant the store breaks now, in words (empty: all hold).
 
     Args:
-        session: a session on the store.
+        repo: a repository on the store.
         touched: ids of the leases whose transition logs to replay.
     """
     found: list[str] = []
-    active = list(session.scalars(select(Allocation).where(Allocation.active)))
-    found += _slots(session, active)
-    found += _leases(session, active)
-    found += _logs(session, touched)
+    active = repo.active_allocations()
+    found += _slots(repo, active)
+    found += _leases(repo, active)
+    found += _logs(repo, touched)
     return found
 
 
-def _slots(session: Session, active: list[Allocation]) -> list[str]:
+def _slots(repo: Repository, active: list[Allocation]) -> list[str]:
     found = []
     whole = Counter(a.device_uuid for a in active if a.kind == "device")
     found += [f"device {uuid} held whole {n} times" for uuid, n in whole.items() if n > 1]
@@ -63,16 +60,16 @@ def _slots(session: Session, active: list[Allocation]) -> list[str]:
         if a.kind == "share":
             shared[a.device_uuid] += a.memory_mib or 0
     for uuid, mib in shared.items():
-        device = session.get(Device, uuid)
+        device = repo.device(uuid)
         if device is not None and mib > device.memory_total_mib:
             found.append(f"device {uuid}: shares reserve {mib} MiB of {device.memory_total_mib}")
     return found
 
 
-def _leases(session: Session, active: list[Allocation]) -> list[str]:
+def _leases(repo: Repository, active: list[Allocation]) -> list[str]:
     found = []
     held = Counter(a.lease_id for a in active)
-    leases = list(session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES))))
+    leases = repo.active_leases()
     for lease in leases:
         want = 1 if lease.kind == "mig" else lease.gpus
         have = held.pop(lease.id, 0)
@@ -88,13 +85,11 @@ def _leases(session: Session, active: list[Allocation]) -> list[str]:
     return found
 
 
-def _logs(session: Session, touched: Iterable[int]) -> list[str]:
+def _logs(repo: Repository, touched: Iterable[int]) -> list[str]:
     found = []
     for lease_id in sorted(set(touched)):
-        lease = session.get(Lease, lease_id)
-        rows = session.scalars(
-            select(LeaseEvent).where(LeaseEvent.lease_id == lease_id).order_by(LeaseEvent.id)
-        )
+        lease = repo.lease(lease_id)
+        rows = repo.events_of(lease_id)
         try:
             state = replay(as_events(rows))
         except IllegalTransition as err:
@@ -105,16 +100,16 @@ def _logs(session: Session, touched: Iterable[int]) -> list[str]:
     return found
 
 
-def memory_matches(session: Session, memory: Iterable[Lease]) -> list[str]:
+def memory_matches(repo: Repository, memory: Iterable[Lease]) -> list[str]:
     """How the broker's in-memory active leases differ from the store's.
 
     Args:
-        session: a fresh session (not the broker's own).
+        repo: a fresh repository (not the broker's own).
         memory: the leases the broker keeps in memory as active.
     """
     found = []
     kept = {x.id: x for x in memory}
-    stored = {x.id: x for x in session.scalars(select(Lease).where(Lease.state.in_(ACTIVE_STATES)))}
+    stored = {x.id: x for x in repo.active_leases()}
     for lease_id in sorted(kept.keys() - stored.keys()):
         found.append(f"lease {lease_id} is active in memory but not in the store")
     for lease_id in sorted(stored.keys() - kept.keys()):
@@ -129,11 +124,11 @@ def memory_matches(session: Session, memory: Iterable[Lease]) -> list[str]:
 
 
 def usage_matches(
-    session: Session, memory: Mapping[str, UsageRecord], half_life: float
+    repo: Repository, memory: Mapping[str, UsageRecord], half_life: float
 ) -> list[str]:
     """How the broker's usage records differ from what a restart would load
     (:func:`gpubroker.store.usage_repo.load_usage`; equal to rounding)."""
-    loaded, _stored, _behind = load_usage(session, half_life)
+    loaded, _stored, _behind = repo.usage(half_life)
     found = [
         f"usage of {u}: in memory, not loadable" for u in sorted(memory.keys() - loaded.keys())
     ]

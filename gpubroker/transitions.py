@@ -1,7 +1,7 @@
 """Changing a lease's state, and writing down why: the one place where a
 lease moves through its lifecycle (:mod:`gpubroker.model.lifecycle`).
 
-Every change goes through a :class:`Recorder`, bound to the session of the
+Every change goes through a :class:`Recorder`, bound to the repository of the
 command that causes it: it checks the transition against the lifecycle
 table, sets the state, bumps the lease's ``version`` and appends a
 :class:`~gpubroker.store.models.LeaseEvent` row in the same transaction, so
@@ -18,10 +18,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.orm import Session
-
 from .model.lifecycle import Event, transition_kind
 from .store.models import Lease, LeaseEvent
+from .store.repository import Repository
 
 
 @dataclass(frozen=True)
@@ -68,10 +67,10 @@ class EventBus:
 
 
 class Recorder:
-    """Transitions and notes of one command, in its session.
+    """Transitions and notes of one command, in its transaction.
 
     Args:
-        session: the command's session (its transaction holds the change).
+        repo: the command's repository (its transaction holds the change).
         stimulus: the command's stimulus.
         now: the command's time, aware UTC.
         bus: where the events go after the commit.
@@ -79,13 +78,13 @@ class Recorder:
             ``scheduler`` granting in a pass that a user's release ran).
         touched: where to add the ids of the leases changed.
         sink: where to put the event rows, for the caller to insert in
-            one statement before the commit (``None``: added to the session
-            one by one).
+            one statement before the commit (``None``: added to the
+            repository one by one).
     """
 
     def __init__(
         self,
-        session: Session,
+        repo: Repository,
         stimulus: Stimulus,
         now: dt.datetime,
         bus: EventBus,
@@ -93,7 +92,7 @@ class Recorder:
         touched: set[int] | None = None,
         sink: list[dict[str, Any]] | None = None,
     ) -> None:
-        self.session = session
+        self.repo = repo
         self.stimulus = stimulus
         self.now = now
         self.bus = bus
@@ -145,7 +144,7 @@ class Recorder:
         detail: Mapping[str, Any] | None,
     ) -> Event:
         if lease.id is None:
-            self.session.flush()
+            self.repo.flush()
         event = Event(
             lease_id=lease.id,
             kind=kind,
@@ -171,7 +170,7 @@ class Recorder:
         if self.sink is not None:
             self.sink.append(row)  # written with the transaction's other events
         else:
-            self.session.add(LeaseEvent(**row))
+            self.repo.add(LeaseEvent(**row))
         self.touched.add(event.lease_id)
         self.bus.stage(event)
         return event

@@ -1,7 +1,8 @@
 """The broker's in-memory state, written through to the store.
 
-One long-lived SQLAlchemy session is the broker's memory: its identity map
-holds every device, every active lease with its allocations, the usage
+One long-lived :class:`~gpubroker.store.repository.Repository` (one session
+on the store) is the broker's memory: its identity map holds every device,
+every active lease with its allocations, the usage
 records, the stored quotas and the open intents, loaded once at start-up.
 Commands change those objects inside :meth:`World.write` and the session
 writes exactly the objects that changed (the unit of work) in one
@@ -20,13 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-
-from sqlalchemy import event, func, insert, inspect, select
-from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.orm.attributes import set_committed_value
 
 from ..scheduler import UsageRecord
 from ..store.models import (
@@ -36,10 +32,15 @@ from ..store.models import (
     HolderKind,
     Intent,
     Lease,
-    LeaseEvent,
     QuotaRow,
 )
-from ..store.usage_repo import lease_charge, ledger_segments, load_usage, write_usage
+from ..store.repository import (
+    Repository,
+    SessionFactory,
+    StoreError,
+    loaded_values,
+    set_loaded,
+)
 from ..usage.decayed import add_charge, held_usage
 from .inputs import SchedulerInputs
 
@@ -53,13 +54,14 @@ class World:
     """
 
     def __init__(
-        self, factory: sessionmaker[Session], half_life: Callable[[], float] = lambda: 604800.0
+        self, factory: SessionFactory, half_life: Callable[[], float] = lambda: 604800.0
     ) -> None:
         self.factory = factory
         #: the fair-share half-life in force, seconds (how usage is charged
         #: and loaded, :mod:`gpubroker.usage`)
         self._half_life = half_life
-        self.session: Session = factory()
+        #: the one session on the store that holds the objects below
+        self.repo = Repository(factory)
         #: pending and granted leases by id
         self.leases: dict[int, Lease] = {}
         #: every device the store knows (present or not) by UUID
@@ -92,31 +94,31 @@ class World:
         self._depth = 0
         #: called after every reload (the broker asks for a pass)
         self.on_reload: list[Callable[[], None]] = []
-        event.listen(self.session, "after_flush", self._collect)
+        self.repo.on_flush(self._collect)
         self.reload()
 
     # -- transactions --------------------------------------------------------------
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[Session]:
+    def write(self) -> Iterator[Repository]:
         """One write-through transaction; a block inside another joins it.
 
         Commits at the end of the outermost block; on an exception, rolls
         back and reloads the indexes from the store (the committed truth),
         then re-raises.
         """
-        session = self.session
+        repo = self.repo
         if self._depth:
             with self._nested():
-                yield session
+                yield repo
             return
         self._end_stray()
         self._depth = 1
-        session.begin()
+        repo.begin()
         try:
-            yield session
+            yield repo
             self._insert_events()
-            session.commit()
+            repo.commit()
         except BaseException:
             self._roll_back()
             raise
@@ -124,28 +126,28 @@ class World:
             self._depth = 0
 
     @contextlib.contextmanager
-    def read(self) -> Iterator[Session]:
+    def read(self) -> Iterator[Repository]:
         """Read the in-memory objects (and the store for what is not kept in
         memory, such as released leases and events); joins an open block,
         else ends the transaction its queries began."""
-        session = self.session
+        repo = self.repo
         if self._depth:
             with self._nested():
-                yield session
+                yield repo
             return
         self._end_stray()
         self._depth = 1
         try:
-            yield session
-        except SQLAlchemyError:
+            yield repo
+        except StoreError:
             self._roll_back()
             raise
         finally:
             try:
-                if session.in_transaction():  # what it read (and any note it staged)
+                if repo.in_transaction():  # what it read (and any note it staged)
                     self._insert_events()
-                    session.commit()
-            except SQLAlchemyError:
+                    repo.commit()
+            except StoreError:
                 self._roll_back()
                 raise
             finally:
@@ -163,15 +165,17 @@ class World:
         """End a transaction the session began outside any block (an
         attribute of an expired object read by a caller that kept it): it
         only read, and a block must never join it unknowingly."""
-        if self.session.in_transaction():
-            self.session.commit()
+        if self.repo.in_transaction():
+            self.repo.commit()
 
-    def _collect(self, session: Session, _context: Any) -> None:
-        """``after_flush``: index what the flush wrote (work proportional to
-        what changed). A rollback undoes it through :meth:`reload`."""
-        deleted = [o for o in session.deleted if isinstance(o, QuotaRow)]
+    def _collect(
+        self, new: Sequence[object], dirty: Sequence[object], deleted: Sequence[object]
+    ) -> None:
+        """After each flush: index what the flush wrote (work proportional
+        to what changed). A rollback undoes it through :meth:`reload`."""
+        deleted = [o for o in deleted if isinstance(o, QuotaRow)]
         changed = self.inputs.changed
-        for obj in [*session.new, *session.dirty, *deleted]:
+        for obj in [*new, *dirty, *deleted]:
             if isinstance(obj, Allocation):
                 if obj.lease_id is not None:
                     changed(obj.lease_id)
@@ -199,7 +203,7 @@ class World:
         """Insert the staged lease events (one statement for them all)."""
         if self.staged_events:
             rows, self.staged_events = self.staged_events, []
-            self.session.execute(insert(LeaseEvent.__table__), rows)
+            self.repo.insert_events(rows)
 
     def _roll_back(self) -> None:
         """Roll the open transaction back and reload, keeping what only
@@ -218,21 +222,19 @@ class World:
         query has answered. Then the ``on_reload`` callbacks run (the broker
         asks for a scheduling pass: the decisions rolled back are made
         again)."""
-        session = self.session
+        repo = self.repo
         kept = kept or {}
-        if session.in_transaction():
-            session.rollback()
+        if repo.in_transaction():
+            repo.rollback()
         self.staged_events = []
         self.inputs.forget()
-        with session.begin():
-            devices = {d.uuid: d for d in session.scalars(select(Device))}
-            active = select(Lease).where(Lease.state.in_(ACTIVE_STATES)).order_by(Lease.id)
-            leases = {x.id: x for x in session.scalars(active)}
-            usage, stored, behind = load_usage(session, self.half_life)
-            quotas = {(q.kind, q.name): q for q in session.scalars(select(QuotaRow))}
-            open_stops = select(Intent).where(Intent.kind == "stop-server", Intent.state == "open")
-            stops = {i.lease_id: i for i in session.scalars(open_stops)}
-            top = session.scalar(select(func.max(Lease.id))) or 0
+        with repo.transaction():
+            devices = {d.uuid: d for d in repo.devices()}
+            leases = {x.id: x for x in repo.active_leases()}
+            usage, stored, behind = repo.usage(self.half_life)
+            quotas = {(q.kind, q.name): q for q in repo.quotas()}
+            stops = {i.lease_id: i for i in repo.open_stops()}
+            top = repo.top_lease_id()
         for lease_id, lease in leases.items():
             if lease_id in kept and lease.state == "pending":
                 _restore(lease, kept[lease_id])
@@ -253,17 +255,16 @@ class World:
         leases itself and nothing has to be written to learn the id."""
         lease.id = self._next_lease_id
         self._next_lease_id += 1
-        self.session.add(lease)
+        self.repo.add(lease)
         self.leases[lease.id] = lease
         self.inputs.changed(lease.id)
 
     def refresh_inputs(self) -> SchedulerInputs:
         """The scheduler's values of the active leases, with every change
         so far built in (the open transaction's too, flushed or not)."""
-        session = self.session
         dirty = [
             o.lease_id if isinstance(o, Allocation) else o.id
-            for o in (*session.new, *session.dirty)
+            for o in self.repo.unflushed()
             if isinstance(o, (Lease, Allocation))
         ]
         dirty = [i for i in dirty if i is not None]
@@ -280,7 +281,7 @@ class World:
         assert lease.granted_at is not None
         user = lease.user
         adopted = self.adopted is not None and lease.id in self.adopted
-        used = lease_charge(self.session, lease, now, self.half_life, from_ledger=adopted)
+        used = self.repo.lease_charge(lease, now, self.half_life, from_ledger=adopted)
         self.inputs.held.pop(lease.id, None)
         self.usage[user] = add_charge(self.usage.get(user), used, now, self.half_life)
         self.usage_behind.add(user)
@@ -293,8 +294,8 @@ class World:
         it once the ledger has reopened its intervals (``Ledger.start``).
         Returns how many leases it found."""
         granted = [i for i in self.adopted or () if i in self.leases]
-        with self.factory() as session:
-            ledger = ledger_segments(session, granted)
+        with Repository.fresh(self.factory) as repo:
+            ledger = repo.ledger_segments(granted)
         found = 0
         for lease_id, segments in ledger.items():
             closed = [(w, s, e) for w, s, e in segments if e is not None]
@@ -317,7 +318,7 @@ class World:
         """Write the usage records that are ahead of their rows (a
         checkpoint), in the open transaction. Returns how many."""
         behind, self.usage_behind = self.usage_behind, set()
-        write_usage(self.session, self.usage, behind, self.usage_stored)
+        self.repo.write_usage(self.usage, behind, self.usage_stored)
         return len(behind)
 
     # -- queries on memory ---------------------------------------------------------
@@ -348,7 +349,7 @@ class World:
 
     def close(self) -> None:
         """Release the session's connection."""
-        self.session.close()
+        self.repo.close()
 
 
 #: what a pending lease keeps in memory only (see :func:`gpubroker.passes.set_wait`)
@@ -357,12 +358,7 @@ _MEMORY_ONLY = ("queue_position", "queue_reason", "queue_message", "queue_eta", 
 
 def _memory_of(lease: Lease) -> dict[str, Any]:
     """The memory-only values of ``lease`` (read before a rollback expires them)."""
-    state = inspect(lease)
-    if state.expired or "version" in state.unloaded:
-        return {}
-    values = {name: state.dict.get(name) for name in _MEMORY_ONLY}
-    values["version"] = state.dict.get("version")
-    return values
+    return loaded_values(lease, (*_MEMORY_ONLY, "version"))
 
 
 def _restore(lease: Lease, kept: dict[str, Any]) -> None:
@@ -371,8 +367,8 @@ def _restore(lease: Lease, kept: dict[str, Any]) -> None:
     if not kept or kept.get("version") is None:
         return
     for name in _MEMORY_ONLY:
-        set_committed_value(lease, name, kept[name])
-    set_committed_value(lease, "version", max(lease.version, kept["version"]) + 1)
+        set_loaded(lease, name, kept[name])
+    set_loaded(lease, "version", max(lease.version, kept["version"]) + 1)
 
 
 def _utc(epoch_s: float) -> dt.datetime:

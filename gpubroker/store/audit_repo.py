@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from ..usage.intervals import CAUSES
 from .models import AuditEntry, Lease, LeaseEvent
+from .repository import Repository, session_of
 
 #: event kinds of the transition log that are actions worth auditing (when
 #: someone other than the lease's own user caused them)
@@ -32,7 +33,7 @@ LEASE_ACTIONS = (
 
 
 def record(
-    session: Session,
+    session: Session | Repository,
     at: dt.datetime,
     actor: str,
     action: str,
@@ -42,7 +43,7 @@ def record(
     reason: str = "",
 ) -> None:
     """Append one admin action (in the caller's transaction)."""
-    session.add(
+    session_of(session).add(
         AuditEntry(
             at=at,
             actor=actor[:255],

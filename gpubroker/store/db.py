@@ -26,6 +26,11 @@ from sqlalchemy.orm import Session, sessionmaker
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
 
+def shown_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for log lines)."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
 def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")

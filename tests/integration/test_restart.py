@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from gpubroker import state_check
 from gpubroker.store.db import make_engine
 from gpubroker.store.models import Lease, LeaseEvent
+from gpubroker.store.repository import Repository
 
 from ..hubutil import RunningHub
 from .test_spawn import process_env, spawn, wait_until
@@ -149,7 +150,7 @@ def test_sigkill_under_64_clients_loses_nothing_and_grants_nothing_twice(
     with Session(engine) as session:
         ids = list(session.scalars(select(Lease.id).where(Lease.user.like("loop%"))))
         assert set(seen) <= set(ids)
-        assert state_check.problems(session, ids) == []
+        assert state_check.problems(Repository(lambda: session), ids) == []
         held: dict[str, list[tuple[dt.datetime, dt.datetime]]] = {}
         for lease_id in ids:
             rows = session.scalars(

@@ -449,8 +449,8 @@ def test_a_decision_that_does_not_fit_is_refused_before_any_row_changes(
         broker.schedule_now()
     monkeypatch.undo()
     assert broker.get_lease(waiting["id"])["state"] == "pending"
-    with broker._read() as session:
-        rows = session.scalars(select(Allocation).where(Allocation.device_uuid == busy)).all()
+    with broker._read() as repo:
+        rows = repo.session.scalars(select(Allocation).where(Allocation.device_uuid == busy)).all()
     assert [(a.lease_id, a.active) for a in rows] == [(holder["id"], True)]
 
 

@@ -25,7 +25,7 @@ from ..conftest import make_broker
 def _statements(broker: Broker) -> list[str]:
     """Every SQL statement the broker's engine runs from now on."""
     seen: list[str] = []
-    engine = broker._world.session.get_bind()
+    engine = broker._world.repo.session.get_bind()
     event.listen(engine, "before_cursor_execute", lambda *a: seen.append(a[2]))
     return seen
 
@@ -356,7 +356,7 @@ def test_an_object_read_after_a_rollback_does_not_swallow_later_commits(
             broker.request_lease("x", "", gpus=1)
     assert kept[0].user == "ann"  # a lazy read outside any block
     bob = broker.request_lease("bob", "nb", gpus=1)
-    with broker._session() as fresh:
+    with broker.session_factory() as fresh:
         assert fresh.get(Lease, bob["id"]) is not None  # committed
     assert broker.validate_state() == []
 

@@ -10,10 +10,10 @@ import pytest
 from sqlalchemy import update
 
 from gpubroker.core import Broker
-from gpubroker.culler_store import load_tracks, save_tracks
 from gpubroker.errors import Forbidden
 from gpubroker.model.lifecycle import Event, IllegalTransition, replay, transition_kind
 from gpubroker.state_check import StateInvalid
+from gpubroker.store.culler_repo import load_tracks, save_tracks
 from gpubroker.store.models import Allocation, LeaseEvent
 
 from ..conftest import make_broker
@@ -86,7 +86,7 @@ def test_a_refused_command_logs_and_publishes_nothing(db_url: str) -> None:
     with pytest.raises(Forbidden):
         broker.request_lease("ann", "", gpus=2)
     assert published == []
-    with broker._session() as session:
+    with broker.session_factory() as session:
         assert session.query(LeaseEvent).count() == 0
 
 
@@ -107,7 +107,7 @@ def test_validate_state_catches_a_lease_without_its_slots(db_url: str) -> None:
     broker: Broker = make_broker(db_url)
     lease = broker.request_lease("ann", "", gpus=2)
     assert broker.validate_state([lease["id"]]) == []
-    with broker._session() as session, session.begin():
+    with broker.session_factory() as session, session.begin():
         session.execute(
             update(Allocation).where(Allocation.lease_id == lease["id"]).values(active=False)
         )
@@ -124,7 +124,7 @@ def test_validate_state_catches_a_lease_without_its_slots(db_url: str) -> None:
 def test_validate_state_catches_a_log_that_does_not_replay(db_url: str) -> None:
     broker = make_broker(db_url)
     lease = broker.request_lease("ann", "", gpus=1)
-    with broker._session() as session, session.begin():
+    with broker.session_factory() as session, session.begin():
         session.execute(
             update(LeaseEvent).where(LeaseEvent.kind == "granted").values(to_state="released")
         )

@@ -211,8 +211,7 @@ def test_restart_keeps_instances_of_active_leases(db_url: str, tmp_path: Path) -
     assert [m.uuid for m in again.backend.mig_devices(device)] == [
         lease["env"]["CUDA_VISIBLE_DEVICES"]
     ]
-    with again._session() as session:
-        assert again.clean_mig(session) == []  # held: not foreign
+    assert again.clean_mig() == []  # held: not foreign
     again.release_lease(lease["id"], "done")
     assert again.backend.mig_devices(device) == []
 
@@ -271,7 +270,7 @@ def test_culler_reads_a_share_by_its_own_processes_and_a_mig_lease_by_its_instan
         processes=[{"pid": 11, "used_memory_mib": 512}, {"pid": 22, "used_memory_mib": 9000}],
     )
     broker.backend.set_usage(small["slots"][0]["uuid"], utilization_gpu=None, memory_used_mib=700)
-    with broker._session() as session:
+    with broker.session_factory() as session:
         for lease_id, expected in ((mine["id"], (None, 512)), (small["id"], (None, 700))):
             lease = session.get(Lease, lease_id)
             assert lease is not None

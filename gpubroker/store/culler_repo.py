@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from .store.models import CullerTrack
+from .models import CullerTrack
 
 #: the fields of a track, as stored
 FIELDS = ("gpu_active", "busy_since_gpu_idle", "warned_until", "flagged", "culled")
