@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 from traitlets import Any as AnyTrait
@@ -833,7 +833,12 @@ class Broker(
             allocation.active = False
 
     @command("reconcile")
-    def reconcile(self, servers: Iterable[tuple[str, str]], as_of: dt.datetime) -> list[int]:
+    def reconcile(
+        self,
+        servers: Iterable[tuple[str, str]],
+        as_of: dt.datetime,
+        followed: Collection[int] = (),
+    ) -> list[int]:
         """Release server leases whose hub server no longer exists.
 
         Args:
@@ -841,14 +846,22 @@ class Broker(
                 active (ready or pending), fetched starting at ``as_of``.
             as_of: aware UTC time the hub listing was requested; leases
                 created after it are left alone (their server may be newer).
+            followed: ids of leases whose holder an engine follows (a
+                server's Slurm job): left alone here, since the holder may
+                still run and hold the devices after the hub lost the server
+                (a stop that failed); the engine's reconciliation ends them
+                (:class:`~gpubroker.broker.slurm_servers.SlurmServers`).
 
         Returns:
             ids of the leases released.
         """
         alive = set(servers)
+        skip = set(followed)
 
         def gone(lease: Lease) -> str | None:
             if lease.holder_kind != HolderKind.server.value or lease.created >= as_of:
+                return None
+            if lease.id in skip:
                 return None
             if (lease.user, lease.server_name) in alive:
                 return None

@@ -350,7 +350,9 @@ class BrokerService:
     async def reconcile_once(self) -> list[int]:
         """Ask the hub which servers exist, the Docker engine which
         servers' containers still run and Slurm which servers' jobs do;
-        release the leases of those gone."""
+        release the leases of those gone. A server's Slurm job is Slurm's to
+        judge: one still running after the hub lost its server is cancelled
+        first (:class:`~gpubroker.broker.slurm_servers.SlurmServers`)."""
         as_of: dt.datetime = utcnow()
         try:
             servers = await self.hub.active_servers()
@@ -359,9 +361,9 @@ class BrokerService:
             await self.reconcile_containers()
             await self.slurm_servers.reconcile()
             raise
-        released = self.broker.reconcile(servers, as_of)
+        released = self.broker.reconcile(servers, as_of, self.slurm_servers.followed())
         released += await self.reconcile_containers()
-        return released + await self.slurm_servers.reconcile()
+        return released + await self.slurm_servers.reconcile(servers, as_of)
 
     async def reconcile_containers(self) -> list[int]:
         """Release the leases of servers whose Docker container (told by

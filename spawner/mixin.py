@@ -844,18 +844,37 @@ class GPUSpawnerMixin(LoggingConfigurable):
     async def stop(self, now: bool = False) -> None:
         """Stop the server, then release its lease (reason: server stopped).
 
-        A stop is not a restart: ``gpu_restart_of`` is cleared. The lease id
-        is read first: LocalProcessSpawner.stop() clears state, and polls
-        first (a server found dead there is released here, as stopped).
+        A stop that raises releases nothing (the error propagates): the
+        server's process, container or job may still hold the devices, so
+        the lease is left to the broker's reconciliation, which releases it
+        when the hub no longer lists the server, or, for a Slurm job, once
+        it has cancelled the job. A stop is not a restart: ``gpu_restart_of``
+        is cleared. The lease id is read first: LocalProcessSpawner.stop()
+        clears state, and polls first (a server found dead there is
+        released here, as stopped).
         """
         lease_id = self.gpu_lease_id
         self._gpu_stopping = True
         try:
             await maybe_future(super().stop(now=now))  # type: ignore[misc]
+        except BaseException:
+            # the holder may still run on the lease's devices: JupyterHub
+            # forgets the server all the same, and the broker's
+            # reconciliation ends the lease once the holder is seen gone (a
+            # Slurm job: cancelled, then released)
+            self.gpu_lease_id = None
+            self.log.warning(
+                "%s: the server's stop failed; lease %s is kept until the broker's "
+                "reconciliation finds its holder gone",
+                self._log_name,
+                lease_id,
+            )
+            raise
+        else:
+            await self._release("server stopped", lease_id)
         finally:
             self._gpu_stopping = False
             self.gpu_restart_of = None
-            await self._release("server stopped", lease_id)
             self._reset_progress()
 
     async def _release(self, reason: str, lease_id: int | None = None) -> None:

@@ -320,6 +320,33 @@ def test_a_stopped_slurmctld_ends_no_lease_and_orphans_no_server(
     hub.wait_for_no_server("gina", timeout=60)
 
 
+def test_a_stop_that_fails_while_slurmctld_is_down_keeps_the_lease_until_the_job_is_cancelled(
+    hub: RunningHub, slurm_cluster: SlurmCluster
+) -> None:
+    lease = _server_up(hub, "ivan", "one")
+    job = lease["slurm_job"]
+    ctld = slurm_cluster.procs["slurmctld"]
+    ctld.send_signal(signal.SIGSTOP)
+    try:
+        r = hub.api("DELETE", "/users/ivan/server")
+        assert r.status_code in (202, 204), r.text
+        # the stop fails (squeue, then scancel, each past command_timeout):
+        # JupyterHub forgets the server, but its job still holds the GPU
+        hub.wait_for_no_server("ivan", timeout=120)
+        time.sleep(5)  # two hub reconciliations
+        assert hub.broker_api("GET", f"/leases/{lease['id']}").json()["state"] == "granted"
+    finally:
+        ctld.send_signal(signal.SIGCONT)
+    # Slurm answers again: the broker cancels the orphaned job, then releases
+    _wait(lambda: _lease_of(hub, "ivan") is None, 90, "the lease was not released")
+    view = hub.broker_api("GET", f"/leases/{lease['id']}").json()
+    assert view["release_reason"] == (
+        f"reconcile: the Slurm job {job} of server ivan/ was cancelled: "
+        "its server is gone from the hub"
+    )
+    assert job not in slurm_cluster.run("squeue", "-h", "-o", "%i").stdout.split()
+
+
 def test_a_restarted_broker_adopts_the_servers_slurm_jobs(
     hub: RunningHub, slurm_cluster: SlurmCluster
 ) -> None:

@@ -135,6 +135,14 @@ def test_reconcile_spares_leases_newer_than_the_hub_listing(broker: Broker) -> N
     assert broker.get_lease(fresh["id"])["state"] == "granted"
 
 
+def test_reconcile_leaves_leases_an_engine_follows_to_it(broker: Broker) -> None:
+    followed = broker.request_lease("ann", "", 1)
+    gone = broker.request_lease("bob", "", 1)
+    later = utcnow() + dt.timedelta(seconds=1)
+    assert broker.reconcile(set(), later, followed=[followed["id"]]) == [gone["id"]]
+    assert broker.get_lease(followed["id"])["state"] == "granted"
+
+
 def test_inventory_sync_marks_vanished_devices_absent(db_url: str) -> None:
     make_broker(db_url, ["8 x H100"])
     smaller = make_broker(db_url, ["4 x H100"])

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from jupyterhub.apihandlers.users import UserServerAPIHandler
 from jupyterhub.objects import Hub
-from jupyterhub.spawner import SpawnException
+from jupyterhub.spawner import LocalProcessSpawner, SpawnException
 from tornado import web
 from tornado.httpserver import HTTPServer
 from tornado.testing import bind_unused_port
@@ -203,6 +203,22 @@ async def test_a_stop_is_not_a_restart(broker: Broker) -> None:
     assert spawner.gpu_restart_of is None
     assert broker.released == {8: "server stopped"}
     assert "restart_of" not in spawner._lease_fields()
+
+
+async def test_a_stop_that_fails_keeps_the_lease_for_the_reconciliation(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spawner = make_spawner(broker)
+    spawner.gpu_lease_id = 9
+
+    async def refuse(self: Any, now: bool = False) -> None:
+        raise RuntimeError("the engine does not answer")
+
+    monkeypatch.setattr(LocalProcessSpawner, "stop", refuse)
+    with pytest.raises(RuntimeError, match="does not answer"):
+        await spawner.stop()
+    assert broker.released == {}
+    assert spawner.gpu_lease_id is None and not spawner._gpu_stopping
 
 
 # -- 4: the broker restarts --------------------------------------------------------------------
