@@ -148,8 +148,9 @@ class SlurmServers:
     ) -> list[Lease]:
         """The leases of ``running`` whose server the hub has not listed in
         this reconciliation nor in the one before (one listing may race a
-        stop that is under way)."""
+        stop that is under way); a round without a listing starts over."""
         if alive is None or as_of is None:
+            self._suspects = set()
             return []
         lost = {
             x.id: x
