@@ -21,30 +21,43 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from traitlets import Any as AnyTrait
-from traitlets import Bool, Enum, Float, Instance, Integer, List, TraitError, default, validate
+from traitlets import (
+    Bool,
+    Enum,
+    Float,
+    Instance,
+    Integer,
+    List,
+    TraitError,
+    default,
+    observe,
+    validate,
+)
 from traitlets.config import LoggingConfigurable
 
 from . import scheduler, state_check
-from .admin import AdminMixin
-from .admission import AdmissionMixin
-from .availability import AvailabilityMixin
+from .broker.actuator import Actuator
+from .broker.admin import AdminOps
+from .broker.admission import Admission, Shape
+from .broker.availability import Availability
+from .broker.notices import Notices
 from .broker.passloop import PassLoop
+from .broker.runner import CommandRunner, lease_or_404
+from .broker.sharing import SharingOps
 from .broker.waiters import Waiters
 from .broker.world import World
 from .commands import command
 from .devices.base import DeviceBackend
 from .enforce.mps import MPSControl
 from .engines import Engine, LocalEngine, Node
-from .errors import BadRequest, Conflict, NotFound
-from .notices import NoticesMixin
+from .errors import BadRequest, Conflict
 from .passes import PREPARING, QUEUED, QUEUED_MESSAGE, apply_decisions, build_state, set_wait
 from .policy_config import SchedulingPolicy
 from .pools import Pools, PoolSpec
-from .sharing_ops import SharingOpsMixin
 from .store.models import (
     ACTIVE_STATES,
     Allocation,
@@ -55,7 +68,7 @@ from .store.models import (
     LeaseState,
 )
 from .store.repository import Repository
-from .transitions import EventBus, Recorder, Stimulus, event_view
+from .transitions import EventBus, event_view
 from .usage.intervals import CAUSE_ACTORS, release_cause
 from .views import lease_view, summary
 
@@ -65,15 +78,15 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
-class Broker(
-    SharingOpsMixin,
-    AvailabilityMixin,
-    AdmissionMixin,
-    AdminMixin,
-    NoticesMixin,
-    LoggingConfigurable,
-):
-    """Owns leases and devices; see the module docstring.
+class Broker(LoggingConfigurable):
+    """Owns leases and devices; see the module docstring. A facade: lease
+    commands, inventory and scheduling are its own; admission
+    (:class:`~gpubroker.broker.admission.Admission`), admin operations
+    (:class:`~gpubroker.broker.admin.AdminOps`), notices
+    (:class:`~gpubroker.broker.notices.Notices`), the sharing operations
+    (:class:`~gpubroker.broker.sharing.SharingOps`) and what is free
+    (:class:`~gpubroker.broker.availability.Availability`) are parts built
+    here with explicit dependencies, which its methods call.
 
     Args:
         session_factory: the store's session factory (:mod:`gpubroker.store.db`).
@@ -248,46 +261,161 @@ class Broker(
         self.on_evict: Callable[[dict[str, Any]], None] | None = None
         #: lease events go here after each command's commit
         self.bus = EventBus(self.log)
-        self._stimulus: Stimulus | None = None
-        self._touched: set[int] = set()
         self._world = World(self.session_factory, lambda: self.policy.fairshare_half_life)
+        #: runs every command of the broker and its parts (stimulus, events)
+        self.runner = CommandRunner(self._world, self.bus, self._after_command)
         self._usage_written = time.monotonic()
         self._world.on_reload.append(self._after_rollback)
         #: where holders run and where the inventory comes from (the local
         #: host first; Docker and Slurm engines plug in beside it)
         self.engine: Engine = self._make_engine()
         self._policy_cache: tuple[tuple[int, str], scheduler.Policy] | None = None
-        self._init_sharing()
+        self._build_parts()
+
+    def _build_parts(self) -> None:
+        """The parts the facade delegates to, each given what it uses."""
+        self.sharing = SharingOps(
+            self.runner,
+            self._world,
+            self.backend,
+            self.pools,
+            self.mps,
+            framework_caps=lambda: self.framework_caps,
+            retry_backoff=lambda: self.grant_retry_backoff,
+            schedule=self._schedule,
+            schedule_now=self.schedule_now,
+            notify=self._notify,
+            log=self.log,
+        )
+        self.admission = Admission(
+            self._world,
+            self.pools,
+            self.sharing.pool_spec,
+            self._policy,
+            default_class=lambda: self.policy.default_priority_class,
+            max_gpus=lambda: self.max_gpus_per_request,
+        )
+        self.admin = AdminOps(
+            self.runner,
+            self._world,
+            self.policy,
+            self._policy,
+            self._schedule,
+            self._notify,
+            self._evict,
+            self.log,
+        )
+        self.notice_book = Notices(self.runner, self.log)
+        self.free = Availability(self.runner, self._scheduler_state, self.pools)
+
+    @observe("mps", "backend")
+    def _pass_on(self, change: Any) -> None:
+        """A device backend or MPS control set after start goes to the
+        sharing operations too (the parts hold what they use)."""
+        sharing = self.__dict__.get("sharing")
+        if sharing is not None:
+            setattr(sharing, change["name"], change["new"])
 
     # -- commands and their events ---------------------------------------------------
 
-    @contextlib.contextmanager
-    def _command(self, actor: str) -> Iterator[Stimulus]:
-        """Run one command as ``actor``: events staged meanwhile are published
-        after it and the state checked (``check_state``); a command inside a
-        command shares its stimulus."""
-        if self._stimulus is not None:
-            yield self._stimulus
-            return
-        self._stimulus = Stimulus(actor)
-        self._touched = set()
-        try:
-            yield self._stimulus
-        except BaseException:
-            self.bus.discard()
-            raise
-        finally:
-            self._stimulus = None
-        self.bus.publish()
+    def _after_command(self, touched: set[int]) -> None:
+        """After each outermost command: check the state (``check_state``)."""
         if self.check_state != "off":
-            self.validate_state(self._touched)
+            self.validate_state(touched)
 
-    def _rec(self, repo: Repository, now: dt.datetime, actor: str | None = None) -> Recorder:
+    def _rec(self, repo: Repository, now: dt.datetime, actor: str | None = None) -> Any:
         """A recorder of the current command's changes in ``repo``."""
-        stimulus = self._stimulus or Stimulus("broker")
-        return Recorder(
-            repo, stimulus, now, self.bus, actor, self._touched, self._world.staged_events
-        )
+        return self.runner.rec(repo, now, actor)
+
+    # -- the parts' operations, as the API, the service and the culler call them ----
+
+    @property
+    def actuator(self) -> Actuator | None:
+        """Makes and destroys MIG instances off the event loop (set by the
+        service; ``None``: inside the command, as the unit tests and CLI do)."""
+        return self.sharing.actuator
+
+    @actuator.setter
+    def actuator(self, actuator: Actuator | None) -> None:
+        self.sharing.actuator = actuator
+
+    def pool_spec(self, uuid: str) -> PoolSpec:
+        """The pool of device ``uuid`` (:meth:`SharingOps.pool_spec`)."""
+        return self.sharing.pool_spec(uuid)
+
+    def request_limit(self) -> int:
+        """Most GPUs one lease may ask for now (:meth:`Admission.request_limit`)."""
+        return self.admission.request_limit()
+
+    def shape(self, *args: Any, **kwargs: Any) -> Shape:
+        """What a request asks for, checked (:meth:`Admission.shape`)."""
+        return self.admission.shape(*args, **kwargs)
+
+    def class_for_caller(
+        self, name: str | None, admin: bool, policy: scheduler.Policy | None = None
+    ) -> None:
+        """Whether the caller may name class ``name`` (:meth:`Admission.class_for_caller`)."""
+        self.admission.class_for_caller(name, admin, policy)
+
+    def availability(self, user: str | None = None) -> dict[str, Any]:
+        """Each pool with what is free now (:meth:`Availability.availability`)."""
+        return self.free.availability(user)
+
+    def quotas(self) -> dict[str, Any]:
+        """Quotas in force (:meth:`AdminOps.quotas`)."""
+        return self.admin.quotas()
+
+    def set_quota(self, *args: Any, **kwargs: Any) -> None:
+        """Store a quota (:meth:`AdminOps.set_quota`)."""
+        self.admin.set_quota(*args, **kwargs)
+
+    def delete_quota(self, *args: Any, **kwargs: Any) -> None:
+        """Remove a stored quota (:meth:`AdminOps.delete_quota`)."""
+        self.admin.delete_quota(*args, **kwargs)
+
+    def set_priority_class(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Move a pending request to another class (:meth:`AdminOps.set_priority_class`)."""
+        return self.admin.set_priority_class(*args, **kwargs)
+
+    def set_drained(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Drain or undrain a device (:meth:`AdminOps.set_drained`)."""
+        return self.admin.set_drained(*args, **kwargs)
+
+    def preempt_lease(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """An admin's preemption (:meth:`AdminOps.preempt_lease`)."""
+        return self.admin.preempt_lease(*args, **kwargs)
+
+    def queue(self) -> list[dict[str, Any]]:
+        """Pending leases in queue order (:meth:`AdminOps.queue`)."""
+        return self.admin.queue()
+
+    def add_notice(self, *args: Any, **kwargs: Any) -> None:
+        """A notice for a lease's holder (:meth:`Notices.add_notice`)."""
+        self.notice_book.add_notice(*args, **kwargs)
+
+    def note_lease(self, *args: Any, **kwargs: Any) -> None:
+        """A note in a lease's transition log (:meth:`Notices.note_lease`)."""
+        self.notice_book.note_lease(*args, **kwargs)
+
+    def notices(self, user: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Notices, newest first (:meth:`Notices.notices`)."""
+        return self.notice_book.notices(user, limit)
+
+    def share_caps(self) -> list[tuple[Lease, str, int]]:
+        """Every share held now with its cap (:meth:`SharingOps.share_caps`)."""
+        return self.sharing.share_caps()
+
+    def housekeep_mig(self, **kwargs: Any) -> None:
+        """MIG mode changes and left-over instances (:meth:`SharingOps.housekeep_mig`)."""
+        self.sharing.housekeep_mig(**kwargs)
+
+    def request_mig_mode(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Ask for a device's MIG mode (:meth:`SharingOps.request_mig_mode`)."""
+        return self.sharing.request_mig_mode(*args, **kwargs)
+
+    async def after_mig_mode(self, view: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+        """The MIG mode answer once made (:meth:`SharingOps.after_mig_mode`)."""
+        return await self.sharing.after_mig_mode(view, timeout)
 
     def validate_state(self, touched: Iterable[int] = ()) -> list[str]:
         """Check the invariants (:mod:`gpubroker.state_check`) on what the
@@ -319,7 +447,7 @@ class Broker(
             NotFound: no such lease.
         """
         with self._read() as repo:
-            self._get(repo, lease_id)
+            lease_or_404(repo, lease_id)
             return [event_view(row) for row in repo.events_of(lease_id)]
 
     # -- sessions and notification -------------------------------------------------
@@ -417,11 +545,11 @@ class Broker(
                     self.log.warning("Device %s (%s) is no longer reported", uuid, row.name)
                     row.present = False
             repo.flush()
-            self._refresh_pools(repo)
+            self.sharing.refresh_pools(repo)
             self._leave_mig_mode(list(repo.devices()))
             self._schedule(repo, utcnow())
         self._notify()
-        if self.apply_mig_modes():
+        if self.sharing.apply_mig_modes():
             self.schedule_now()
         return [vars(d) for d in reported.values()]
 
@@ -431,7 +559,7 @@ class Broker(
         it is drained until nothing holds it, then its MIG mode is turned off
         (as ``PATCH /devices/{uuid} {"mig_mode": false}`` would)."""
         for device in devices:
-            spec = self.pool_spec(device.uuid)
+            spec = self.sharing.pool_spec(device.uuid)
             wrong = device.present and device.mig_enabled and spec.mode != "mig"
             if wrong and device.mig_target is None:
                 self.log.warning(
@@ -468,7 +596,7 @@ class Broker(
         """
         now = utcnow()
         with self._write() as repo:
-            lease = self._get(repo, lease_id)
+            lease = lease_or_404(repo, lease_id)
             mine = [a for a in lease.allocations if a.active]
             want = list(dict.fromkeys(uuids))
             if lease.state != LeaseState.granted.value or any(a.kind != "device" for a in mine):
@@ -490,7 +618,7 @@ class Broker(
             rec = self._rec(repo, now)
             for other in {a.lease_id for a, _ in moves} - {lease_id}:
                 why = f"its devices swapped with lease {lease_id}'s, as its engine bound them"
-                rec.note(self._get(repo, other), "rebound", why, {"lease": lease_id})
+                rec.note(lease_or_404(repo, other), "rebound", why, {"lease": lease_id})
             rec.note(lease, "rebound", "bound by its engine to " + ", ".join(want), {})
             self._schedule(repo, now)
         self._notify()
@@ -534,7 +662,7 @@ class Broker(
             counts = {state: 0 for state in ACTIVE_STATES}
             for lease in repo.active_leases():
                 counts[lease.state] += 1
-                lost = self._lost_instances(lease)
+                lost = self.sharing.lost_instances(lease)
                 if lost:
                     why = f"its MIG instance {lost[0]} no longer exists (GPU reset or reboot?)"
                     self.log.warning("Lease %s: %s", lease.id, why)
@@ -547,40 +675,6 @@ class Broker(
         )
         self._notify()
         return counts
-
-    def largest_node(self, devices: list[tuple[Device, PoolSpec]] | None = None) -> int:
-        """Number of present, non-drained devices of exclusive pools on the
-        largest node (of ``devices``, from :meth:`pool_devices`, when given)."""
-        per_node: dict[str, int] = {}
-        for device, spec in self.pool_devices() if devices is None else devices:
-            if not device.drained and spec.mode == scheduler.PoolMode.exclusive.value:
-                per_node[device.node] = per_node.get(device.node, 0) + 1
-        return max(per_node.values(), default=0)
-
-    def _check_purpose(self, pool: str | None, holder_kind: str) -> None:
-        """Only jobs run on a pool whose purpose is ``batch`` (Pools).
-
-        Raises:
-            BadRequest: ``pool`` is a batch pool and the holder is not a job.
-        """
-        spec = None if pool is None else self.pools.spec(pool)
-        if spec is not None and spec.purpose == "batch" and holder_kind != HolderKind.job.value:
-            raise BadRequest(
-                f"pool: {pool!r} is a batch pool: only batch jobs run there "
-                "(submit a job: gpubroker jobs submit, or %gpu_submit)"
-            )
-
-    def pool_devices(self) -> list[tuple[Device, PoolSpec]]:
-        """Every present device (detached row) with its pool."""
-        return [(d, self.pool_spec(d.uuid)) for d in self._world.present_devices()]
-
-    def request_limit(self, devices: list[tuple[Device, PoolSpec]] | None = None) -> int:
-        """Most GPUs one lease may ask for now (see ``max_gpus_per_request``);
-        ``devices``: :meth:`pool_devices`, when the caller has them."""
-        largest = self.largest_node(devices)
-        if self.max_gpus_per_request:
-            return min(largest, self.max_gpus_per_request)
-        return largest
 
     # -- state changes ---------------------------------------------------------------
 
@@ -645,11 +739,12 @@ class Broker(
         """
         if [gpus, mig_profile, memory_gib].count(None) != 2:
             raise BadRequest("gpus/mig_profile/memory_gib: give exactly one of them")
-        self._check_purpose(pool, holder_kind)
+        admission = self.admission
+        admission.check_purpose(pool, holder_kind)
         interactive = holder_kind != HolderKind.job.value
-        shape = self.shape(gpus, mig_profile, memory_gib, count, pool, interactive)
+        shape = admission.shape(gpus, mig_profile, memory_gib, count, pool, interactive)
         policy = self._policy()
-        self.class_for_caller(priority_class, admin, policy)
+        admission.class_for_caller(priority_class, admin, policy)
         cls = priority_class or self.policy.default_priority_class
         if cls not in policy.classes:
             raise BadRequest(
@@ -657,8 +752,8 @@ class Broker(
             )
         if time_limit is not None and time_limit <= 0:
             raise BadRequest(f"time_limit: must be a positive number of seconds, got {time_limit}")
-        charged = self._charge_group(user, group, groups, policy)
-        self._check_guarantee_room(policy, cls, user, charged, shape.weight)
+        charged = admission.charge_group(user, group, groups, policy)
+        admission.check_guarantee_room(policy, cls, user, charged, shape.weight)
         now = utcnow()
         with self._write() as repo:
             previous = None
@@ -671,7 +766,7 @@ class Broker(
                     freed = True
             if holder_kind == HolderKind.server.value:
                 self._check_no_active_lease(repo, user, server_name, restart_of)
-            self._check_limits(policy, user, charged, shape.weight)
+            admission.check_limits(policy, user, charged, shape.weight)
             if dry_run:
                 return {
                     "admitted": True,
@@ -773,7 +868,7 @@ class Broker(
         """
         now = utcnow()
         with self._write() as repo:
-            lease = self._get(repo, lease_id)
+            lease = lease_or_404(repo, lease_id)
             if lease.state != LeaseState.released.value:
                 # a request withdrawn frees nothing, unless devices were earmarked
                 # for it, its MIG instance was being made, or its reservation kept
@@ -814,10 +909,10 @@ class Broker(
         repo = self._world.repo  # every lease in memory is the world's
         if lease.state == LeaseState.granted.value:
             self._world.charge(lease, now)
-            self._unrealize(lease)
+            self.sharing.unrealize(lease)
         elif cause == "release":
             cause = "cancel"
-        self._retry_after.pop(lease.id, None)
+        self.sharing.forget_retry(lease.id)
         self._rec(repo, now, actor).transition(
             lease, LeaseState.released.value, reason, {"cause": cause}
         )
@@ -948,12 +1043,6 @@ class Broker(
 
     # -- reads ---------------------------------------------------------------------
 
-    def _get(self, repo: Repository, lease_id: int) -> Lease:
-        lease = repo.lease(lease_id)
-        if lease is None:
-            raise NotFound(f"lease {lease_id}: no such lease")
-        return lease
-
     def get_lease(self, lease_id: int) -> dict[str, Any]:
         """The view of lease ``lease_id``.
 
@@ -961,7 +1050,7 @@ class Broker(
             NotFound: no such lease.
         """
         with self._read() as repo:
-            return lease_view(self._get(repo, lease_id))
+            return lease_view(lease_or_404(repo, lease_id))
 
     def list_leases(self, user: str | None = None, active: bool = True) -> list[dict[str, Any]]:
         """Lease views, oldest first; only ``user``'s when given; only
@@ -1074,7 +1163,7 @@ class Broker(
         for device in self._world.present_devices():
             if device.uuid in taken or device.drained or device.mig_target is not None:
                 continue
-            spec = self.pool_spec(device.uuid)
+            spec = self.sharing.pool_spec(device.uuid)
             if spec.mode != scheduler.PoolMode.exclusive.value or device.mig_enabled:
                 continue
             if wanted is None or spec.name == wanted:
@@ -1160,7 +1249,7 @@ class Broker(
             lambda lease, why: self._evict(
                 lease, why, now, release_cause(why, "scheduler", lease.state), "scheduler"
             ),
-            self._prepare,
+            self.sharing.prepare,
             self._rec(repo, now, "scheduler"),
             self._world.inputs,
             state,
@@ -1185,19 +1274,15 @@ class Broker(
         """The scheduler's view of memory (:func:`build_state`): MIG
         instances being made occupy their slices, and their requests are
         left out."""
-        instances: dict[str, list[scheduler.Instance]] = {
-            uuid: list(found) for uuid, found in self._mig_inventory.items()
-        }
-        for uuid, planned in self.preparing_instances().items():
-            instances.setdefault(uuid, []).extend(planned)
+        sharing = self.sharing
         return build_state(
             self._world,
             self._policy(),
             self._topology,
-            self._pools,
-            instances,
+            sharing.device_pools,
+            sharing.scheduler_instances(),
             self.mig_placement,
-            skip=self._preparing,
+            skip=sharing.preparing,
             share_placement=self.share_placement,
             share_sizes=tuple(round(s * 1024) for s in self.share_mix_gib),
         )
@@ -1302,7 +1387,7 @@ class Broker(
         """
         now = utcnow()
         with self._write() as repo:
-            lease = self._get(repo, lease_id)
+            lease = lease_or_404(repo, lease_id)
             actor = CAUSE_ACTORS.get(cause)
             if lease.state == LeaseState.granted.value and self._evict(
                 lease, reason, now, cause, actor
@@ -1332,7 +1417,7 @@ class Broker(
             NotFound: no such lease.
         """
         with self._write() as repo:
-            lease = self._get(repo, lease_id)
+            lease = lease_or_404(repo, lease_id)
             lease.server_url = url
             if container_id is not None:
                 lease.container_id, lease.docker_engine = container_id, docker_engine

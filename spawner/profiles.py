@@ -41,7 +41,7 @@ PROFILE_KEYS = (
 
 #: keys of a profile's ``request`` (and of a lease request); one kind at most
 REQUEST_KEYS = ("gpus", "mig_profile", "memory_gib", "count", "pool")
-#: the broker's smallest share, GiB (gpubroker.api.validation.MIN_SHARE_GIB)
+#: the broker's smallest share, GiB (gpubroker.model.limits.MIN_SHARE_GIB)
 MIN_SHARE_GIB = 0.25
 KIND_KEYS = ("gpus", "mig_profile", "memory_gib")
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..devices.mig import PROFILE_NAME_RE, profile_for_many
 from ..errors import BadRequest, NotFound
+from ..model.limits import MAX_SHARE_GIB, MIN_SHARE_GIB
 from ..store.models import HolderKind
 
 #: longest name (user, server, group, pool, class, quota name), characters
@@ -47,11 +48,6 @@ LEASE_FIELDS = {
 
 #: what a request may ask for: whole devices, one MIG instance, or shares
 SLOT_FIELDS = ("gpus", "mig_profile", "memory_gib")
-
-#: largest share one request may ask for, GiB (above any GPU made so far)
-MAX_SHARE_GIB = 1024.0
-#: smallest share, GiB: below it no framework cap or MPS limit is meaningful
-MIN_SHARE_GIB = 0.25
 
 
 #: longest time limit a lease may ask for, seconds (one year)

@@ -73,7 +73,7 @@ async def test_a_failed_make_is_an_event_and_the_retry_succeeds(broker: Broker) 
     assert _kinds(broker, lease["id"]) == ["requested", "preparing", "grant-failed"]
     assert all(layout_of(broker, d.uuid) == [] for d in broker.backend.devices()[:2])
     broker.grant_retry_backoff = 0.0
-    broker._retry_after.clear()  # the backoff is over
+    broker.sharing.retry_after.clear()  # the backoff is over
     broker.schedule_now()
     await broker.actuator.idle()
     assert broker.get_lease(lease["id"])["state"] == "granted"
@@ -177,7 +177,7 @@ async def test_a_daemon_that_does_not_start_is_an_event_and_the_request_waits(
     assert _kinds(broker, lease["id"]) == ["requested", "preparing", "grant-failed"]
     monkeypatch.delenv("STANDIN_FAIL")
     broker.grant_retry_backoff = 0.0
-    broker._retry_after.clear()  # the backoff is over
+    broker.sharing.retry_after.clear()  # the backoff is over
     broker.schedule_now()
     await broker.actuator.idle()
     assert broker.get_lease(lease["id"])["state"] == "granted"
@@ -225,4 +225,8 @@ async def test_a_failed_mig_mode_change_keeps_the_target_and_is_tried_again(
     broker.backend.set_usage(gpu0, processes=[])
     broker.housekeep_mig()
     await broker.actuator.idle()
-    assert broker.mig_mode_view(gpu0) == {"uuid": gpu0, "mig_enabled": False, "mig_target": None}
+    assert broker.sharing.mig_mode_view(gpu0) == {
+        "uuid": gpu0,
+        "mig_enabled": False,
+        "mig_target": None,
+    }

@@ -78,3 +78,22 @@ def test_the_pure_core_imports_no_io_layer(path: Path) -> None:
             continue  # the package of a catalogue: it loads its backends lazily
         if top[0] == "gpubroker" and len(top) > 1:
             assert top[1] not in inner, f"{path.name} imports {module}"
+
+
+def test_the_broker_is_a_facade_over_parts_not_mixins() -> None:
+    """``Broker`` derives from traitlets' configurable alone, and no module
+    of the broker defines a mixin: its parts are objects it builds with
+    explicit dependencies (DESIGN.md, the core v2 issue)."""
+    from traitlets.config import LoggingConfigurable
+
+    from gpubroker.core import Broker
+
+    assert Broker.__bases__ == (LoggingConfigurable,)
+    for path in _modules():
+        tree = ast.parse(path.read_text(), str(path))
+        mixins = [
+            n.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ClassDef) and n.name.endswith("Mixin")
+        ]
+        assert not mixins, f"{path.relative_to(PACKAGE)} defines {mixins}"

@@ -199,7 +199,7 @@ def test_mig_mode_change_waits_until_the_device_is_empty(broker: Broker) -> None
     queued = broker.request_lease("bob", "", mig_profile="1g.10gb")
     assert queued["state"] == "pending"  # drained meanwhile
     broker.release_lease(lease["id"], "done")
-    assert broker.apply_mig_modes() == [gpu0]
+    assert broker.sharing.apply_mig_modes() == [gpu0]
     assert broker.backend.devices()[0].mig_enabled is False
 
 
@@ -211,7 +211,7 @@ def test_restart_keeps_instances_of_active_leases(db_url: str, tmp_path: Path) -
     assert [m.uuid for m in again.backend.mig_devices(device)] == [
         lease["env"]["CUDA_VISIBLE_DEVICES"]
     ]
-    assert again.clean_mig() == []  # held: not foreign
+    assert again.sharing.clean_mig() == []  # held: not foreign
     again.release_lease(lease["id"], "done")
     assert again.backend.mig_devices(device) == []
 

@@ -1,17 +1,23 @@
 """What is free now, per pool, and what a user may still take: the answer of
-``GET /api/v1/pools`` that the spawn form shows. Part of
-:class:`gpubroker.core.Broker` (a mixin); reads only."""
+``GET /api/v1/pools`` that the spawn form shows. A part of the broker
+(:class:`gpubroker.core.Broker` delegates to it); reads only."""
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
-from . import scheduler
+from .. import scheduler
+from ..devices import mig
+from ..pools import Pools
+from ..scheduler.sharing import SharingPool, mig_weight
+from ..store.models import ACTIVE_STATES, Lease, LeaseState
 from .admission import held_weight
-from .devices import mig
-from .scheduler.sharing import SharingPool, mig_weight
-from .store.models import ACTIVE_STATES, LeaseState
+from .runner import CommandRunner
+
+#: the scheduler's view of memory and the leases it was built from
+StateOf = Callable[[], tuple[scheduler.SchedulerState, dict[int, Lease]]]
 
 #: MIG instances counted at most per profile and pool (the form says "N+")
 MAX_COUNTED = 50
@@ -48,8 +54,20 @@ def _share_room(state: scheduler.SchedulerState, pool: str) -> tuple[float, floa
     return max(rooms, default=0) / 1024, sum(max(r, 0) for r in rooms) / 1024
 
 
-class AvailabilityMixin:
-    """``availability(user)`` for the spawn form and ``GET /pools``."""
+class Availability:
+    """``availability(user)`` for the spawn form and ``GET /pools``.
+
+    Args:
+        runner: the broker's command runner (its reads).
+        state_of: the scheduler's view of the broker's memory
+            (``Broker.scheduler_state``).
+        pools: the pools' configuration.
+    """
+
+    def __init__(self, runner: CommandRunner, state_of: StateOf, pools: Pools) -> None:
+        self.runner = runner
+        self.state_of = state_of
+        self.pools = pools
 
     def availability(self, user: str | None = None) -> dict[str, Any]:
         """Each pool with what is free now, and ``user``'s quota room.
@@ -67,16 +85,16 @@ class AvailabilityMixin:
             slices / the device's, a share memory / the device's memory);
             ``limit`` and ``remaining`` are ``None`` when there is no limit.
         """
-        with self._read():  # type: ignore[attr-defined]
-            state, leases = self._scheduler_state()  # type: ignore[attr-defined]
+        with self.runner.read():
+            state, leases = self.state_of()
             quota = self._quota_view(state.policy, user, leases.values()) if user else None
         held = {d for r in state.running for d in r.devices} | {
             d for r in state.pending for d in r.earmarked
         }
         pools = []
-        for spec in self.pools.specs():  # type: ignore[attr-defined]
+        for spec in self.pools.specs():
             slots = [s for s in state.slots if s.pool == spec.name]
-            if not slots and spec.name != self.pools.default_pool:  # type: ignore[attr-defined]
+            if not slots and spec.name != self.pools.default_pool:
                 continue
             free: dict[str, Any] = {"gpus": 0, "mig": {}, "share_gib": 0.0, "shares_total_gib": 0.0}
             entry_weights: dict[str, float] = {}

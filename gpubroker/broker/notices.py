@@ -1,17 +1,28 @@
-"""Notices for lease holders (cull warnings, culls), part of the broker."""
+"""Notices for lease holders (cull warnings, culls, preemptions): a part of
+the broker (:class:`gpubroker.core.Broker` delegates to it)."""
 
 from __future__ import annotations
 
 import datetime as dt
 from typing import Any
 
-from .commands import command
-from .store.models import Lease, Notice
-from .views import isoformat
+from ..commands import command
+from ..store.models import Lease, Notice
+from ..views import isoformat
+from .runner import CommandRunner, lease_or_404
 
 
-class NoticesMixin:
-    """Record and list notices (see :class:`gpubroker.store.models.Notice`)."""
+class Notices:
+    """Record and list notices (see :class:`gpubroker.store.models.Notice`).
+
+    Args:
+        runner: the broker's command runner.
+        log: the broker's logger.
+    """
+
+    def __init__(self, runner: CommandRunner, log: Any) -> None:
+        self.runner = runner
+        self.log = log
 
     @command("culler")
     def add_notice(
@@ -27,11 +38,11 @@ class NoticesMixin:
         ``detail`` and the deadline in its detail: a ``culled`` notice says
         ``idle_seconds``, which the usage ledger reads)."""
         now = dt.datetime.now(dt.timezone.utc)
-        with self._write() as repo:  # type: ignore[attr-defined]
+        with self.runner.write() as repo:
             detail = dict(detail or {})
             if deadline:
                 detail["deadline"] = isoformat(deadline)
-            self._rec(repo, now).note(lease, kind, message, detail)  # type: ignore[attr-defined]
+            self.runner.rec(repo, now).note(lease, kind, message, detail)
             repo.add(notice_row(lease, kind, message, now, deadline))
         self.log.info("Notice for %s/%s (%s): %s", lease.user, lease.server_name, kind, message)
 
@@ -52,15 +63,15 @@ class NoticesMixin:
             NotFound: no such lease.
         """
         now = dt.datetime.now(dt.timezone.utc)
-        with self._write() as repo:  # type: ignore[attr-defined]
-            lease = self._get(repo, lease_id)  # type: ignore[attr-defined]
-            self._rec(repo, now).note(lease, kind, reason, detail)  # type: ignore[attr-defined]
+        with self.runner.write() as repo:
+            lease = lease_or_404(repo, lease_id)
+            self.runner.rec(repo, now).note(lease, kind, reason, detail)
             if notify:
                 repo.add(notice_row(lease, kind, reason, now))
 
     def notices(self, user: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Newest first; only ``user``'s when given."""
-        with self._read() as repo:  # type: ignore[attr-defined]
+        with self.runner.read() as repo:
             return [
                 {
                     "id": n.id,

@@ -1,13 +1,13 @@
 """Making fractional grants real, and undoing them: MIG instances created and
 destroyed through the device backend, shares given their enforcement
-environment (framework caps, CUDA MPS). Part of
-:class:`gpubroker.core.Broker` (a mixin).
+environment (framework caps, CUDA MPS), the MIG inventory and each device's
+pool. A part of the broker (:class:`gpubroker.core.Broker` delegates to it).
 
 A MIG instance is created when its lease is granted and destroyed when the
 lease is released -- after the holder's server has stopped, so an instance
 in use is never touched (the driver would refuse anyway: ``NVML_ERROR_IN_USE``).
 An instance that cannot be destroyed stays as a *foreign* instance that
-occupies its slices; :meth:`SharingOpsMixin.clean_mig` retries.
+occupies its slices; :meth:`SharingOps.clean_mig` retries.
 """
 
 from __future__ import annotations
@@ -16,22 +16,25 @@ import datetime as dt
 import functools
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .broker.actuator import Actuator
-from .commands import command
-from .devices.base import DeviceBackendError
-from .devices.mig import Placement
-from .devices.models import MODELS
-from .enforce import EnforcementError
-from .enforce.caps import framework_env
-from .errors import BadRequest, NotFound
-from .passes import PREPARING, grant_parts, set_wait
-from .pools import PoolSpec
-from .scheduler import Instance, Part, PoolMode
-from .store.models import Device, Lease
-from .store.repository import Repository
+from ..commands import command
+from ..devices.base import DeviceBackend, DeviceBackendError
+from ..devices.mig import Placement
+from ..devices.models import MODELS
+from ..enforce import EnforcementError
+from ..enforce.caps import framework_env
+from ..enforce.mps import MPSControl
+from ..errors import BadRequest, NotFound
+from ..passes import PREPARING, grant_parts, set_wait
+from ..pools import Pools, PoolSpec
+from ..scheduler import Instance, Part, PoolMode
+from ..store.models import Device, Lease
+from ..store.repository import Repository
+from .actuator import Actuator
+from .runner import CommandRunner
+from .world import World
 
 
 def mig_mode_key(uuid: str) -> str:
@@ -39,17 +42,51 @@ def mig_mode_key(uuid: str) -> str:
     return f"MIG mode of {uuid}"
 
 
-class SharingOpsMixin:
-    """MIG inventory, grant realisation and release clean-up for the broker."""
+class SharingOps:
+    """MIG inventory, device pools, grant realisation and release clean-up.
 
-    backend: Any
-    pools: Any
-    mps: Any
-    framework_caps: bool
-    grant_retry_backoff: float
-    log: Any
+    Args:
+        runner: the broker's command runner.
+        world: the broker's state in memory.
+        backend: the device backend (MIG instances, MIG mode).
+        pools: the pools' configuration.
+        mps: CUDA MPS control, for shares.
+        framework_caps: whether shares' servers get the framework caps
+            (``Broker.framework_caps``).
+        retry_backoff: seconds before a failed grant is tried again
+            (``Broker.grant_retry_backoff``).
+        schedule: run or ask for a scheduling pass in the open
+            transaction (``Broker.schedule``).
+        schedule_now: a scheduling pass of its own (``Broker.schedule_now``).
+        notify: wake the long-polls of changed leases.
+        log: the broker's logger.
+    """
 
-    def _init_sharing(self) -> None:
+    def __init__(
+        self,
+        runner: CommandRunner,
+        world: World,
+        backend: DeviceBackend,
+        pools: Pools,
+        mps: MPSControl,
+        framework_caps: Callable[[], bool],
+        retry_backoff: Callable[[], float],
+        schedule: Callable[[Repository, dt.datetime], None],
+        schedule_now: Callable[[], None],
+        notify: Callable[[], None],
+        log: Any,
+    ) -> None:
+        self.runner = runner
+        self._world = world
+        self.backend = backend
+        self.pools = pools
+        self.mps = mps
+        self.framework_caps = framework_caps
+        self.retry_backoff = retry_backoff
+        self.schedule = schedule
+        self.schedule_now = schedule_now
+        self.notify = notify
+        self.log = log
         #: MIG instances present on each MIG-enabled device, from the backend
         self._mig_inventory: dict[str, list[Instance]] = {}
         #: pool of each known device, by UUID
@@ -61,7 +98,35 @@ class SharingOpsMixin:
         self._preparing: dict[int, tuple[Part, ...]] = {}
         #: leases whose instance could not be made: lease id -> (failures,
         #: monotonic time before which no new try is made)
-        self._retry_after: dict[int, tuple[int, float]] = {}
+        self.retry_after: dict[int, tuple[int, float]] = {}
+
+    @property
+    def mig_inventory(self) -> Mapping[str, list[Instance]]:
+        """The MIG instances present on each MIG-enabled device (read only)."""
+        return self._mig_inventory
+
+    @property
+    def device_pools(self) -> Mapping[str, PoolSpec]:
+        """The pool of each known device, by UUID (read only)."""
+        return self._pools
+
+    @property
+    def preparing(self) -> Mapping[int, tuple[Part, ...]]:
+        """Grants whose MIG instances are being made or MPS daemon started:
+        lease id -> parts (read only)."""
+        return self._preparing
+
+    def scheduler_instances(self) -> dict[str, list[Instance]]:
+        """The MIG instances the scheduler sees, by device: those present
+        and those being made (:meth:`preparing_instances`)."""
+        instances = {uuid: list(found) for uuid, found in self._mig_inventory.items()}
+        for uuid, planned in self.preparing_instances().items():
+            instances.setdefault(uuid, []).extend(planned)
+        return instances
+
+    def forget_retry(self, lease_id: int) -> None:
+        """Drop the backoff of ``lease_id`` (it is released)."""
+        self.retry_after.pop(lease_id, None)
 
     def pool_spec(self, uuid: str) -> PoolSpec:
         """The pool of device ``uuid`` (the default pool when unknown)."""
@@ -74,7 +139,7 @@ class SharingOpsMixin:
     def _pool_of(self, devices: Iterable[Device]) -> dict[str, PoolSpec]:
         return dict(self.pools.assign([(d.uuid, d.node, d.index, d.name) for d in devices]))
 
-    def _refresh_pools(self, repo: Repository) -> None:
+    def refresh_pools(self, repo: Repository) -> None:
         """Recompute each device's pool and re-read the MIG instances."""
         devices = [d for d in repo.devices() if d.present]
         self._pools = self._pool_of(devices)
@@ -125,7 +190,7 @@ class SharingOpsMixin:
             raise DeviceBackendError(str(err)) from err
         return tuple(made)
 
-    def _prepare(self, lease: Lease, parts: tuple[Part, ...]) -> tuple[Part, ...] | None:
+    def prepare(self, lease: Lease, parts: tuple[Part, ...]) -> tuple[Part, ...] | None:
         """Realise a fractional grant: at once (:meth:`_realize`) when
         nothing is to be made or started or there is no actuator; else make
         its MIG instances, or start the MPS daemon its share needs, off the
@@ -139,7 +204,7 @@ class SharingOpsMixin:
         daemon = self._daemon_to_start(parts)
         if self.actuator is None or not (to_make or daemon):
             return self._realize(lease, parts)
-        not_before = self._retry_after.get(lease.id, (0, 0.0))[1]
+        not_before = self.retry_after.get(lease.id, (0, 0.0))[1]
         if time.monotonic() < not_before:
             return None  # keeps the failure as its wait; tried after the backoff
         self._preparing[lease.id] = parts
@@ -147,12 +212,12 @@ class SharingOpsMixin:
         self.actuator.submit(
             f"preparing lease {lease_id}",
             lambda: self._make_ready(parts, daemon),
-            lambda made, err: self._prepared(lease_id, made, err),  # type: ignore[attr-defined]
+            lambda made, err: self._prepared(lease_id, made, err),
         )
         what = ", ".join(f"making MIG {p.profile} on {p.device}" for p in to_make)
         if daemon:
             what = f"starting the MPS daemon of {daemon}"
-        set_wait(lease, PREPARING, what, inputs=self._world.inputs)  # type: ignore[attr-defined]
+        set_wait(lease, PREPARING, what, inputs=self._world.inputs)
         return None
 
     def _daemon_to_start(self, parts: tuple[Part, ...]) -> str | None:
@@ -195,41 +260,41 @@ class SharingOpsMixin:
         (nothing is left half-made)."""
         self._preparing.pop(lease_id, None)
         now = dt.datetime.now(dt.timezone.utc)
-        world = self._world  # type: ignore[attr-defined]
-        with self._write() as repo:  # type: ignore[attr-defined]
-            lease = world.leases.get(lease_id)
-            waiting = lease is not None and lease.state == "pending"
-            rec = self._rec(repo, now, "scheduler")  # type: ignore[attr-defined]
+        world = self._world
+        with self.runner.write() as repo:
+            found = world.leases.get(lease_id)
+            lease = found if found is not None and found.state == "pending" else None
+            rec = self.runner.rec(repo, now, "scheduler")
             if err is not None or made is None:
-                if waiting:
+                if lease is not None:
                     self._failed(lease, err, rec)
             else:
                 known = {i.uuid for found in self._mig_inventory.values() for i in found}
                 for part in made:
                     if part.kind == "mig" and part.instance not in known:
                         self._remember(part)
-                if not waiting:
+                if lease is None:  # cancelled meanwhile
                     for part in made:
                         if part.kind == "mig" and not self._is_static(part.device):
                             self._destroy_later(part.device, part.instance)
                 else:
-                    self._retry_after.pop(lease_id, None)
+                    self.retry_after.pop(lease_id, None)
                     lease.grant_env = self._grant_env(lease, made)
                     grant_parts(repo, lease, made, now, rec)
-            self._schedule(repo, now)  # type: ignore[attr-defined]
-        self._notify()  # type: ignore[attr-defined]
+            self.schedule(repo, now)
+        self.notify()
 
     def _failed(self, lease: Lease, err: BaseException | None, rec: Any) -> None:
         """Record a failed making of ``lease``'s instances, and its backoff."""
-        failures = self._retry_after.get(lease.id, (0, 0.0))[0] + 1
-        delay = min(60.0, self.grant_retry_backoff * 2.0 ** (failures - 1))
-        self._retry_after[lease.id] = (failures, time.monotonic() + delay)
+        failures = self.retry_after.get(lease.id, (0, 0.0))[0] + 1
+        delay = min(60.0, self.retry_backoff() * 2.0 ** (failures - 1))
+        self.retry_after[lease.id] = (failures, time.monotonic() + delay)
         rec.note(lease, "grant-failed", str(err), {"failures": failures})
         set_wait(
             lease,
             "Resources",
             f"waiting: {err}; tried again in {delay:g} s",
-            inputs=self._world.inputs,  # type: ignore[attr-defined]
+            inputs=self._world.inputs,
         )
 
     def _make_all(self, parts: tuple[Part, ...]) -> tuple[Part, ...]:
@@ -323,11 +388,11 @@ class SharingOpsMixin:
         if not shares:
             return env
         share = shares[0]
-        device = self._world.repo.device(share.device)  # type: ignore[attr-defined]
+        device = self._world.repo.device(share.device)
         assert device is not None
         total = device.memory_total_mib
         env["GPUBROKER_SHARE_MEMORY_MIB"] = str(share.memory_mib)
-        if self.framework_caps:
+        if self.framework_caps():
             env.update(framework_env(share.memory_mib, total))
         if self.mps.enabled and len(shares) == 1:
             self.mps.ensure_daemon(share.device)
@@ -335,7 +400,7 @@ class SharingOpsMixin:
             env.update(self.mps.client_env(share.device, share.memory_mib, percent))
         return env
 
-    def _lost_instances(self, lease: Lease) -> list[str]:
+    def lost_instances(self, lease: Lease) -> list[str]:
         """MIG instances ``lease`` holds that its device no longer has."""
         return [
             a.instance_uuid
@@ -348,7 +413,7 @@ class SharingOpsMixin:
 
     # -- releases ----------------------------------------------------------------
 
-    def _unrealize(self, lease: Lease) -> None:
+    def unrealize(self, lease: Lease) -> None:
         """Destroy the on-demand MIG instances a released lease held."""
         for allocation in lease.allocations:
             if (
@@ -382,7 +447,7 @@ class SharingOpsMixin:
         self._mig_inventory[device] = [
             i for i in self._mig_inventory.get(device, []) if i.uuid != instance
         ]
-        self.schedule_now()  # type: ignore[attr-defined]  # its slices are free
+        self.schedule_now()  # its slices are free
 
     def _destroy(self, device: str, instance: str) -> bool:
         try:
@@ -401,7 +466,7 @@ class SharingOpsMixin:
         holds (left by a failed destroy or made by hand). Returns their UUIDs."""
         held = {
             a.instance_uuid
-            for x in self._world.active()  # type: ignore[attr-defined]
+            for x in self._world.active()
             for a in x.allocations
             if a.active and a.instance_uuid is not None
         }
@@ -426,7 +491,7 @@ class SharingOpsMixin:
         lease rows), for the memory watchdog."""
         return [
             (x, a.device_uuid, a.memory_mib or 0)
-            for x in self._world.active()  # type: ignore[attr-defined]
+            for x in self._world.active()
             if x.state == "granted"
             for a in x.allocations
             if a.active and a.kind == "share"
@@ -437,10 +502,10 @@ class SharingOpsMixin:
         """Apply MIG mode changes asked for, and destroy left-over instances
         (run by the broker's scheduling loop)."""
         if self.apply_mig_modes():
-            self.schedule_now()  # type: ignore[attr-defined]
-        with self._read():  # type: ignore[attr-defined]
+            self.schedule_now()
+        with self.runner.read():
             if self.clean_mig():
-                self.schedule_now()  # type: ignore[attr-defined]
+                self.schedule_now()
 
     # -- MIG mode: an admin drain operation ------------------------------------------
 
@@ -459,28 +524,28 @@ class SharingOpsMixin:
                 a device outside a pool of mode ``mig`` (no request could
                 use its instances: it would only stop being granted whole).
         """
-        with self._write() as repo:  # type: ignore[attr-defined]
+        with self.runner.write() as repo:
             device = repo.device(uuid)
             if device is None:
                 raise NotFound(f"device {uuid}: no such device")
             model = MODELS.get(device.name)
             if enabled and model is not None and not model.mig_capable:
                 raise BadRequest(f"mig_mode: {device.name} does not support MIG")
-            pool = self.pool_spec(uuid)  # type: ignore[attr-defined]
+            pool = self.pool_spec(uuid)
             if enabled and pool.mode != "mig":
                 raise BadRequest(
                     f"mig_mode: device {uuid} is in pool {pool.name!r} of mode {pool.mode};"
                     " MIG mode goes on only in pools of mode mig (Pools.pools)"
                 )
             device.mig_target = None if device.mig_enabled == enabled else enabled
-            self._audit(repo, "device-mig", uuid, {"mig_mode": enabled})  # type: ignore[attr-defined]
+            self.runner.audit(repo, "device-mig", uuid, {"mig_mode": enabled})
         if self.apply_mig_modes():
-            self.schedule_now()  # type: ignore[attr-defined]
+            self.schedule_now()
         return self.mig_mode_view(uuid)
 
     def mig_mode_view(self, uuid: str) -> dict[str, Any]:
         """``{"uuid", "mig_enabled", "mig_target"}`` of a known device."""
-        device = self._world.devices[uuid]  # type: ignore[attr-defined]
+        device = self._world.devices[uuid]
         return {"uuid": uuid, "mig_enabled": device.mig_enabled, "mig_target": device.mig_target}
 
     async def after_mig_mode(self, view: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
@@ -503,9 +568,9 @@ class SharingOpsMixin:
         :meth:`_mig_mode_done`, so nothing is changed now and ``[]`` is
         returned; until then the device keeps its ``mig_target`` and takes
         no grants. Without one (unit tests, the CLI) they run here."""
-        changed = []
-        with self._write() as repo:  # type: ignore[attr-defined]
-            world = self._world  # type: ignore[attr-defined]
+        changed: list[str] = []
+        with self.runner.write() as repo:
+            world = self._world
             targets = [d for d in world.devices.values() if d.mig_target is not None]
             if not targets:
                 return changed
@@ -532,7 +597,7 @@ class SharingOpsMixin:
                 changed.append(uuid)
             if changed:
                 repo.flush()
-                self._refresh_pools(repo)
+                self.refresh_pools(repo)
         return changed
 
     def _switch_mig_mode(self, uuid: str, target: bool, instances: list[str]) -> None:
@@ -570,15 +635,15 @@ class SharingOpsMixin:
         (the scheduling loop's next housekeeping tries again)."""
         if err is not None:
             self.log.error("Cannot set MIG mode of %s: %s", uuid, err)
-            device = self._world.devices.get(uuid)  # type: ignore[attr-defined]
+            device = self._world.devices.get(uuid)
             if device is not None and device.mig_enabled:  # what instances are left
                 self._mig_inventory[uuid] = self._read_instances(uuid)
             return
-        with self._write() as repo:  # type: ignore[attr-defined]
-            device = self._world.devices.get(uuid)  # type: ignore[attr-defined]
+        with self.runner.write() as repo:
+            device = self._world.devices.get(uuid)
             if device is None:
                 return
             self._mig_mode_set(device, target)
             repo.flush()
-            self._refresh_pools(repo)
-        self.schedule_now()  # type: ignore[attr-defined]
+            self.refresh_pools(repo)
+        self.schedule_now()

@@ -1,30 +1,70 @@
 """Admin operations of the broker: quotas, priority classes, drain, the queue.
 
-Part of :class:`gpubroker.core.Broker` (a mixin): each is one state change in
-one transaction, followed by a scheduling pass, like every other change.
+A part of the broker (:class:`gpubroker.core.Broker` delegates to it): each
+is one command, one state change in one transaction, followed by a
+scheduling pass, like every other change.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
-from . import scheduler
-from .commands import command
-from .errors import BadRequest, Conflict, NotFound
+from .. import scheduler
+from ..commands import command
+from ..errors import BadRequest, Conflict, NotFound
+from ..policy_config import SchedulingPolicy
+from ..store.models import Lease, LeaseState, QuotaRow
+from ..store.repository import Repository
+from ..views import device_view, lease_view
 from .notices import notice_row
-from .store import audit_repo
-from .store.models import LeaseState, QuotaRow
-from .store.repository import Repository
-from .views import device_view, lease_view
+from .runner import CommandRunner, lease_or_404
+from .world import World
+
+#: ends a lease as an eviction does (``Broker.evict``): (lease, reason, now,
+#: cause, actor) -> whether it is released now
+Evict = Callable[[Lease, str, dt.datetime, str, str | None], bool]
 
 
-class AdminMixin:
-    """Quotas, priority classes, drain and the queue (admin API)."""
+class AdminOps:
+    """Quotas, priority classes, drain, preemption and the queue (admin API).
+
+    Args:
+        runner: the broker's command runner.
+        world: the broker's state in memory.
+        config: the scheduling policy's configuration (configured quotas).
+        policy: the pure policy in force (config plus stored quotas).
+        schedule: run or ask for a scheduling pass in the open
+            transaction (``Broker.schedule``).
+        notify: wake the long-polls of changed leases.
+        evict: end a lease as an eviction does.
+        log: the broker's logger.
+    """
+
+    def __init__(
+        self,
+        runner: CommandRunner,
+        world: World,
+        config: SchedulingPolicy,
+        policy: Callable[[], scheduler.Policy],
+        schedule: Callable[[Repository, dt.datetime], None],
+        notify: Callable[[], None],
+        evict: Evict,
+        log: Any,
+    ) -> None:
+        self.runner = runner
+        self.world = world
+        self.config = config
+        self.policy = policy
+        self.schedule = schedule
+        self.notify = notify
+        self.evict = evict
+        self.log = log
 
     def quotas(self) -> dict[str, Any]:
         """Quotas in force: ``{"users": {…}, "groups": {…}, "default_user": {…}}``."""
-        policy = self._policy()
+        policy = self.policy()
 
         def shape(q: scheduler.Quota) -> dict[str, float | None]:
             return {"guaranteed": q.guaranteed, "limit": q.limit}
@@ -41,17 +81,17 @@ class AdminMixin:
 
         Lowering a quota never ends a running lease; it holds back pending ones.
         """
-        with self._write() as repo:
+        with self.runner.write() as repo:
             row = repo.quota(kind, name) or QuotaRow(kind=kind, name=name)
             row.guaranteed, row.limit = guaranteed, limit
             repo.add(row)
-            self._audit(
+            self.runner.audit(
                 repo, "quota-set", f"{kind}:{name}", {"guaranteed": guaranteed, "limit": limit}
             )
             repo.flush()
-            self._schedule(repo, dt.datetime.now(dt.timezone.utc))
+            self.schedule(repo, dt.datetime.now(dt.timezone.utc))
         self.log.info("Quota of %s %s: guaranteed %s, limit %s", kind, name, guaranteed, limit)
-        self._notify()
+        self.notify()
 
     @command("admin")
     def delete_quota(self, kind: str, name: str) -> None:
@@ -62,10 +102,10 @@ class AdminMixin:
                 says so when the configuration sets one: that one is
                 changed in the broker's config, not through the API).
         """
-        with self._write() as repo:
+        with self.runner.write() as repo:
             row = repo.quota(kind, name)
             if row is None:
-                configured = getattr(self.policy, f"{kind}_quotas", {})
+                configured = getattr(self.config, f"{kind}_quotas", {})
                 where = (
                     f"; its quota {configured[name]} comes from the configuration "
                     f"(SchedulingPolicy.{kind}_quotas) and is changed there"
@@ -74,10 +114,10 @@ class AdminMixin:
                 )
                 raise NotFound(f"quota: no stored quota for {kind} {name!r}{where}")
             repo.delete(row)
-            self._audit(repo, "quota-deleted", f"{kind}:{name}", {})
+            self.runner.audit(repo, "quota-deleted", f"{kind}:{name}", {})
             repo.flush()
-            self._schedule(repo, dt.datetime.now(dt.timezone.utc))
-        self._notify()
+            self.schedule(repo, dt.datetime.now(dt.timezone.utc))
+        self.notify()
 
     @command("admin")
     def set_priority_class(self, lease_id: int, priority_class: str) -> dict[str, Any]:
@@ -87,25 +127,25 @@ class AdminMixin:
             NotFound: no such lease. BadRequest: unknown class.
             Conflict: the lease is not pending.
         """
-        classes = self._policy().classes
+        classes = self.policy().classes
         if priority_class not in classes:
             raise BadRequest(
                 f"priority_class: must be one of {sorted(classes)}, got {priority_class!r}"
             )
-        with self._write() as repo:
-            lease = self._get(repo, lease_id)
+        with self.runner.write() as repo:
+            lease = lease_or_404(repo, lease_id)
             if lease.state != LeaseState.pending.value:
                 raise Conflict(f"priority_class: lease {lease_id} is {lease.state}, not pending")
             before, lease.priority_class = lease.priority_class, priority_class
             lease.version += 1
             now = dt.datetime.now(dt.timezone.utc)
-            self._rec(repo, now).note(  # type: ignore[attr-defined]
+            self.runner.rec(repo, now).note(
                 lease, "priority-changed", f"priority class {before} -> {priority_class}"
             )
             repo.flush()
-            self._schedule(repo, dt.datetime.now(dt.timezone.utc))
+            self.schedule(repo, dt.datetime.now(dt.timezone.utc))
             view = lease_view(lease)
-        self._notify()
+        self.notify()
         return view
 
     @command("admin")
@@ -115,18 +155,18 @@ class AdminMixin:
         Raises:
             NotFound: no such device.
         """
-        with self._write() as repo:
+        with self.runner.write() as repo:
             device = repo.device(uuid)
             if device is None:
                 raise NotFound(f"device {uuid}: no such device")
             device.drained = drained
             action = "device-drained" if drained else "device-undrained"
-            self._audit(repo, action, uuid, {"node": device.node, "index": device.index})
+            self.runner.audit(repo, action, uuid, {"node": device.node, "index": device.index})
             repo.flush()
-            self._schedule(repo, dt.datetime.now(dt.timezone.utc))
+            self.schedule(repo, dt.datetime.now(dt.timezone.utc))
             view = device_view(device) | {"drained": device.drained}
         self.log.info("Device %s %s", uuid, "drained" if drained else "back in service")
-        self._notify()
+        self.notify()
         return view
 
     @command("admin")
@@ -143,38 +183,30 @@ class AdminMixin:
             NotFound: no such lease. Conflict: the lease is not granted.
         """
         now = dt.datetime.now(dt.timezone.utc)
-        stimulus = self._stimulus
-        actor = stimulus.actor if stimulus is not None else "admin"
-        with self._write() as repo:
-            lease = self._get(repo, lease_id)
+        actor = self.runner.actor
+        with self.runner.write() as repo:
+            lease = lease_or_404(repo, lease_id)
             if lease.state != LeaseState.granted.value:
                 raise Conflict(
                     f"lease {lease_id}: is {lease.state}, only a granted lease is preempted"
                 )
             text = f"preempted by {actor}: {reason}"
-            self._rec(repo, now).note(lease, "preempted", text)
+            self.runner.rec(repo, now).note(lease, "preempted", text)
             repo.add(notice_row(lease, "preempted", text, now))
             detail = {"lease_id": lease_id, "reason": reason}
             # target the user: the audit's user filter finds it
-            self._audit(repo, "lease-preempted", f"user:{lease.user}", detail)
-            if self._evict(lease, text, now, "preemption", actor):
+            self.runner.audit(repo, "lease-preempted", f"user:{lease.user}", detail)
+            if self.evict(lease, text, now, "preemption", actor):
                 repo.flush()
-                self._schedule(repo, now)
+                self.schedule(repo, now)
             view = lease_view(lease)
         self.log.warning("Lease %s of %s %s", lease_id, view["user"], text)
-        self._notify()
+        self.notify()
         return view
-
-    def _audit(self, repo: Repository, action: str, target: str, detail: dict[str, Any]) -> None:
-        """Record an admin action in the audit log, in the open transaction (``repo``)."""
-        stimulus = self._stimulus  # type: ignore[attr-defined]
-        actor = stimulus.actor if stimulus is not None else "admin"
-        now = dt.datetime.now(dt.timezone.utc)
-        audit_repo.record(repo, now, actor, action, target, detail, stimulus.id if stimulus else "")
 
     def queue(self) -> list[dict[str, Any]]:
         """Pending leases in queue order (position 1 first)."""
-        pending = [x for x in self._world.active() if x.state == LeaseState.pending.value]
+        pending = [x for x in self.world.active() if x.state == LeaseState.pending.value]
         views = [lease_view(lease) for lease in pending]
         # requests no pass has placed yet (``Queued``, no position) come last
         return sorted(views, key=lambda v: (v["queue"]["position"] or float("inf"), v["id"]))

@@ -1,20 +1,23 @@
 """Admission of lease requests: which group is charged, limits, classes.
 
-Part of :class:`gpubroker.core.Broker` (a mixin); every check raises before
-anything is stored (engineering rule 6).
+A part of the broker (:class:`gpubroker.core.Broker` delegates to it);
+every check raises before anything is stored (engineering rule 6).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import scheduler
-from .devices import mig
-from .errors import BadRequest, Forbidden
-from .pools import PoolSpec
-from .scheduler.sharing import share_weight
-from .store.models import Device, Lease
+from .. import scheduler
+from ..devices import mig
+from ..errors import BadRequest, Forbidden
+from ..model.limits import MAX_SHARE_GIB, MIN_SHARE_GIB
+from ..pools import Pools, PoolSpec
+from ..scheduler.sharing import share_weight
+from ..store.models import Device, HolderKind, Lease
+from .world import World
 
 
 def _check_numbers(gpus: int | None, memory_gib: float | None, count: int | None) -> None:
@@ -25,8 +28,6 @@ def _check_numbers(gpus: int | None, memory_gib: float | None, count: int | None
         BadRequest: a non-integer or non-positive ``gpus``/``count``, or a
             ``memory_gib`` that is not a finite number in the allowed range.
     """
-    from .api.validation import MAX_SHARE_GIB, MIN_SHARE_GIB
-
     for name, value in (("gpus", gpus), ("count", count)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise BadRequest(f"{name}: must be an integer, got {value!r}")
@@ -94,8 +95,67 @@ def _pool_devices(
     return found
 
 
-class AdmissionMixin:
-    """Checks run by :meth:`Broker.request_lease` before a lease is created."""
+class Admission:
+    """Checks run by :meth:`Broker.request_lease` before a lease is created.
+
+    Args:
+        world: the broker's state in memory (devices, what is taken).
+        pools: the pools' configuration.
+        pool_spec: the pool of a device, by UUID (the sharing operations').
+        policy: the pure policy in force (config plus stored quotas).
+        default_class: the configured default priority class's name.
+        max_gpus: ``Broker.max_gpus_per_request`` (0: the largest node).
+    """
+
+    def __init__(
+        self,
+        world: World,
+        pools: Pools,
+        pool_spec: Callable[[str], PoolSpec],
+        policy: Callable[[], scheduler.Policy],
+        default_class: Callable[[], str],
+        max_gpus: Callable[[], int],
+    ) -> None:
+        self.world = world
+        self.pools = pools
+        self.pool_spec = pool_spec
+        self.policy = policy
+        self.default_class = default_class
+        self.max_gpus = max_gpus
+
+    def pool_devices(self) -> list[tuple[Device, PoolSpec]]:
+        """Every present device (detached row) with its pool."""
+        return [(d, self.pool_spec(d.uuid)) for d in self.world.present_devices()]
+
+    def largest_node(self, devices: list[tuple[Device, PoolSpec]] | None = None) -> int:
+        """Number of present, non-drained devices of exclusive pools on the
+        largest node (of ``devices``, from :meth:`pool_devices`, when given)."""
+        per_node: dict[str, int] = {}
+        for device, spec in self.pool_devices() if devices is None else devices:
+            if not device.drained and spec.mode == scheduler.PoolMode.exclusive.value:
+                per_node[device.node] = per_node.get(device.node, 0) + 1
+        return max(per_node.values(), default=0)
+
+    def request_limit(self, devices: list[tuple[Device, PoolSpec]] | None = None) -> int:
+        """Most GPUs one lease may ask for now (see ``Broker.max_gpus_per_request``);
+        ``devices``: :meth:`pool_devices`, when the caller has them."""
+        largest = self.largest_node(devices)
+        if self.max_gpus():
+            return min(largest, self.max_gpus())
+        return largest
+
+    def check_purpose(self, pool: str | None, holder_kind: str) -> None:
+        """Only jobs run on a pool whose purpose is ``batch`` (Pools).
+
+        Raises:
+            BadRequest: ``pool`` is a batch pool and the holder is not a job.
+        """
+        spec = None if pool is None else self.pools.spec(pool)
+        if spec is not None and spec.purpose == "batch" and holder_kind != HolderKind.job.value:
+            raise BadRequest(
+                f"pool: {pool!r} is a batch pool: only batch jobs run there "
+                "(submit a job: gpubroker jobs submit, or %gpu_submit)"
+            )
 
     def shape(
         self,
@@ -118,7 +178,7 @@ class AdmissionMixin:
                 shares than devices on one node.
         """
         _check_numbers(gpus, memory_gib, count)
-        devices: list[tuple[Device, PoolSpec]] = self.pool_devices()  # type: ignore[attr-defined]
+        devices = self.pool_devices()
         if interactive and pool is None:
             kept = [(d, spec) for d, spec in devices if spec.purpose != "batch"]
             if len(kept) < len(devices):
@@ -141,7 +201,7 @@ class AdmissionMixin:
         if gpus is not None:
             if pool is not None:
                 _pool_devices(devices, "exclusive", pool, "gpus")
-            limit: int = self.request_limit(devices)  # type: ignore[attr-defined]
+            limit = self.request_limit(devices)
             if not 1 <= gpus <= limit:
                 raise BadRequest(
                     f"gpus: must be between 1 and {limit} (the request limit), got {gpus}"
@@ -190,7 +250,7 @@ class AdmissionMixin:
         return Shape("share", count, memory_mib=memory, pool=pool, weight=weight)
 
     @staticmethod
-    def _charge_group(
+    def charge_group(
         user: str, group: str | None, groups: list[str] | None, policy: scheduler.Policy
     ) -> str | None:
         with_quota = sorted(g for g in groups or () if g in policy.group_quotas)
@@ -208,7 +268,7 @@ class AdmissionMixin:
         return with_quota[0] if with_quota else None
 
     @staticmethod
-    def _check_guarantee_room(
+    def check_guarantee_room(
         policy: scheduler.Policy, cls: str, user: str, group: str | None, gpus: float
     ) -> None:
         """A non-preemptible class runs only within guarantees: refuse what
@@ -236,15 +296,15 @@ class AdmissionMixin:
         """
         if admin or name is None:
             return
-        policy = policy or self._policy()
-        default_rank = policy.class_of(self.policy.default_priority_class).rank
+        policy = policy or self.policy()
+        default_rank = policy.class_of(self.default_class()).rank
         cls = policy.class_of(name)
         if cls.preempting or cls.rank > default_rank:
             raise Forbidden(
                 f"priority_class: {name!r} may be requested only by broker admins or the spawner"
             )
 
-    def _check_limits(
+    def check_limits(
         self,
         policy: scheduler.Policy,
         user: str,
@@ -252,7 +312,7 @@ class AdmissionMixin:
         gpus: float,
     ) -> None:
         """Refuse what would take held plus pending GPUs above a limit (403)."""
-        inputs = self._world.refresh_inputs()  # type: ignore[attr-defined]
+        inputs = self.world.refresh_inputs()
         checks = [("user", user, policy.user_quota(user))]
         quota = policy.group_quota(group)
         if quota is not None and group is not None:
