@@ -37,6 +37,7 @@ class CommandRunner:
         bus: where the events go after each command.
         after: called with the ids of the leases a command changed, after
             its events are published (the state check), or ``None``.
+        clock: the commands' clock, aware UTC (default: the system's).
     """
 
     def __init__(
@@ -44,10 +45,12 @@ class CommandRunner:
         world: World,
         bus: EventBus,
         after: Callable[[set[int]], Any] | None = None,
+        clock: Callable[[], dt.datetime] | None = None,
     ) -> None:
         self.world = world
         self.bus = bus
         self.after = after
+        self.clock = clock or (lambda: dt.datetime.now(dt.timezone.utc))
         self.stimulus: Stimulus | None = None
         self._touched: set[int] = set()
 
@@ -71,6 +74,11 @@ class CommandRunner:
         self.bus.publish()
         if self.after is not None:
             self.after(self._touched)
+
+    def now(self) -> dt.datetime:
+        """The current time of the commands (aware UTC): the time a lease's
+        changes and a pass are stamped with."""
+        return self.clock()
 
     @property
     def actor(self) -> str:

@@ -89,6 +89,10 @@ def test_the_broker_is_a_facade_over_parts_not_mixins() -> None:
     from gpubroker.core import Broker
 
     assert Broker.__bases__ == (LoggingConfigurable,)
+    # the facade runs no command of its own: each is a part's (functools.wraps
+    # of @command leaves __wrapped__ on the method)
+    own = [name for name, value in vars(Broker).items() if hasattr(value, "__wrapped__")]
+    assert not own, f"commands on the facade: {own}"
     for path in _modules():
         tree = ast.parse(path.read_text(), str(path))
         mixins = [

@@ -1,0 +1,167 @@
+"""Server stops the broker asks the hub for: an evicted, preempted or
+culled lease of a hub server keeps its devices until the server has
+stopped (so two servers never share a device), or until
+``Broker.evict_timeout``. Each stop is a stored intent (``intents``, kind
+``stop-server``), resumed by a restarted broker. A part of the broker
+(:class:`gpubroker.core.Broker` delegates to it)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from typing import Any
+
+from ..commands import command
+from ..store.models import HolderKind, Intent, Lease, LeaseState
+from ..store.repository import Repository
+from ..usage.intervals import CAUSE_ACTORS
+from ..views import lease_view
+from .runner import CommandRunner, lease_or_404
+from .world import World
+
+#: releases a lease (``Broker.release``): (lease, reason, now, cause, actor)
+Release = Callable[[Lease, str, dt.datetime, str, str | None], None]
+
+
+class ServerStops:
+    """Evictions, and the stored stops of hub servers they ask for.
+
+    Args:
+        runner: the broker's command runner.
+        world: the broker's state in memory (open stops by lease).
+        release: release a lease, with its cause and actor.
+        evict_timeout: ``Broker.evict_timeout`` (seconds).
+        schedule: run or ask for a scheduling pass in the open transaction.
+        notify: wake the long-polls of changed leases.
+        log: the broker's logger.
+    """
+
+    def __init__(
+        self,
+        runner: CommandRunner,
+        world: World,
+        release: Release,
+        evict_timeout: Callable[[], float],
+        schedule: Callable[[Repository, dt.datetime], None],
+        notify: Callable[[], None],
+        log: Any,
+    ) -> None:
+        self.runner = runner
+        self.world = world
+        self.release = release
+        self.evict_timeout = evict_timeout
+        self.schedule = schedule
+        self.notify = notify
+        self.log = log
+        #: called with the view of each server lease to stop (set by the
+        #: service, ``Broker.on_evict``); ``None``: leases are released at once
+        self.on_evict: Callable[[dict[str, Any]], None] | None = None
+
+    def evict(
+        self,
+        lease: Lease,
+        reason: str,
+        now: dt.datetime,
+        cause: str = "release",
+        actor: str | None = None,
+    ) -> bool:
+        """End an evicted lease; a hub server is stopped first (so two servers
+        never share a device) and released when it has stopped, or after
+        ``evict_timeout`` seconds. Returns whether the lease is released now.
+
+        The stop is a stored intent (``intents``, kind ``stop-server``): a
+        restarted broker asks the hub again (:meth:`resume`, at ``Broker.adopt``), and the first
+        reason stays the release reason."""
+        if lease.holder_kind == HolderKind.server.value and self.on_evict is not None:
+            repo = self.world.repo
+            intent = self.open_stop(lease.id)
+            if intent is None:
+                intent = Intent(
+                    kind="stop-server",
+                    lease_id=lease.id,
+                    reason=reason,
+                    cause=cause,
+                    created=now,
+                    state="open",
+                    attempts=1,
+                )
+                repo.add(intent)
+                self.world.stops[lease.id] = intent
+                self.runner.rec(repo, now, actor).note(lease, "stopping", reason)
+                self.log.warning("Stopping server of lease %s: %s", lease.id, reason)
+                self.on_evict(lease_view(lease) | {"release_reason": reason})
+            if (now - intent.created).total_seconds() < self.evict_timeout():
+                return False
+            reason, cause = intent.reason, intent.cause or cause
+            actor = CAUSE_ACTORS.get(cause, actor)
+        self.release(lease, reason, now, cause, actor)
+        self.log.warning("Evicted lease %s of %s: %s", lease.id, lease.user, reason)
+        return True
+
+    def open_stop(self, lease_id: int) -> Intent | None:
+        """The open ``stop-server`` intent of ``lease_id``, if any."""
+        intent = self.world.stops.get(lease_id)
+        return intent if intent is not None and intent.state == "open" else None
+
+    def expire(self, repo: Repository, now: dt.datetime) -> None:
+        """Release the leases whose server stop was asked ``evict_timeout``
+        seconds ago or more and has not happened."""
+        since = now - dt.timedelta(seconds=self.evict_timeout())
+        stale = [i for i in self.world.stops.values() if i.created <= since]
+        for intent in stale:
+            lease = repo.lease(intent.lease_id)
+            if lease is not None and lease.state == LeaseState.granted.value:
+                self.log.warning(
+                    "Server of lease %s did not stop in %s s; releasing it",
+                    lease.id,
+                    self.evict_timeout(),
+                )
+                cause = intent.cause or "release"
+                self.release(lease, intent.reason, now, cause, CAUSE_ACTORS.get(cause))
+            else:
+                intent.state, intent.done_at = "done", now
+
+    def resume(self, repo: Repository) -> int:
+        """Ask the hub again to stop the servers whose stop a previous run of
+        the broker asked for (at start-up). Returns how many."""
+        if self.on_evict is None:
+            return 0
+        count = 0
+        for intent in list(self.world.stops.values()):
+            lease = repo.lease(intent.lease_id)
+            if lease is None or lease.state != LeaseState.granted.value:
+                continue
+            intent.attempts += 1
+            self.log.warning(
+                "Resuming the stop of lease %s's server (asked %s): %s",
+                lease.id,
+                intent.created.isoformat(),
+                intent.reason,
+            )
+            self.on_evict(lease_view(lease) | {"release_reason": intent.reason})
+            count += 1
+        return count
+
+    @command("culler")
+    def stop_lease(self, lease_id: int, reason: str, cause: str = "release") -> None:
+        """End a granted server lease the way an eviction does: its hub server
+        is stopped first, then the lease is released with ``reason``.
+
+        Used by the culler (``cause`` ``cull``), and for a user who releases
+        the lease of her running server (``DELETE /leases/{id}``): she keeps
+        no GPU she gave back. External leases are released at once. The
+        ``cause`` is recorded with the stop and on the release.
+
+        Raises:
+            NotFound: no such lease.
+        """
+        now = self.runner.now()
+        with self.runner.write() as repo:
+            lease = lease_or_404(repo, lease_id)
+            actor = CAUSE_ACTORS.get(cause)
+            if lease.state == LeaseState.granted.value and self.evict(
+                lease, reason, now, cause, actor
+            ):
+                repo.flush()
+                self.schedule(repo, now)
+        self.notify()
