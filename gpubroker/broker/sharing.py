@@ -37,6 +37,19 @@ from .runner import CommandRunner
 from .world import World
 
 
+class MigModeRefused(DeviceBackendError):
+    """The device refused a MIG mode change (:meth:`SharingOps._switch_mig_mode`).
+
+    Attributes:
+        instances: the MIG instances left on the device, listed by the
+            worker after the refusal (none when MIG mode is off).
+    """
+
+    def __init__(self, message: str, instances: list[Instance]) -> None:
+        super().__init__(message)
+        self.instances = instances
+
+
 def mig_mode_key(uuid: str) -> str:
     """The actuator's key of device ``uuid``'s MIG mode change."""
     return f"MIG mode of {uuid}"
@@ -140,7 +153,28 @@ class SharingOps:
         return dict(self.pools.assign([(d.uuid, d.node, d.index, d.name) for d in devices]))
 
     def refresh_pools(self, repo: Repository) -> None:
-        """Recompute each device's pool and re-read the MIG instances."""
+        """Recompute each device's pool and re-read every MIG-enabled
+        device's instances through the backend (at start-up and when the
+        inventory is read again)."""
+        devices = self._assign_pools(repo)
+        self._mig_inventory = {
+            d.uuid: self._read_instances(d.uuid) for d in devices if d.mig_enabled
+        }
+
+    def recompute_pools(self, repo: Repository, read: Mapping[str, list[Instance]]) -> None:
+        """Recompute each device's pool after MIG mode changes, without
+        device I/O: ``read`` holds the instances of the changed devices
+        (listed off the event loop, by the change's worker); the others keep
+        the instances known."""
+        devices = self._assign_pools(repo)
+        known = self._mig_inventory
+        self._mig_inventory = {
+            d.uuid: list(read.get(d.uuid, known.get(d.uuid, []))) for d in devices if d.mig_enabled
+        }
+
+    def _assign_pools(self, repo: Repository) -> list[Device]:
+        """Each present device's pool (and whether some pool is a batch
+        pool, which interactive requests keep off); returns those devices."""
         devices = [d for d in repo.devices() if d.present]
         self._pools = self._pool_of(devices)
         batch = any(spec.purpose == "batch" for spec in self._pools.values())
@@ -148,11 +182,7 @@ class SharingOps:
         if inputs.batch_pools != batch:  # interactive requests keep off batch pools
             inputs.batch_pools = batch
             inputs.forget()
-        inventory: dict[str, list[Instance]] = {}
-        for device in devices:
-            if device.mig_enabled:
-                inventory[device.uuid] = self._read_instances(device.uuid)
-        self._mig_inventory = inventory
+        return devices
 
     def _read_instances(self, uuid: str) -> list[Instance]:
         try:
@@ -569,6 +599,7 @@ class SharingOps:
         returned; until then the device keeps its ``mig_target`` and takes
         no grants. Without one (unit tests, the CLI) they run here."""
         changed: list[str] = []
+        read: dict[str, list[Instance]] = {}
         with self.runner.write() as repo:
             world = self._world
             targets = [d for d in world.devices.values() if d.mig_target is not None]
@@ -589,33 +620,46 @@ class SharingOps:
                     )
                     continue
                 try:
-                    self._switch_mig_mode(uuid, target, instances)
-                except DeviceBackendError as err:
+                    read[uuid] = self._switch_mig_mode(uuid, target, instances)
+                except MigModeRefused as err:
                     self.log.error("Cannot set MIG mode of %s: %s", uuid, err)
                     continue
                 self._mig_mode_set(device, target)
                 changed.append(uuid)
             if changed:
                 repo.flush()
-                self.refresh_pools(repo)
+                self.recompute_pools(repo, read)
         return changed
 
-    def _switch_mig_mode(self, uuid: str, target: bool, instances: list[str]) -> None:
+    def _switch_mig_mode(self, uuid: str, target: bool, instances: list[str]) -> list[Instance]:
         """The device calls of a MIG mode change: destroy ``instances``
         (those the broker knows of on the device), then set the mode
-        (NVML's rule: no instance may exist when MIG mode changes). Runs in
-        a worker thread with an actuator; touches no broker state.
+        (NVML's rule: no instance may exist when MIG mode changes), then
+        list the device's instances as they are now. Runs in a worker
+        thread with an actuator; touches no broker state.
+
+        Returns:
+            the device's MIG instances after the change (none when MIG
+            mode went off).
 
         Raises:
-            DeviceBackendError: the mode cannot be set (an instance that
-                could not be destroyed makes the mode change fail).
+            MigModeRefused: the mode cannot be set (an instance that could
+                not be destroyed makes the mode change fail); it carries
+                the instances left on the device (MIG mode still on) or
+                none.
         """
         for instance in instances:
             try:
                 self.backend.destroy_mig_device(uuid, instance)
             except (DeviceBackendError, KeyError) as err:
                 self.log.error("Cannot destroy MIG instance %s on %s: %s", instance, uuid, err)
-        self.backend.set_mig_mode(uuid, target)
+        try:
+            self.backend.set_mig_mode(uuid, target)
+        except DeviceBackendError as err:
+            # the mode is unchanged: MIG is on exactly when it was to go off
+            left = self._read_instances(uuid) if not target else []
+            raise MigModeRefused(str(err), left) from err
+        return self._read_instances(uuid) if target else []
 
     def _mig_mode_set(self, device: Device, target: bool) -> None:
         """Record that ``device``'s MIG mode is now ``target`` (inside a
@@ -627,17 +671,23 @@ class SharingOps:
 
     @command("scheduler")
     def _mig_mode_done(
-        self, uuid: str, target: bool, _result: Any, err: BaseException | None
+        self,
+        uuid: str,
+        target: bool,
+        found: list[Instance] | None,
+        err: BaseException | None,
     ) -> None:
         """The outcome of an off-loop MIG mode change, on the event loop: on
-        success the mode is committed and a pass runs (the device's slots
-        changed); on failure it is logged and the device keeps its target
-        (the scheduling loop's next housekeeping tries again)."""
+        success the mode is committed, the pools recomputed with the
+        instances the worker listed (no device call here) and a pass runs
+        (the device's slots changed); on failure it is logged, the device
+        keeps its target (the scheduling loop's next housekeeping tries
+        again) and the instances left, as the worker listed them, are kept."""
         if err is not None:
             self.log.error("Cannot set MIG mode of %s: %s", uuid, err)
             device = self._world.devices.get(uuid)
-            if device is not None and device.mig_enabled:  # what instances are left
-                self._mig_inventory[uuid] = self._read_instances(uuid)
+            if device is not None and device.mig_enabled and isinstance(err, MigModeRefused):
+                self._mig_inventory[uuid] = list(err.instances)
             return
         with self.runner.write() as repo:
             device = self._world.devices.get(uuid)
@@ -645,5 +695,5 @@ class SharingOps:
                 return
             self._mig_mode_set(device, target)
             repo.flush()
-            self.refresh_pools(repo)
+            self.recompute_pools(repo, {uuid: found or []})
         self.schedule_now()

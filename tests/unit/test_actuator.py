@@ -10,6 +10,7 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -203,6 +204,36 @@ async def test_a_mig_mode_change_runs_off_the_loop_and_the_answer_waits_for_it(
     await broker.actuator.idle()
     assert broker.get_lease(lease["id"])["slots"][0]["device"] != gpu0
     assert broker.validate_state([lease["id"]]) == []
+
+
+async def test_a_mig_mode_change_lists_instances_off_the_event_loop(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The instances of a device whose MIG mode changed are listed by the
+    change's worker, and the outcome's pool recompute makes no device call
+    on the event loop (NVML answers in milliseconds per device, and a
+    broker has many)."""
+    import threading
+
+    backend = broker.backend
+    listing = backend.mig_devices
+    on_loop: list[str] = []
+
+    def listed(uuid: str) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            on_loop.append(uuid)
+        return listing(uuid)
+
+    monkeypatch.setattr(backend, "mig_devices", listed)
+    gpu0, gpu1 = (d.uuid for d in backend.devices()[:2])
+    known = list(broker.sharing.mig_inventory[gpu1])
+    off = await broker.after_mig_mode(broker.request_mig_mode(gpu0, False))
+    assert off["mig_enabled"] is False and on_loop == []
+    assert gpu0 not in broker.sharing.mig_inventory
+    assert broker.sharing.mig_inventory[gpu1] == known  # the others as known
+    on = await broker.after_mig_mode(broker.request_mig_mode(gpu0, True))
+    assert on == {"uuid": gpu0, "mig_enabled": True, "mig_target": None}
+    assert on_loop == [] and broker.sharing.mig_inventory[gpu0] == []
 
 
 async def test_a_failed_mig_mode_change_keeps_the_target_and_is_tried_again(
