@@ -351,13 +351,20 @@ class Broker(LoggingConfigurable):
             self.log,
         )
 
-    @observe("mps", "backend")
+    @observe("mps", "backend", "pools", "policy")
     def _pass_on(self, change: Any) -> None:
-        """A device backend or MPS control set after start goes to the parts
-        that use it too (the parts hold what they use)."""
-        for part in (self.__dict__.get("sharing"), self.__dict__.get("inventory")):
-            if part is not None and hasattr(part, change["name"]):
-                setattr(part, change["name"], change["new"])
+        """An option object set after start (device backend, MPS control,
+        pools, scheduling policy) goes to the parts that hold it too."""
+        holders = {
+            "mps": (("sharing", "mps"),),
+            "backend": (("sharing", "backend"), ("inventory", "backend")),
+            "pools": (("sharing", "pools"), ("admission", "pools"), ("free", "pools")),
+            "policy": (("admin", "config"),),  # Scheduling reads it at each use
+        }
+        for part_name, attribute in holders[change["name"]]:
+            part = self.__dict__.get(part_name)
+            if part is not None:
+                setattr(part, attribute, change["new"])
 
     # -- commands and their events ---------------------------------------------------
 

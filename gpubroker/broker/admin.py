@@ -89,7 +89,7 @@ class AdminOps:
                 repo, "quota-set", f"{kind}:{name}", {"guaranteed": guaranteed, "limit": limit}
             )
             repo.flush()
-            self.schedule(repo, dt.datetime.now(dt.timezone.utc))
+            self.schedule(repo, self.runner.now())
         self.log.info("Quota of %s %s: guaranteed %s, limit %s", kind, name, guaranteed, limit)
         self.notify()
 
@@ -116,7 +116,7 @@ class AdminOps:
             repo.delete(row)
             self.runner.audit(repo, "quota-deleted", f"{kind}:{name}", {})
             repo.flush()
-            self.schedule(repo, dt.datetime.now(dt.timezone.utc))
+            self.schedule(repo, self.runner.now())
         self.notify()
 
     @command("admin")
@@ -138,12 +138,12 @@ class AdminOps:
                 raise Conflict(f"priority_class: lease {lease_id} is {lease.state}, not pending")
             before, lease.priority_class = lease.priority_class, priority_class
             lease.version += 1
-            now = dt.datetime.now(dt.timezone.utc)
+            now = self.runner.now()
             self.runner.rec(repo, now).note(
                 lease, "priority-changed", f"priority class {before} -> {priority_class}"
             )
             repo.flush()
-            self.schedule(repo, dt.datetime.now(dt.timezone.utc))
+            self.schedule(repo, self.runner.now())
             view = lease_view(lease)
         self.notify()
         return view
@@ -163,7 +163,7 @@ class AdminOps:
             action = "device-drained" if drained else "device-undrained"
             self.runner.audit(repo, action, uuid, {"node": device.node, "index": device.index})
             repo.flush()
-            self.schedule(repo, dt.datetime.now(dt.timezone.utc))
+            self.schedule(repo, self.runner.now())
             view = device_view(device) | {"drained": device.drained}
         self.log.info("Device %s %s", uuid, "drained" if drained else "back in service")
         self.notify()
@@ -182,7 +182,7 @@ class AdminOps:
         Raises:
             NotFound: no such lease. Conflict: the lease is not granted.
         """
-        now = dt.datetime.now(dt.timezone.utc)
+        now = self.runner.now()
         actor = self.runner.actor
         with self.runner.write() as repo:
             lease = lease_or_404(repo, lease_id)

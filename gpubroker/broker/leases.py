@@ -396,6 +396,7 @@ class Leases:
             self.notify()
         return released
 
+    @command("reconcile")
     def reconcile_containers(self, ended: dict[int, tuple[str, str]]) -> list[int]:
         """Release server leases whose Docker container has ended or is gone.
 
@@ -414,6 +415,7 @@ class Leases:
             ended, lambda x: x.container_id, "the container {run:.12}", "container ended"
         )
 
+    @command("reconcile")
     def reconcile_slurm_servers(self, ended: dict[int, tuple[str, str]]) -> list[int]:
         """Release server leases whose Slurm job (``SlurmGPUSpawner``) has
         ended or is gone.

@@ -37,7 +37,7 @@ class Notices:
         the notice in the lease's transition log (kind: the notice's kind;
         ``detail`` and the deadline in its detail: a ``culled`` notice says
         ``idle_seconds``, which the usage ledger reads)."""
-        now = dt.datetime.now(dt.timezone.utc)
+        now = self.runner.now()
         with self.runner.write() as repo:
             detail = dict(detail or {})
             if deadline:
@@ -62,7 +62,7 @@ class Notices:
         Raises:
             NotFound: no such lease.
         """
-        now = dt.datetime.now(dt.timezone.utc)
+        now = self.runner.now()
         with self.runner.write() as repo:
             lease = lease_or_404(repo, lease_id)
             self.runner.rec(repo, now).note(lease, kind, reason, detail)

@@ -104,7 +104,7 @@ class CommandRunner:
     def audit(self, repo: Repository, action: str, target: str, detail: dict[str, Any]) -> None:
         """Record an admin action in the audit log, in the open transaction
         (``repo``), as the current command's actor and stimulus."""
-        now = dt.datetime.now(dt.timezone.utc)
+        now = self.now()
         stimulus_id = self.stimulus.id if self.stimulus is not None else ""
         audit_repo.record(repo, now, self.actor, action, target, detail, stimulus_id)
 

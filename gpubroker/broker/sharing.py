@@ -289,7 +289,7 @@ class SharingOps:
         a request cancelled meanwhile, the instances destroyed again
         (nothing is left half-made)."""
         self._preparing.pop(lease_id, None)
-        now = dt.datetime.now(dt.timezone.utc)
+        now = self.runner.now()
         world = self._world
         with self.runner.write() as repo:
             found = world.leases.get(lease_id)

@@ -82,3 +82,28 @@ def test_a_refused_binding_is_told_once(broker: Broker, caplog) -> None:
             assert not rebinder.apply(first["id"], held, taken, "job 1")
     levels = [r.levelno for r in caplog.records if r.name == "test.rebind"]
     assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+
+
+def test_a_container_reconciliation_is_a_command_its_release_published_at_once(
+    broker: Broker,
+) -> None:
+    """The release is published to the bus's subscribers (the ledger, the
+    audit log, metrics) when the reconciliation ends, as the reconcile
+    actor, not left staged for some later command to publish."""
+    lease = served(broker, "fay")
+    seen = []
+    broker.bus.subscribe(seen.append)
+    broker.reconcile_containers({lease["id"]: (CONTAINER, "is gone")})
+    released = [e for e in seen if e.kind == "released" and e.lease_id == lease["id"]]
+    assert len(released) == 1 and released[0].actor == "reconcile"
+
+
+def test_pools_set_after_start_reach_every_part(broker: Broker) -> None:
+    """An option object replaced after start (here the pools) is what the
+    parts holding it use too."""
+    from gpubroker.pools import Pools
+
+    pools = Pools(parent=broker)
+    broker.pools = pools
+    assert broker.sharing.pools is pools
+    assert broker.admission.pools is pools and broker.free.pools is pools
