@@ -81,6 +81,8 @@ class VictimIndex:
 
         for leases in self.by_node.values():
             leases.sort(key=order)
+        #: the nodes with candidates, sorted (kept: a search does not sort them)
+        self.nodes: list[str] = sorted(self.by_node)
 
     def remove(self, victims: Sequence[Running], node: str) -> None:
         """Forget ``victims`` (told now) on ``node``."""
@@ -88,8 +90,8 @@ class VictimIndex:
         left = [v for v in self.by_node.get(node, ()) if v.lease_id not in gone]
         if left:
             self.by_node[node] = left
-        else:
-            self.by_node.pop(node, None)
+        elif self.by_node.pop(node, None) is not None:
+            self.nodes.remove(node)
 
 
 def victim_order(victim: Running, acct: Accounting, policy: Policy) -> tuple[float, float, float]:
@@ -116,9 +118,13 @@ def find_victims(
     cls = policy.class_of(request.priority_class)
     best: tuple[tuple[int, str], Plan] | None = None
     with_spare = sorted(n for n, d in (spare or {}).items() if d)
-    for node in with_spare + sorted(set(index.by_node) - set(with_spare)):
+    spared = set(with_spare)
+    nodes = with_spare + [n for n in index.nodes if n not in spared] if spared else index.nodes
+    for node in nodes:
         if len(pool.by_node.get(node, ())) < request.gpus:
             continue
+        if node not in spared and not _may_take_any(index, node, request, in_guarantee, acct, cls):
+            continue  # no spare device and no lease it may take: no plan here
         wanted = request.pool
         free = tuple(sorted(u for u, s in pool.free.get(node, {}).items() if in_pool(s, wanted)))
         free = free[: request.gpus]
@@ -136,10 +142,7 @@ def find_victims(
                 break
             if pool.earmarked.intersection(victim.devices):
                 continue
-            reclaim = in_guarantee and victim.lease_id in acct.borrowed
-            if not (reclaim and victim.user != request.user) and not (
-                cls.preempting and index.rank[victim.lease_id] < cls.rank
-            ):
+            if not _may_take(index, victim, request, in_guarantee, acct, cls):
                 continue
             theirs = [
                 d
@@ -159,3 +162,34 @@ def find_victims(
         if len(victims) <= 1:
             break  # nothing cheaper than one victim but spares, which come first
     return None if best is None else best[1]
+
+
+def _may_take(
+    index: VictimIndex,
+    victim: Running,
+    request: Request,
+    in_guarantee: bool,
+    acct: Accounting,
+    cls: PriorityClass,
+) -> bool:
+    """Whether ``request`` may take ``victim``'s devices: reclaim (it is
+    within guarantee, the victim borrowed, another user's) or class
+    preemption (a preempting class above the victim's)."""
+    if in_guarantee and victim.lease_id in acct.borrowed and victim.user != request.user:
+        return True
+    return cls.preempting and index.rank[victim.lease_id] < cls.rank
+
+
+def _may_take_any(
+    index: VictimIndex,
+    node: str,
+    request: Request,
+    in_guarantee: bool,
+    acct: Accounting,
+    cls: PriorityClass,
+) -> bool:
+    """Whether some candidate on ``node`` may be taken by ``request``
+    (:func:`_may_take`; earmarks and pools are checked by the search)."""
+    return any(
+        _may_take(index, v, request, in_guarantee, acct, cls) for v in index.by_node.get(node, ())
+    )
