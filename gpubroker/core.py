@@ -60,6 +60,7 @@ from .broker.waiters import Waiters
 from .broker.world import World
 from .enforce.mps import MPSControl
 from .engines import Engine, LocalEngine, Node
+from .model.holdings import LeaseRef
 from .policy_config import SchedulingPolicy
 from .pools import Pools, PoolSpec
 from .store.models import (
@@ -451,7 +452,7 @@ class Broker(LoggingConfigurable):
         """Notices, newest first (:meth:`Notices.notices`)."""
         return self.notice_book.notices(user, limit)
 
-    def share_caps(self) -> list[tuple[Lease, str, int]]:
+    def share_caps(self) -> list[tuple[LeaseRef, str, int]]:
         """Every share held now with its cap (:meth:`SharingOps.share_caps`)."""
         return self.sharing.share_caps()
 
@@ -489,7 +490,7 @@ class Broker(LoggingConfigurable):
         """Wait for a lease to change (:meth:`Queries.wait_for_change`)."""
         return await self.queries.wait_for_change(lease_id, timeout, known_version)
 
-    def server_leases(self) -> list[Lease]:
+    def server_leases(self) -> list[LeaseRef]:
         """Granted leases of hub servers (:meth:`Queries.server_leases`)."""
         return self.queries.server_leases()
 

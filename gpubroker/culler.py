@@ -51,8 +51,8 @@ from traitlets.config import LoggingConfigurable
 from .core import Broker, utcnow
 from .enforce.watchdog import lease_of_pid
 from .hub import HubClient
+from .model.holdings import HeldSlot, LeaseRef
 from .store.culler_repo import load_tracks, save_tracks
-from .store.models import Lease
 
 
 def parse_time(value: Any) -> dt.datetime | None:
@@ -292,7 +292,7 @@ class Culler(LoggingConfigurable):
         ]  # a lease whose server is gone is left to reconciliation
         limit = asyncio.Semaphore(self.concurrency)
 
-        async def read(lease: Lease, server: dict[str, Any]) -> Signals:
+        async def read(lease: LeaseRef, server: dict[str, Any]) -> Signals:
             async with limit:
                 return await self._signals(lease, server)
 
@@ -314,7 +314,7 @@ class Culler(LoggingConfigurable):
             self._stored = now_stored
         return culled
 
-    def _exempt(self, lease: Lease) -> bool:
+    def _exempt(self, lease: LeaseRef) -> bool:
         if lease.user in self.exempt_users or lease.priority_class in self.exempt_priority_classes:
             return True
         if set(self.groups.get(lease.user, ())) & set(self.exempt_groups):
@@ -322,13 +322,11 @@ class Culler(LoggingConfigurable):
         name = lease.server_name
         return bool(name) and any(re.fullmatch(p, name) for p in self.exempt_server_names)
 
-    async def _signals(self, lease: Lease, server: dict[str, Any]) -> Signals:
+    async def _signals(self, lease: LeaseRef, server: dict[str, Any]) -> Signals:
         kernels = await self._kernels(lease)
         utils, memory = [], 0
-        for allocation in lease.allocations:
-            if not allocation.active:
-                continue
-            util, used = self._slot_usage(lease, allocation)
+        for slot in lease.slots:
+            util, used = self._slot_usage(lease, slot)
             memory += used
             if util is not None:
                 utils.append(util)
@@ -342,7 +340,7 @@ class Culler(LoggingConfigurable):
             gpu_memory_mib=memory,
         )
 
-    def _slot_usage(self, lease: Lease, allocation: Any) -> tuple[int | None, int]:
+    def _slot_usage(self, lease: LeaseRef, slot: HeldSlot) -> tuple[int | None, int]:
         """(utilization %, memory MiB) of one slot of ``lease``.
 
         A whole device: the device's. A MIG instance: the instance's memory
@@ -350,18 +348,18 @@ class Culler(LoggingConfigurable):
         the lease's own processes on the device (by ``pid_lease``); the
         device's utilization is everyone's, so it is not counted.
         """
-        uuid = allocation.instance_uuid or allocation.device_uuid
+        uuid = slot.instance_uuid or slot.device_uuid
         try:
             usage = self.broker.backend.usage(uuid)
         except Exception as err:
             self.log.warning("Cannot read usage of %s: %s", uuid, err)
             return None, 0
-        if allocation.kind == "share":
+        if slot.kind == "share":
             mine = [p for p in usage.processes if self.pid_lease(p.pid) == lease.id]
             return None, sum(p.used_memory_mib for p in mine)
         return usage.utilization_gpu, usage.memory_used_mib
 
-    async def _kernels(self, lease: Lease) -> list[dict[str, Any]] | None:
+    async def _kernels(self, lease: LeaseRef) -> list[dict[str, Any]] | None:
         """The server's kernels, read directly (not through the proxy) with a
         token of the server's own user that reaches only this server, asked
         from the hub for this one read and revoked after it
@@ -392,7 +390,7 @@ class Culler(LoggingConfigurable):
 
     # -- actions -------------------------------------------------------------------
 
-    async def _act(self, lease: Lease, signals: Signals, now: dt.datetime) -> bool:
+    async def _act(self, lease: LeaseRef, signals: Signals, now: dt.datetime) -> bool:
         assert lease.granted_at is not None
         track = self.tracks.setdefault(lease.id, Track(gpu_active=now))
         if track.culled:
@@ -431,7 +429,7 @@ class Culler(LoggingConfigurable):
             return False
         return await self._cull(lease, track, verdict.reason, verdict.idle)
 
-    async def _cull(self, lease: Lease, track: Track, reason: str, idle: float) -> bool:
+    async def _cull(self, lease: LeaseRef, track: Track, reason: str, idle: float) -> bool:
         why = f"culled: {reason}"
         if self.dry_run:
             self.broker.add_notice(lease, "cull-dry-run", f"would be {why}")
@@ -452,7 +450,7 @@ class Culler(LoggingConfigurable):
         self.log.warning("Culled lease %s of %s: %s", lease.id, lease.user, why)
         return True
 
-    async def _pre_stop(self, lease: Lease) -> bool:
+    async def _pre_stop(self, lease: LeaseRef) -> bool:
         """Run the pre-stop hook, if any; whether the cull may go on (the
         hook ran, whatever its exit status, or there is none)."""
         if not self.pre_stop_hook:
@@ -468,7 +466,7 @@ class Culler(LoggingConfigurable):
             return False
         return True
 
-    async def _run_hook(self, lease: Lease, token: str) -> None:
+    async def _run_hook(self, lease: LeaseRef, token: str) -> None:
         # exactly these variables: no PATH, and never the broker's own token
         env = {
             "GPUBROKER_USER": lease.user,

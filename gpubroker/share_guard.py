@@ -25,7 +25,7 @@ from .enforce.watchdog import (
     end_process,
     lease_of_pid,
 )
-from .store.models import Lease
+from .model.holdings import LeaseRef
 
 
 def _mib(value: int) -> str:
@@ -83,7 +83,7 @@ class ShareGuard(LoggingConfigurable):
 
     async def check_once(self, now: dt.datetime | None = None) -> list[Any]:
         """Sample, judge and act once; returns the actions taken."""
-        leases: dict[int, Lease] = {}
+        leases: dict[int, LeaseRef] = {}
         caps: list[ShareCap] = []
         for lease, device, memory in self.broker.share_caps():
             leases[lease.id] = lease
@@ -97,7 +97,7 @@ class ShareGuard(LoggingConfigurable):
                 self.log.exception("Share watchdog: cannot act on %s", action)
         return actions
 
-    async def _act(self, action: Any, lease: Lease) -> None:
+    async def _act(self, action: Any, lease: LeaseRef) -> None:
         if isinstance(action, Overuse):
             message = (
                 f"Your shared GPU uses {_mib(action.lease_used_mib or action.used_mib)} of its "

@@ -7,6 +7,7 @@ import datetime as dt
 from typing import Any
 
 from ..commands import command
+from ..model.holdings import LeaseRef
 from ..store.models import Lease, Notice
 from ..views import isoformat
 from .runner import CommandRunner, lease_or_404
@@ -27,7 +28,7 @@ class Notices:
     @command("culler")
     def add_notice(
         self,
-        lease: Lease,
+        lease: LeaseRef | Lease,
         kind: str,
         message: str,
         deadline: dt.datetime | None = None,
@@ -36,14 +37,21 @@ class Notices:
         """Record a notice for ``lease``'s holder (see :class:`Notice`), and
         the notice in the lease's transition log (kind: the notice's kind;
         ``detail`` and the deadline in its detail: a ``culled`` notice says
-        ``idle_seconds``, which the usage ledger reads)."""
+        ``idle_seconds``, which the usage ledger reads). ``lease``: a
+        picture of it (:class:`~gpubroker.model.holdings.LeaseRef`, as the
+        culler and the watchdog hold) or its row.
+
+        Raises:
+            NotFound: no such lease.
+        """
         now = self.runner.now()
         with self.runner.write() as repo:
+            row = lease_or_404(repo, lease.id)
             detail = dict(detail or {})
             if deadline:
                 detail["deadline"] = isoformat(deadline)
-            self.runner.rec(repo, now).note(lease, kind, message, detail)
-            repo.add(notice_row(lease, kind, message, now, deadline))
+            self.runner.rec(repo, now).note(row, kind, message, detail)
+            repo.add(notice_row(row, kind, message, now, deadline))
         self.log.info("Notice for %s/%s (%s): %s", lease.user, lease.server_name, kind, message)
 
     @command("broker")

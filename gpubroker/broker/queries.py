@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..model.holdings import HeldSlot, LeaseRef
 from ..store.models import Device, HolderKind, Lease, LeaseState
 from ..transitions import event_view
 from ..views import lease_view
@@ -125,10 +126,34 @@ class Queries:
             current = self.get_lease(lease_id)
         return current
 
-    def server_leases(self) -> list[Lease]:
-        """Granted leases of hub servers (detached rows, for the culler)."""
+    def server_leases(self) -> list[LeaseRef]:
+        """Granted leases of hub servers, as pictures taken now (for the
+        culler and the reconciliations with Docker and Slurm, which keep
+        them across awaits)."""
         return [
-            x
+            lease_ref(x)
             for x in self.world.active()
             if x.state == LeaseState.granted.value and x.holder_kind == HolderKind.server.value
         ]
+
+
+def lease_ref(lease: Lease) -> LeaseRef:
+    """A picture of ``lease`` now, with its active slots."""
+    return LeaseRef(
+        id=lease.id,
+        user=lease.user,
+        server_name=lease.server_name or "",
+        holder_kind=lease.holder_kind,
+        priority_class=lease.priority_class,
+        created=lease.created,
+        granted_at=lease.granted_at,
+        server_url=lease.server_url,
+        container_id=lease.container_id,
+        docker_engine=lease.docker_engine,
+        slurm_job=lease.slurm_job,
+        slots=tuple(
+            HeldSlot(a.kind, a.device_uuid, a.instance_uuid, a.profile, a.memory_mib)
+            for a in lease.allocations
+            if a.active
+        ),
+    )

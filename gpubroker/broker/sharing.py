@@ -27,12 +27,14 @@ from ..enforce import EnforcementError
 from ..enforce.caps import framework_env
 from ..enforce.mps import MPSControl
 from ..errors import BadRequest, NotFound
+from ..model.holdings import LeaseRef
 from ..passes import PREPARING, grant_parts, set_wait
 from ..pools import Pools, PoolSpec
 from ..scheduler import Instance, Part, PoolMode
 from ..store.models import Device, Lease
 from ..store.repository import Repository
 from .actuator import Actuator
+from .queries import lease_ref
 from .runner import CommandRunner
 from .world import World
 
@@ -516,16 +518,18 @@ class SharingOps:
 
     # -- shares ------------------------------------------------------------------
 
-    def share_caps(self) -> list[tuple[Lease, str, int]]:
-        """``(lease, device UUID, cap MiB)`` of every share held now (detached
-        lease rows), for the memory watchdog."""
-        return [
-            (x, a.device_uuid, a.memory_mib or 0)
-            for x in self._world.active()
-            if x.state == "granted"
-            for a in x.allocations
-            if a.active and a.kind == "share"
-        ]
+    def share_caps(self) -> list[tuple[LeaseRef, str, int]]:
+        """``(lease, device UUID, cap MiB)`` of every share held now (the
+        lease as a picture taken now), for the memory watchdog."""
+        found = []
+        for x in self._world.active():
+            if x.state != "granted":
+                continue
+            shares = [a for a in x.allocations if a.active and a.kind == "share"]
+            if shares:
+                ref = lease_ref(x)
+                found += [(ref, a.device_uuid, a.memory_mib or 0) for a in shares]
+        return found
 
     @command("scheduler")
     def housekeep_mig(self) -> None:

@@ -40,7 +40,7 @@ ORPHAN_GRACE = 10.0
 
 if TYPE_CHECKING:
     from gpubroker.core import Broker
-    from gpubroker.store.models import Lease
+    from gpubroker.model.holdings import LeaseRef
 
 
 def said(status: Status) -> str:
@@ -74,7 +74,7 @@ class SlurmServers:
         engine = self.broker.engine
         return engine if isinstance(engine, SlurmEngine) else None
 
-    def watched(self) -> dict[int, Lease]:
+    def watched(self) -> dict[int, LeaseRef]:
         """Granted server leases that name a Slurm job, by lease id."""
         return {x.id: x for x in self.broker.server_leases() if x.slurm_job}
 
@@ -126,7 +126,7 @@ class SlurmServers:
             self.log.warning("Cannot ask Slurm about servers' jobs (nothing ended): %s", err)
             return []
         ended: dict[int, tuple[str, str]] = {}
-        running: list[Lease] = []
+        running: list[LeaseRef] = []
         for lease_id, lease in watched.items():
             job = lease.slurm_job or ""
             status = statuses.get(job)
@@ -142,10 +142,10 @@ class SlurmServers:
 
     def _orphans(
         self,
-        running: list[Lease],
+        running: list[LeaseRef],
         alive: Collection[tuple[str, str]] | None,
         as_of: dt.datetime | None,
-    ) -> list[Lease]:
+    ) -> list[LeaseRef]:
         """The leases of ``running`` whose server the hub has not listed in
         this reconciliation nor in the one before (one listing may race a
         stop that is under way); a round without a listing starts over."""
@@ -162,7 +162,7 @@ class SlurmServers:
         return orphans
 
     async def _cancel_orphans(
-        self, engine: SlurmEngine, orphans: list[Lease]
+        self, engine: SlurmEngine, orphans: list[LeaseRef]
     ) -> dict[int, tuple[str, str]]:
         """Stop the jobs of ``orphans`` (SIGTERM, :data:`ORPHAN_GRACE`
         seconds, ``scancel``), together, off the event loop.
@@ -203,7 +203,7 @@ class SlurmServers:
             ended[lease.id] = (job, "was cancelled: its server is gone from the hub")
         return ended
 
-    def _rebind(self, lease: Lease, bound: tuple[str, ...]) -> None:
-        held = [a.device_uuid for a in lease.allocations if a.active]
+    def _rebind(self, lease: LeaseRef, bound: tuple[str, ...]) -> None:
+        held = [slot.device_uuid for slot in lease.slots]
         what = f"Slurm job {lease.slurm_job} of server {lease.user}/{lease.server_name}"
         self.rebinder.apply(lease.id, held, bound, what)

@@ -107,3 +107,29 @@ def test_pools_set_after_start_reach_every_part(broker: Broker) -> None:
     broker.pools = pools
     assert broker.sharing.pools is pools
     assert broker.admission.pools is pools and broker.free.pools is pools
+
+
+def test_server_leases_are_pictures_that_do_not_change_under_their_reader(
+    broker: Broker,
+) -> None:
+    """The culler and the reconciliations keep what ``server_leases`` gives
+    across awaits: a picture (``LeaseRef``), frozen at the time it was
+    taken, never the store's row, which a release would change under them.
+    A notice for the picture lands on the lease."""
+    import dataclasses
+
+    from gpubroker.model.holdings import LeaseRef
+
+    lease = served(broker, "gus")
+    (ref,) = broker.server_leases()
+    assert isinstance(ref, LeaseRef) and [s.kind for s in ref.slots] == ["device"]
+    broker.release_lease(lease["id"], "done")
+    assert [s.device_uuid for s in ref.slots] == [lease["devices"][0]["uuid"]]
+    broker.add_notice(ref, "cull-warning", "idle 60 min")
+    assert broker.notices("gus")[0]["lease_id"] == lease["id"]
+    try:
+        ref.user = "eve"  # type: ignore[misc]
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("a LeaseRef must be frozen")
