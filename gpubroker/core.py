@@ -60,11 +60,10 @@ from .broker.waiters import Waiters
 from .broker.world import World
 from .enforce.mps import MPSControl
 from .engines import Engine, LocalEngine, Node
-from .model.holdings import LeaseRef
+from .model.holdings import DeviceRef, LeaseRef
 from .policy_config import SchedulingPolicy
 from .pools import Pools, PoolSpec
 from .store.models import (
-    Device,
     Lease,
 )
 from .store.repository import Repository
@@ -480,7 +479,7 @@ class Broker(LoggingConfigurable):
         """Lease views, oldest first (:meth:`Queries.list_leases`)."""
         return self.queries.list_leases(user, active)
 
-    def device_rows(self) -> list[tuple[Device, list[dict[str, Any]]]]:
+    def device_rows(self) -> list[tuple[DeviceRef, list[dict[str, Any]]]]:
         """Every known device with its holders (:meth:`Queries.device_rows`)."""
         return self.queries.device_rows()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from .model.holdings import DeviceRef
 from .store.models import Allocation, Device, Lease, LeaseState
 
 
@@ -18,7 +19,7 @@ def isoformat(when: dt.datetime | None) -> str | None:
     return when.astimezone(dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def device_view(device: Device) -> dict[str, Any]:
+def device_view(device: Device | DeviceRef) -> dict[str, Any]:
     """A device's identity: ``uuid``, ``index``, ``name``, ``node``, ``pci_bus_id``,
     ``memory_total_mib``."""
     return {
@@ -201,7 +202,7 @@ def device_listing(broker: Any, admin: bool, me: str, log: Any) -> dict[str, Any
 
 
 def _device(
-    broker: Any, device: Device, holders: list[dict[str, Any]], admin: bool, me: str, log: Any
+    broker: Any, device: DeviceRef, holders: list[dict[str, Any]], admin: bool, me: str, log: Any
 ) -> dict[str, Any]:
     """One device's view; admins see every holder, users their own."""
     view = device_view(device)

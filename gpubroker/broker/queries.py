@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..model.holdings import HeldSlot, LeaseRef
+from ..model.holdings import DeviceRef, HeldSlot, LeaseRef
 from ..store.models import Device, HolderKind, Lease, LeaseState
 from ..transitions import event_view
 from ..views import lease_view
@@ -69,7 +69,7 @@ class Queries:
         with self.runner.read() as repo:
             return [lease_view(lease) for lease in repo.leases(user)]
 
-    def device_rows(self) -> list[tuple[Device, list[dict[str, Any]]]]:
+    def device_rows(self) -> list[tuple[DeviceRef, list[dict[str, Any]]]]:
         """Every known device with every slot of it held now: a whole device
         has at most one holder, a MIG or shared device one per instance or
         share.
@@ -97,7 +97,7 @@ class Queries:
                 }
             )
         devices = sorted(self.world.devices.values(), key=lambda d: (d.node, d.index))
-        return [(d, holders.get(d.uuid, [])) for d in devices]
+        return [(device_ref(d), holders.get(d.uuid, [])) for d in devices]
 
     async def wait_for_change(
         self, lease_id: int, timeout: float, known_version: int | None = None
@@ -156,4 +156,20 @@ def lease_ref(lease: Lease) -> LeaseRef:
             for a in lease.allocations
             if a.active
         ),
+    )
+
+
+def device_ref(device: Device) -> DeviceRef:
+    """A picture of ``device`` now."""
+    return DeviceRef(
+        uuid=device.uuid,
+        node=device.node,
+        index=device.index,
+        name=device.name,
+        memory_total_mib=device.memory_total_mib,
+        pci_bus_id=device.pci_bus_id,
+        mig_enabled=bool(device.mig_enabled),
+        present=bool(device.present),
+        drained=bool(device.drained),
+        mig_target=device.mig_target,
     )

@@ -60,3 +60,33 @@ class LeaseRef:
     docker_engine: str | None
     slurm_job: str | None
     slots: tuple[HeldSlot, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRef:
+    """A device as it stood when the picture was taken (``Broker.device_rows``).
+
+    Attributes:
+        uuid: NVML UUID (``GPU-…``).
+        node: the node it is on.
+        index: its index on the node.
+        name: the model's NVML name (``NVIDIA H100 80GB HBM3``).
+        memory_total_mib: its memory, MiB.
+        pci_bus_id: its PCI bus id.
+        mig_enabled: whether MIG mode is on.
+        present: whether its engine still reports it.
+        drained: whether an admin drained it (no new grants).
+        mig_target: the MIG mode an admin asked for and not yet set
+            (``None``: none asked).
+    """
+
+    uuid: str
+    node: str
+    index: int
+    name: str
+    memory_total_mib: int
+    pci_bus_id: str
+    mig_enabled: bool
+    present: bool
+    drained: bool
+    mig_target: bool | None
