@@ -373,10 +373,6 @@ class Broker(LoggingConfigurable):
         if self.check_state != "off":
             self.validate_state(touched)
 
-    def _rec(self, repo: Repository, now: dt.datetime, actor: str | None = None) -> Any:
-        """A recorder of the current command's changes in ``repo``."""
-        return self.runner.rec(repo, now, actor)
-
     # -- the parts' operations, as the API, the service and the culler call them ----
 
     @property
@@ -641,11 +637,6 @@ class Broker(LoggingConfigurable):
         return found
 
     # -- sessions and notification -------------------------------------------------
-
-    def _write(self) -> contextlib.AbstractContextManager[Repository]:
-        """A write-through transaction on the in-memory state (see
-        :meth:`World.write`)."""
-        return self._world.write()
 
     def _after_rollback(self) -> None:
         """A transaction rolled back (memory is the store's again): the pass
