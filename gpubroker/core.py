@@ -271,7 +271,20 @@ class Broker(LoggingConfigurable):
         self._build_parts()
 
     def _build_parts(self) -> None:
-        """The parts the facade delegates to, each given what it uses."""
+        """The parts the facade delegates to, each given what it uses. Parts
+        built later are reached through lambdas (the dependencies are
+        cyclic: a pass evicts, an eviction releases, a release asks for a
+        pass)."""
+
+        def schedule(repo: Repository, now: dt.datetime) -> None:
+            self.scheduling.schedule(repo, now)
+
+        def evict(*args: Any) -> bool:
+            return self.stops.evict(*args)
+
+        def policy() -> scheduler.Policy:
+            return self.scheduling.policy()
+
         self.sharing = SharingOps(
             self.runner,
             self._world,
@@ -280,7 +293,7 @@ class Broker(LoggingConfigurable):
             self.mps,
             framework_caps=lambda: self.framework_caps,
             retry_backoff=lambda: self.grant_retry_backoff,
-            schedule=self._schedule,
+            schedule=schedule,
             schedule_now=self.schedule_now,
             notify=self._notify,
             log=self.log,
@@ -289,7 +302,7 @@ class Broker(LoggingConfigurable):
             self._world,
             self.pools,
             self.sharing.pool_spec,
-            self._policy,
+            policy,
             default_class=lambda: self.policy.default_priority_class,
             max_gpus=lambda: self.max_gpus_per_request,
         )
@@ -297,19 +310,19 @@ class Broker(LoggingConfigurable):
             self.runner,
             self._world,
             self.policy,
-            self._policy,
-            self._schedule,
+            policy,
+            schedule,
             self._notify,
-            self._evict,
+            evict,
             self.log,
         )
         self.notice_book = Notices(self.runner, self.log)
         self.stops = ServerStops(
             self.runner,
             self._world,
-            self._release,
+            lambda *args: self.leases.release(*args),
             lambda: self.evict_timeout,
-            self._schedule,
+            schedule,
             self._notify,
             self.log,
         )
@@ -321,7 +334,7 @@ class Broker(LoggingConfigurable):
             self.engine,
             self.backend,
             self.sharing,
-            self._schedule,
+            schedule,
             self.schedule_now,
             self._notify,
             self.log,
@@ -331,8 +344,8 @@ class Broker(LoggingConfigurable):
             self._world,
             self,
             self.sharing,
-            self.inventory.topology,
-            self._evict,
+            lambda: self.inventory.topology,
+            evict,
             self.stops.expire,
             self.queries.get_lease,
             self._waiters,
@@ -500,17 +513,6 @@ class Broker(LoggingConfigurable):
     def on_evict(self, callback: Callable[[dict[str, Any]], None] | None) -> None:
         self.stops.on_evict = callback
 
-    def _evict(
-        self,
-        lease: Lease,
-        reason: str,
-        now: dt.datetime,
-        cause: str = "release",
-        actor: str | None = None,
-    ) -> bool:
-        """End an evicted lease (:meth:`ServerStops.evict`)."""
-        return self.stops.evict(lease, reason, now, cause, actor)
-
     def stop_lease(self, lease_id: int, reason: str, cause: str = "release", **kwargs: Any) -> None:
         """End a granted server lease as an eviction does (:meth:`ServerStops.stop_lease`)."""
         self.stops.stop_lease(lease_id, reason, cause, **kwargs)
@@ -547,28 +549,9 @@ class Broker(LoggingConfigurable):
         """Write the changed fair-share usage records (:meth:`Scheduling.write_usage`)."""
         return self.scheduling.write_usage()
 
-    def _policy(self) -> scheduler.Policy:
-        """The pure policy in force (:meth:`Scheduling.policy`)."""
-        return self.scheduling.policy()
-
-    def _schedule(
-        self,
-        repo: Repository,
-        now: dt.datetime,
-        again: bool = True,
-        force: bool = False,
-        lazy: bool = False,
-    ) -> None:
-        """Run or ask for a pass in the open transaction (:meth:`Scheduling.schedule`)."""
-        self.scheduling.schedule(repo, now, again, force, lazy)
-
     def _scheduler_state(self) -> tuple[scheduler.SchedulerState, dict[int, Lease]]:
         """The scheduler's view of memory (:meth:`Scheduling.state`)."""
         return self.scheduling.state()
-
-    def _may_grant_now(self, kind: str, wanted: str | None) -> bool:
-        """Whether a pass may grant such a request at once (:meth:`Scheduling.may_grant_now`)."""
-        return self.scheduling.may_grant_now(kind, wanted)
 
     # -- lease commands (the Leases part) ----------------------------------------------
 
@@ -585,17 +568,6 @@ class Broker(LoggingConfigurable):
     def release_lease(self, lease_id: int, reason: str, **kwargs: Any) -> dict[str, Any]:
         """Release a lease (:meth:`Leases.release_lease`)."""
         return self.leases.release_lease(lease_id, reason, **kwargs)
-
-    def _release(
-        self,
-        lease: Lease,
-        reason: str,
-        now: dt.datetime,
-        cause: str = "release",
-        actor: str | None = None,
-    ) -> None:
-        """Release a lease inside the open command (:meth:`Leases.release`)."""
-        self.leases.release(lease, reason, now, cause, actor)
 
     def reconcile(self, *args: Any, **kwargs: Any) -> list[int]:
         """Release leases whose hub server is gone (:meth:`Leases.reconcile`)."""

@@ -22,7 +22,7 @@ from .notices import notice_row
 from .runner import CommandRunner, lease_or_404
 from .world import World
 
-#: ends a lease as an eviction does (``Broker.evict``): (lease, reason, now,
+#: ends a lease as an eviction does (:meth:`ServerStops.evict`): (lease, reason, now,
 #: cause, actor) -> whether it is released now
 Evict = Callable[[Lease, str, dt.datetime, str, str | None], bool]
 
@@ -36,7 +36,7 @@ class AdminOps:
         config: the scheduling policy's configuration (configured quotas).
         policy: the pure policy in force (config plus stored quotas).
         schedule: run or ask for a scheduling pass in the open
-            transaction (``Broker.schedule``).
+            transaction (:meth:`Scheduling.schedule`).
         notify: wake the long-polls of changed leases.
         evict: end a lease as an eviction does.
         log: the broker's logger.

@@ -60,7 +60,7 @@ class Availability:
     Args:
         runner: the broker's command runner (its reads).
         state_of: the scheduler's view of the broker's memory
-            (``Broker.scheduler_state``).
+            (:meth:`Scheduling.state`).
         pools: the pools' configuration.
     """
 

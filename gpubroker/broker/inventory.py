@@ -94,8 +94,7 @@ class Inventory:
         self.world.outside = _outside(nodes)
         if len({d.node for d in reported.values()}) == 1 and self.engine.name == "local":
             matrix = tuple(tuple(int(x) for x in row) for row in self.backend.topology())
-            self.topology.clear()  # in place: the scheduling part holds this dict
-            self.topology[nodes[0].name] = matrix
+            self.topology = {nodes[0].name: matrix}
         with self.runner.write() as repo:
             known = {d.uuid: d for d in repo.devices()}
             for uuid, info in reported.items():

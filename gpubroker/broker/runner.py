@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import NotFound
@@ -107,10 +107,6 @@ class CommandRunner:
         now = self.now()
         stimulus_id = self.stimulus.id if self.stimulus is not None else ""
         audit_repo.record(repo, now, self.actor, action, target, detail, stimulus_id)
-
-    def touched(self) -> Iterable[int]:
-        """Ids of the leases the current (or last) command changed."""
-        return self._touched
 
 
 def lease_or_404(repo: Repository, lease_id: int) -> Lease:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from .. import scheduler
@@ -43,9 +43,9 @@ class Scheduling:
         world: the broker's state in memory.
         settings: the broker's options (:class:`Settings`).
         sharing: the sharing operations (pools, MIG inventory, grants made real).
-        topology: the topology of this node's devices, by node
-            (:attr:`Inventory.topology`, the same dict).
-        evict: end a lease as an eviction does (``Broker.evict``).
+        topology: the topology of this node's devices, by node, as it is
+            now (:attr:`Inventory.topology`).
+        evict: end a lease as an eviction does (:meth:`ServerStops.evict`).
         expire_stops: release leases whose server stop timed out
             (:meth:`ServerStops.expire`).
         get_lease: the view of a lease (:meth:`Queries.get_lease`).
@@ -60,7 +60,7 @@ class Scheduling:
         world: World,
         settings: Settings,
         sharing: SharingOps,
-        topology: dict[str, scheduler.Topology],
+        topology: Callable[[], Mapping[str, scheduler.Topology]],
         evict: Callable[[Lease, str, dt.datetime, str, str | None], bool],
         expire_stops: Callable[[Repository, dt.datetime], None],
         get_lease: Callable[[int], dict[str, Any]],
@@ -242,7 +242,7 @@ class Scheduling:
         return build_state(
             self.world,
             self.policy(),
-            self.topology,
+            self.topology(),
             sharing.device_pools,
             sharing.scheduler_instances(),
             self.settings.mig_placement,

@@ -71,7 +71,7 @@ class SharingOps:
         retry_backoff: seconds before a failed grant is tried again
             (``Broker.grant_retry_backoff``).
         schedule: run or ask for a scheduling pass in the open
-            transaction (``Broker.schedule``).
+            transaction (:meth:`Scheduling.schedule`).
         schedule_now: a scheduling pass of its own (``Broker.schedule_now``).
         notify: wake the long-polls of changed leases.
         log: the broker's logger.

@@ -19,7 +19,7 @@ from ..views import lease_view
 from .runner import CommandRunner, lease_or_404
 from .world import World
 
-#: releases a lease (``Broker.release``): (lease, reason, now, cause, actor)
+#: releases a lease (:meth:`Leases.release`): (lease, reason, now, cause, actor)
 Release = Callable[[Lease, str, dt.datetime, str, str | None], None]
 
 
