@@ -11,6 +11,7 @@ usage. The workload is built from a fixed seed, so runs compare.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import functools
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpubroker.devices import mig
+from gpubroker.gcpause import paused_gc
 from gpubroker.scheduler import (
     DEFAULT_CLASSES,
     Decisions,
@@ -176,14 +178,19 @@ def _time(
     fn: Callable[[SchedulerState, dt.datetime], Decisions],
     state: SchedulerState,
     passes: int = PASSES,
+    gc_paused: bool = True,
 ) -> dict[str, float]:
-    """Median and p99 of ``passes`` passes over ``state``, ms (after one warm-up)."""
+    """Median and p99 of ``passes`` passes over ``state``, ms (after one
+    warm-up); ``gc_paused``: each pass with the garbage collector paused,
+    as the broker and the simulator run it (:mod:`gpubroker.gcpause`)."""
     fn(state, NOW)  # warm up
     samples = []
+    pause = paused_gc if gc_paused else contextlib.nullcontext
     for _ in range(passes):
-        t0 = time.perf_counter()
-        fn(state, NOW)
-        samples.append(time.perf_counter() - t0)
+        with pause():
+            t0 = time.perf_counter()
+            fn(state, NOW)
+            samples.append(time.perf_counter() - t0)
     p99 = statistics.quantiles(samples, n=100, method="inclusive")[98] if passes > 1 else samples[0]
     return {"p50_ms": 1000 * statistics.median(samples), "p99_ms": 1000 * p99}
 
@@ -214,7 +221,9 @@ def run() -> dict[str, dict[str, Any]]:
     ``scheduler.pass.*``: the whole-GPU workload (:func:`workload`) against
     FIFO; ``scheduler.pass.mixed.*``: the mixed workload at 1,024 GPUs
     (2,000 running, 5,000 waiting, :func:`mixed_workload`) against FIFO on
-    the same state; ``scheduler.pass.scale.<N>_gpus.p50_ms``: the mixed
+    the same state (each pass with the garbage collector paused, as the
+    broker runs it; ``scheduler.pass.mixed.gc_on.p50_ms``: with it on);
+    ``scheduler.pass.scale.<N>_gpus.p50_ms``: the mixed
     workload scaled to ``N`` GPUs, against the 128-GPU figure (ratio: growth).
     """
     fifo_name = "FIFO scheduler (no quotas, preemption or backfill)"
@@ -232,6 +241,16 @@ def run() -> dict[str, dict[str, Any]]:
         f"Scheduler, mixed workload: {len(mixed.slots):,} GPUs, {len(mixed.running):,} running "
         f"leases (whole GPUs, shares, MIG instances), {len(mixed.pending):,} waiting"
     )
+    gc_on = _time(schedule, mixed, gc_paused=False)["p50_ms"]
+    paused = results["scheduler.pass.mixed.p50_ms"]["value"]
+    print(f"  the same pass with the garbage collector on: p50 {gc_on:.2f} ms")
+    results["scheduler.pass.mixed.gc_on.p50_ms"] = {
+        "value": round(gc_on, 3),
+        "unit": "ms",
+        "baseline": paused,
+        "baseline_name": "the same pass with the garbage collector paused, as the broker runs it",
+        "ratio": round(gc_on / paused, 3),
+    }
     print(f"{'GPUs':>6}  {'running':>7}  {'waiting':>7}  {'passes':>6}  {'p50 ms':>8}  growth")
     first = None
     for gpus in SCALE_GPUS:

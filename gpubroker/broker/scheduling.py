@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from .. import scheduler
 from ..commands import command
+from ..gcpause import paused_gc
 from ..passes import PREPARING, apply_decisions, build_state
 from ..policy_config import SchedulingPolicy
 from ..store.models import Lease, LeaseState
@@ -203,21 +204,8 @@ class Scheduling:
         """
         if not force and self.passes is not None and not self.passes.at_once(lazy):
             return
-        state, leases = self.state()
-        decisions = scheduler.schedule(state, now)
-        evicted = apply_decisions(
-            repo,
-            decisions,
-            leases,
-            now,
-            lambda lease, why: self.evict(
-                lease, why, now, release_cause(why, "scheduler", lease.state), "scheduler"
-            ),
-            self.sharing.prepare,
-            self.runner.rec(repo, now, "scheduler"),
-            self.world.inputs,
-            state,
-        )
+        with paused_gc():
+            evicted, decisions = self._pass(repo, now)
         for grant in decisions.grants:
             what = grant.devices or tuple(f"{p.kind}:{p.device}" for p in grant.parts)
             self.log.info("Granted lease %s: %s", grant.lease_id, ",".join(what))
@@ -233,6 +221,26 @@ class Scheduling:
             self.schedule(repo, now, again=False, force=True)
         if self.passes is not None and again:
             self.passes.ran()
+
+    def _pass(self, repo: Repository, now: dt.datetime) -> tuple[bool, scheduler.Decisions]:
+        """Build the scheduler's view, decide and apply the decisions in
+        ``repo``'s transaction; (whether a lease was evicted, decisions)."""
+        state, leases = self.state()
+        decisions = scheduler.schedule(state, now)
+        evicted = apply_decisions(
+            repo,
+            decisions,
+            leases,
+            now,
+            lambda lease, why: self.evict(
+                lease, why, now, release_cause(why, "scheduler", lease.state), "scheduler"
+            ),
+            self.sharing.prepare,
+            self.runner.rec(repo, now, "scheduler"),
+            self.world.inputs,
+            state,
+        )
+        return evicted, decisions
 
     def state(self) -> tuple[scheduler.SchedulerState, dict[int, Lease]]:
         """The scheduler's view of memory (:func:`build_state`): MIG

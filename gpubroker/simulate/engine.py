@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from ..gcpause import paused_gc
 from ..scheduler import (
     Decisions,
     Policy,
@@ -331,7 +332,8 @@ class Engine:
                 else:
                     self._dirty = True
             if self._needs_pass():
-                self._pass(now)
+                with paused_gc():  # as the broker runs its passes (gpubroker.gcpause)
+                    self._pass(now)
             else:
                 self._result.skipped += 1
         self._close(now)
