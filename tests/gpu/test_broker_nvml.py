@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pynvml
 import pytest
 
 from gpubroker.core import Broker
@@ -29,14 +28,9 @@ from gpubroker.devices.nvml import NVMLDeviceBackend
 from gpubroker.enforce.caps import framework_env
 from gpubroker.store.db import make_engine, make_session_factory, upgrade
 
-try:
-    pynvml.nvmlInit()
-except pynvml.NVMLError as _err:
-    pytest.skip(
-        f"no NVIDIA driver/GPU here: pynvml.nvmlInit() failed ({_err})", allow_module_level=True
-    )
-else:
-    pynvml.nvmlShutdown()
+from . import require_nvml
+
+require_nvml()
 
 pytestmark = pytest.mark.gpu
 

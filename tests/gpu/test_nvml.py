@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import pynvml
 import pytest
 
 from gpubroker.devices import load_backend
 from gpubroker.devices.nvml import NVMLDeviceBackend
 
-try:
-    pynvml.nvmlInit()
-except pynvml.NVMLError as _err:
-    pytest.skip(
-        f"no NVIDIA driver/GPU here: pynvml.nvmlInit() failed ({_err})", allow_module_level=True
-    )
-else:
-    pynvml.nvmlShutdown()
+from . import require_nvml
+
+require_nvml()
 
 pytestmark = pytest.mark.gpu
 

@@ -25,14 +25,9 @@ import pytest
 
 from gpubroker.devices import nvml
 
-try:
-    pynvml.nvmlInit()
-except pynvml.NVMLError as _err:
-    pytest.skip(
-        f"no NVIDIA driver/GPU here: pynvml.nvmlInit() failed ({_err})", allow_module_level=True
-    )
-else:
-    pynvml.nvmlShutdown()
+from . import require_nvml
+
+require_nvml()
 
 pytestmark = [
     pytest.mark.gpu,

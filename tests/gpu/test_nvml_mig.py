@@ -22,13 +22,9 @@ from gpubroker.devices import mig
 from gpubroker.devices.base import DeviceBackendError, DeviceInfo
 from gpubroker.devices.nvml import NVMLDeviceBackend
 
-try:
-    pynvml.nvmlInit()
-except pynvml.NVMLError as _err:
-    _why = f"no NVIDIA driver/GPU here: pynvml.nvmlInit() failed ({_err})"
-    pytest.skip(_why, allow_module_level=True)
-else:
-    pynvml.nvmlShutdown()
+from . import require_nvml
+
+require_nvml()
 
 pytestmark = pytest.mark.gpu
 
