@@ -25,6 +25,7 @@ from .devices.nvml import NVMLDeviceBackend
 from .enforce.mps import MPSControl
 from .enforce.watchdog import ShareWatchdog
 from .engines.docker import DockerEngine
+from .engines.slurm import SlurmEngine
 from .hub import HubClient
 from .jobs.service import JobService
 from .policy_config import SchedulingPolicy
@@ -54,6 +55,7 @@ class GPUBrokerApp(Application):
         Ledger,
         JobService,
         DockerEngine,
+        SlurmEngine,
         ShareGuard,
         ShareWatchdog,
         MPSControl,
