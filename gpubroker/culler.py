@@ -4,33 +4,37 @@ Every ``cull_every`` seconds each granted lease of a hub server is judged
 from three signals:
 
 1. hub activity: the server's ``last_activity`` (hub API);
-2. kernels: the single-user server's ``/api/kernels`` (any ``busy``; each
-   kernel's ``last_activity``), read directly from the server with
-   ``no_track_activity`` (so the check is not activity) and a token the hub
-   issues for that one read: owned by the server's user, limited to
-   ``access:servers!server=USER/NAME``, revoked right after (the broker's
-   own token never reaches a user's server);
-3. GPU use of the lease's devices (NVML utilization; memory is reported).
+2. kernels and terminals: the single-user server's ``/api/kernels`` (any
+   ``busy``; each kernel's ``last_activity``) and ``/api/terminals`` (each
+   terminal's ``last_activity``: input or output), read directly from the
+   server with ``no_track_activity`` (so the check is not activity) and a
+   token the hub issues for that one check: owned by the server's user,
+   limited to ``access:servers!server=USER/NAME``, revoked right after (the
+   broker's own token never reaches a user's server);
+3. GPU use of the lease's devices (NVML utilization; for a MIG instance,
+   NVML's GPM activity where the GPU has it; memory is reported).
 
 A lease is *idle* when no kernel is busy, GPU utilization stayed below
 ``gpu_idle_threshold`` and no activity came, for ``timeout`` seconds.
-Activity means kernel activity (running code) when the server's kernels
-can be read; the hub's activity, which any browser traffic refreshes (an
-open tab's keep-alives), counts only when they cannot.
+Activity means kernel or terminal activity when the server's kernels can
+be read; the hub's activity, which any browser traffic refreshes (an open
+tab's keep-alives), counts only when they cannot.
 
 Idle leases are warned (a notice with a deadline), then culled after
 ``grace`` seconds: a ``pre_stop_hook`` runs, the hub stops the server, the
 lease is released with the reason. Activity in the grace period withdraws
 the warning. A busy kernel with an idle GPU for ``busy_gpu_idle_timeout`` is
-flagged to admins, and culled too if ``cull_busy_gpu_idle``.
+flagged to admins, and culled too if ``cull_busy_gpu_idle`` (only where the
+GPU's use can be read: a whole device, or a MIG instance with GPM).
 
 All times are aware UTC; a naive timestamp is read as UTC, so time-zone or
 daylight-saving changes of the server cannot distort idle time.
 
-Limits: utilization is per device. MIG instances and time-sliced shares
-(coming with GPU sharing) report no per-instance utilization in NVML; for
-them only the kernel and hub signals will count. Memory held is reported in
-the reason, not used to decide.
+Limits: utilization is per device. A MIG instance reports no utilization
+in NVML; its GPM activity (Hopper and later) stands in for it. A
+time-sliced share's device utilization is every sharer's, so it is not
+read. Where GPU use is unknown, only the kernel, terminal and hub signals
+count. Memory held is reported in the reason, not used to decide.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-from traitlets import Bool, Float, Integer, List, Unicode
+from traitlets import Bool, Float, Integer, List, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
 from .core import Broker, utcnow
@@ -74,7 +78,8 @@ def parse_time(value: Any) -> dt.datetime | None:
 #: still count (as now); later claims are not evidence of use
 CLOCK_SKEW = dt.timedelta(seconds=60)
 
-#: largest kernels answer read from a server, bytes (a server is untrusted)
+#: largest kernels or terminals answer read from a server, bytes (a server
+#: is untrusted)
 MAX_KERNELS_BYTES = 1024 * 1024
 
 
@@ -102,6 +107,17 @@ def kernel_list(data: Any) -> list[dict[str, Any]]:
     return kernels
 
 
+def terminal_activity(data: Any) -> dt.datetime | None:
+    """The latest ``last_activity`` of a server's ``/api/terminals`` answer
+    (aware UTC; jupyter_server_terminals counts a terminal's input and
+    output); ``None`` for no terminals, or an answer that is not a list
+    (a server is untrusted)."""
+    if not isinstance(data, list):
+        return None
+    times = [parse_time(t.get("last_activity")) for t in data[:1000] if isinstance(t, dict)]
+    return max((t for t in times if t), default=None)
+
+
 @dataclass(frozen=True)
 class Signals:
     """What one check saw of a lease.
@@ -113,6 +129,8 @@ class Signals:
         busy: whether any kernel is executing.
         gpu_util: highest utilization of the lease's devices, percent (``None``: unknown).
         gpu_memory_mib: device memory in use on the lease's devices, MiB.
+        terminal_activity: the latest terminal activity (aware UTC; counts
+            like kernel activity when the kernels are known).
     """
 
     hub_activity: dt.datetime | None
@@ -121,6 +139,7 @@ class Signals:
     busy: bool
     gpu_util: int | None
     gpu_memory_mib: int
+    terminal_activity: dt.datetime | None = None
 
 
 @dataclass
@@ -154,18 +173,26 @@ def judge(
     busy_gpu_idle_timeout: float,
     cull_busy_gpu_idle: bool,
 ) -> Verdict:
-    """Pure: update ``track`` from ``signals`` and say whether the lease is idle."""
+    """Pure: update ``track`` from ``signals`` and say whether the lease is idle.
+
+    A busy kernel on an unused GPU is flagged only where the GPU's use is
+    known (``gpu_util`` not ``None``): an unknown GPU is never called idle.
+    """
     gpu_busy = signals.gpu_util is not None and signals.gpu_util >= threshold
     if gpu_busy:
         track.gpu_active = now
-    if signals.busy and not gpu_busy:
+    if signals.busy and signals.gpu_util is not None and not gpu_busy:
         track.busy_since_gpu_idle = track.busy_since_gpu_idle or now
     else:
         track.busy_since_gpu_idle = None
     marks = [granted_at, track.gpu_active]
     # with kernels known, the hub's activity (which counts any browser traffic,
-    # e.g. an open idle tab's keep-alives) is not evidence of use
-    user_activity = signals.kernel_activity if signals.kernels is not None else signals.hub_activity
+    # e.g. an open idle tab's keep-alives) is not evidence of use; running
+    # code and terminal input or output are
+    user_activity = signals.hub_activity
+    if signals.kernels is not None:
+        known = [t for t in (signals.kernel_activity, signals.terminal_activity) if t]
+        user_activity = max(known, default=None)
     if user_activity is not None and user_activity <= now + CLOCK_SKEW:
         # a server may claim the future: beyond a little clock skew it is no evidence
         marks.append(min(user_activity, now))
@@ -216,7 +243,10 @@ class Culler(LoggingConfigurable):
         config=True
     )
     exempt_server_names = List(
-        Unicode(), help="Regular expressions: named servers matching one are never culled."
+        Unicode(),
+        help="Regular expressions (Python's re, matched against the whole name): "
+        "named servers matching one are never culled. A pattern that does not "
+        "compile is refused at start-up.",
     ).tag(config=True)
     exempt_priority_classes = List(
         Unicode(),
@@ -250,6 +280,19 @@ class Culler(LoggingConfigurable):
         "user, limited to that one server) lives at most; it is revoked right "
         "after use, this bounds it if the revocation fails.",
     ).tag(config=True)
+
+    @validate("exempt_server_names")
+    def _valid_patterns(self, proposal: Any) -> list[str]:
+        """Every pattern compiles, or the broker does not start (a bad one
+        would otherwise stop every check)."""
+        for pattern in proposal["value"]:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise TraitError(
+                    f"Culler.exempt_server_names: {pattern!r} is not a regular expression: {err}"
+                ) from err
+        return list(proposal["value"])
 
     def __init__(
         self,
@@ -306,13 +349,24 @@ class Culler(LoggingConfigurable):
                     culled.append(lease.id)
             except Exception:
                 self.log.exception("Culler: judging lease %s failed", lease.id)
-        live = {lease.id for lease in leases}
+        # only judged leases keep a track: an exempt lease, or one whose server
+        # is gone, starts afresh if it is judged again (never a stale warning)
+        live = {lease.id for lease, _ in judged}
         self.tracks = {k: v for k, v in self.tracks.items() if k in live}
-        now_stored = {k: dataclasses.asdict(v) for k, v in self.tracks.items()}
+        now_stored = {k: self._stored_track(v) for k, v in self.tracks.items()}
         if now_stored != self._stored:
             save_tracks(self.broker.session_factory, now_stored)
             self._stored = now_stored
         return culled
+
+    def _stored_track(self, track: Track) -> dict[str, Any]:
+        """``track`` as stored. A dry run's warnings were never sent, so they
+        are not stored: a broker restarted without ``dry_run`` warns the
+        user before any cull."""
+        fields = dataclasses.asdict(track)
+        if self.dry_run:
+            fields["warned_until"] = None
+        return fields
 
     def _exempt(self, lease: LeaseRef) -> bool:
         if lease.user in self.exempt_users or lease.priority_class in self.exempt_priority_classes:
@@ -323,7 +377,7 @@ class Culler(LoggingConfigurable):
         return bool(name) and any(re.fullmatch(p, name) for p in self.exempt_server_names)
 
     async def _signals(self, lease: LeaseRef, server: dict[str, Any]) -> Signals:
-        kernels = await self._kernels(lease)
+        kernels, terminals = await self._kernels(lease)
         utils, memory = [], 0
         for slot in lease.slots:
             util, used = self._slot_usage(lease, slot)
@@ -338,15 +392,19 @@ class Culler(LoggingConfigurable):
             busy=any(k.get("execution_state") == "busy" for k in kernels or []),
             gpu_util=max(utils) if utils else None,
             gpu_memory_mib=memory,
+            terminal_activity=terminals,
         )
 
     def _slot_usage(self, lease: LeaseRef, slot: HeldSlot) -> tuple[int | None, int]:
         """(utilization %, memory MiB) of one slot of ``lease``.
 
-        A whole device: the device's. A MIG instance: the instance's memory
-        (NVML reports no utilization per instance). A share: the memory of
-        the lease's own processes on the device (by ``pid_lease``); the
-        device's utilization is everyone's, so it is not counted.
+        A whole device: the device's. A MIG instance: the instance's memory,
+        and as utilization its GPM activity (percent of the sample window
+        its engines were busy; Hopper and later) where the backend gives
+        it, since NVML reports no utilization per instance. A share: the
+        memory of the lease's own processes on the device (by
+        ``pid_lease``); the device's utilization is everyone's, so it is
+        not counted.
         """
         uuid = slot.instance_uuid or slot.device_uuid
         try:
@@ -357,36 +415,57 @@ class Culler(LoggingConfigurable):
         if slot.kind == "share":
             mine = [p for p in usage.processes if self.pid_lease(p.pid) == lease.id]
             return None, sum(p.used_memory_mib for p in mine)
-        return usage.utilization_gpu, usage.memory_used_mib
+        util = usage.utilization_gpu
+        if util is None and slot.kind == "mig" and usage.engine_activity is not None:
+            util = round(100 * usage.engine_activity)
+        return util, usage.memory_used_mib
 
-    async def _kernels(self, lease: LeaseRef) -> list[dict[str, Any]] | None:
-        """The server's kernels, read directly (not through the proxy) with a
-        token of the server's own user that reaches only this server, asked
-        from the hub for this one read and revoked after it
-        (:meth:`HubClient.server_token`). The broker's own token is never
-        sent to a user's server: its owner could record it."""
+    async def _kernels(
+        self, lease: LeaseRef
+    ) -> tuple[list[dict[str, Any]] | None, dt.datetime | None]:
+        """The server's kernels and its terminals' latest activity, read
+        directly (not through the proxy) with a token of the server's own
+        user that reaches only this server, asked from the hub for this one
+        check and revoked after it (:meth:`HubClient.server_token`). The
+        broker's own token is never sent to a user's server: its owner
+        could record it. Kernels ``None``: the server could not be read;
+        terminals ``None`` also when they cannot be read (a server without
+        terminals answers 404)."""
         if not lease.server_url:
-            return None
-        url = lease.server_url.rstrip("/") + "/api/kernels?no_track_activity=1"
+            return None, None
+        base = lease.server_url.rstrip("/")
         try:
             async with self.hub.server_token(
                 lease.user, lease.server_name, "culler reads kernels", self.token_lifetime
             ) as token:
-                request = HTTPRequest(
-                    url,
-                    headers={"Authorization": f"token {token}", "Accept-Encoding": "identity"},
-                    request_timeout=self.request_timeout,
-                    decompress_response=False,
-                )
                 client = AsyncHTTPClient(force_instance=True, max_body_size=MAX_KERNELS_BYTES)
                 try:
-                    response = await client.fetch(request)
+                    kernels = kernel_list(await self._read(client, f"{base}/api/kernels", token))
+                    try:
+                        terminals = terminal_activity(
+                            await self._read(client, f"{base}/api/terminals", token)
+                        )
+                    except Exception as err:
+                        self.log.debug("No terminals of %s: %s", lease.user, err)
+                        terminals = None
                 finally:
                     client.close()
-            return kernel_list(json.loads(response.body))
+            return kernels, terminals
         except Exception as err:
             self.log.warning("Cannot read kernels of %s/%s: %s", lease.user, lease.server_name, err)
-            return None
+            return None, None
+
+    async def _read(self, client: AsyncHTTPClient, url: str, token: str) -> Any:
+        """GET ``url`` (``no_track_activity``: not activity) with ``token``;
+        the JSON answer."""
+        request = HTTPRequest(
+            url + "?no_track_activity=1",
+            headers={"Authorization": f"token {token}", "Accept-Encoding": "identity"},
+            request_timeout=self.request_timeout,
+            decompress_response=False,
+        )
+        response = await client.fetch(request)
+        return json.loads(response.body)
 
     # -- actions -------------------------------------------------------------------
 
@@ -443,6 +522,9 @@ class Culler(LoggingConfigurable):
                 lease.id,
                 lease.user,
             )
+            return False
+        if not any(held.id == lease.id for held in self.broker.server_leases()):
+            self.log.info("Lease %s of %s ended while its pre-stop hook ran", lease.id, lease.user)
             return False
         track.culled = True
         self.broker.add_notice(lease, "culled", why, detail={"idle_seconds": round(idle, 3)})

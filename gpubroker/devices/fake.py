@@ -376,14 +376,18 @@ class FakeDeviceBackend(DeviceBackend):
 
         Args:
             uuid: a device of this backend, or one of its current MIG devices.
-            utilization_gpu: percent 0-100, or ``None`` (not reported).
+            utilization_gpu: percent 0-100, or ``None`` (not reported). A
+                MIG device, or a GPU in MIG mode, reports none (NVML's
+                ``nvmlDeviceGetUtilizationRates`` is not supported there):
+                ``None``, or the default 0, stored as ``None``.
             memory_used_mib: MiB in use, 0 to the device's total (a MIG
                 device's :attr:`MigDevice.memory_mib`); ``None`` means the sum
                 of the processes' memory.
             processes: :class:`ProcessInfo` objects or mappings with ``pid``
                 and ``used_memory_mib`` (MiB).
-            engine_activity: for a MIG device, the fraction 0..1 of time its
-                engine was active (what NVML's GPM gives); ``None``: not known.
+            engine_activity: for a MIG device only, the fraction 0..1 of
+                time its engine was active (what NVML's GPM gives); ``None``:
+                not known.
 
         The state file, if configured, is rewritten atomically (temporary file
         in the same directory, then ``os.replace``); concurrent writers may
@@ -392,11 +396,22 @@ class FakeDeviceBackend(DeviceBackend):
         Raises:
             KeyError: unknown ``uuid``.
             TypeError: a value is not an integer.
-            ValueError: a value out of range.
+            ValueError: a value out of range, a utilization for a MIG
+                device or a GPU in MIG mode, or an engine activity for
+                anything but a MIG device.
             DeviceBackendError: the state file cannot be read or written.
         """
         state = dict(self._read_state())
-        memory_total_mib, _mig_like = self._usage_target(state, uuid)
+        memory_total_mib, mig_like = self._usage_target(state, uuid)
+        if mig_like and utilization_gpu == 0:
+            utilization_gpu = None  # the default: not reported there
+        if mig_like and utilization_gpu is not None:
+            raise ValueError(
+                f"utilization_gpu: {uuid} is a MIG device or a GPU in MIG mode, which "
+                "reports no utilization (NVML: not supported); give None"
+            )
+        if engine_activity is not None and not uuid.startswith("MIG-"):
+            raise ValueError(f"engine_activity: only a MIG device has one, not {uuid}")
         procs = tuple(_process(p) for p in processes)
         if utilization_gpu is not None:
             utilization_gpu = _int(utilization_gpu, "utilization_gpu")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import websocket
 
 from gpubroker.devices.fake import FakeDeviceBackend
 
@@ -224,6 +225,31 @@ def test_activity_during_the_grace_period_withdraws_the_warning(hub: RunningHub)
         ws.close()
     hub.api("DELETE", "/users/returner/server")
     wait_for_release(hub, lease["id"])
+
+
+def test_a_program_printing_in_a_terminal_keeps_its_server(hub: RunningHub) -> None:
+    """Training started in a JupyterLab terminal, on a GPU whose use the
+    culler cannot credit (idle here), with no kernel running: the terminal's
+    output is activity. Once the terminal is gone, the server is culled."""
+    token, lease, _kernel = start(hub, "terminal", util=0, memory_gib=8)
+    auth = {"Authorization": f"token {token}"}
+    api = f"{hub.url}/user/terminal/api/terminals"
+    r = requests.post(api, headers=auth, timeout=30)
+    r.raise_for_status()
+    name = r.json()["name"]
+    ws = websocket.create_connection(
+        f"{hub.url.replace('http://', 'ws://')}/user/terminal/terminals/websocket/{name}",
+        header=[f"Authorization: token {token}"],
+        timeout=30,
+    )
+    ws.send(json.dumps(["stdin", "while true; do echo epoch; sleep 1; done\r"]))
+    ws.close()  # the tab is closed; the program goes on printing
+    time.sleep(14)  # > timeout + grace + checks
+    assert hub.broker_api("GET", f"/leases/{lease['id']}").json()["state"] == "granted"
+    assert kinds(hub, "terminal", token) == []
+    requests.delete(f"{api}/{name}", headers=auth, timeout=30).raise_for_status()
+    released = wait_for_release(hub, lease["id"], timeout=40)
+    assert released["release_reason"].startswith("culled: idle ")
 
 
 def test_dry_run_culls_nothing_but_reports(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import datetime as dt
 from zoneinfo import ZoneInfo
 
-from gpubroker.culler import Signals, Track, judge, parse_time
+import pytest
+from traitlets import TraitError
+
+from gpubroker.culler import Culler, Signals, Track, judge, parse_time, terminal_activity
 
 UTC = dt.timezone.utc
 T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -89,3 +92,54 @@ def test_browser_traffic_does_not_count_when_kernels_are_known() -> None:
     # without kernel information, the hub's activity is all there is
     unknown = signals(hub_activity=now, kernel_activity=None, kernels=None)
     assert not verdict(unknown, now).cull
+
+
+def test_a_busy_kernel_on_a_gpu_of_unknown_use_is_never_flagged() -> None:
+    # a share or a MIG instance without GPM: the GPU's use cannot be read,
+    # so "kernel busy but GPU idle" cannot be said, even when culling for it
+    track = Track(gpu_active=T0)
+    for hours in range(6):
+        v = verdict(
+            signals(busy=True, gpu_util=None),
+            T0 + dt.timedelta(hours=hours),
+            track,
+            cull_busy_gpu_idle=True,
+        )
+        assert not v.cull and "GPU idle" not in v.reason
+    assert track.busy_since_gpu_idle is None
+
+
+def test_terminal_activity_counts_when_kernels_are_known() -> None:
+    now = T0 + dt.timedelta(minutes=62)
+    # training in a terminal: no kernel, output a minute ago
+    terminal = signals(kernels=0, terminal_activity=now - dt.timedelta(minutes=1), gpu_util=None)
+    v = verdict(terminal, now)
+    assert not v.cull and round(v.idle) == 60
+    # the hub's activity (an open tab) still does not count
+    assert verdict(signals(kernels=0, hub_activity=now, gpu_util=None), now).cull
+
+
+def test_terminal_answers_are_read_as_untrusted() -> None:
+    answer = [
+        {"name": "1", "last_activity": "2026-11-30T12:00:00Z"},
+        {"name": "2", "last_activity": "2026-11-30T12:05:00+00:00"},
+        {"name": "3", "last_activity": 12},
+        "junk",
+    ]
+    assert terminal_activity(answer) == T0 + dt.timedelta(minutes=5)
+    assert terminal_activity([]) is None
+    assert terminal_activity({"message": "not found"}) is None
+
+
+def test_a_bad_exempt_pattern_is_refused_at_start() -> None:
+    with pytest.raises(TraitError, match=r"exempt_server_names: 'keep-\(' is not a regular"):
+        Culler(None, None, exempt_server_names=["keep-("])  # type: ignore[arg-type]
+    assert Culler(None, None, exempt_server_names=["keep-.*"]).exempt_server_names == ["keep-.*"]  # type: ignore[arg-type]
+
+
+def test_a_dry_run_stores_no_warning() -> None:
+    track = Track(gpu_active=T0, warned_until=T0 + dt.timedelta(minutes=10))
+    dry = Culler(None, None, dry_run=True)  # type: ignore[arg-type]
+    assert dry._stored_track(track)["warned_until"] is None
+    real = Culler(None, None)  # type: ignore[arg-type]
+    assert real._stored_track(track)["warned_until"] == track.warned_until

@@ -272,6 +272,23 @@ def test_set_mig_mode_refused_with_instances_or_processes():
         backend.create_mig_device(parent, "1g.10gb", Placement(0, 1))
 
 
+def test_usage_follows_nvml_rules_for_mig_devices():
+    """NVML reports no utilization for a MIG device or a GPU in MIG mode,
+    and GPM activity only for MIG devices: the fake refuses what NVML
+    would never report."""
+    backend = fake("2 x H100", mig_enabled=[0])
+    parent, whole = (d.uuid for d in backend.devices())
+    device = backend.create_mig_device(parent, "1g.10gb", Placement(0, 1))
+    for uuid in (device.uuid, parent):
+        with pytest.raises(ValueError, match="reports no utilization"):
+            backend.set_usage(uuid, utilization_gpu=80)
+        assert backend.set_usage(uuid).utilization_gpu is None  # the default 0: not reported
+    with pytest.raises(ValueError, match="engine_activity: only a MIG device"):
+        backend.set_usage(whole, engine_activity=0.5)
+    assert backend.set_usage(device.uuid, None, engine_activity=0.5).engine_activity == 0.5
+    assert backend.set_usage(whole, utilization_gpu=80).utilization_gpu == 80
+
+
 # --- persistence -------------------------------------------------------------------------
 
 

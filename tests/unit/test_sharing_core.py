@@ -276,6 +276,14 @@ def test_culler_reads_a_share_by_its_own_processes_and_a_mig_lease_by_its_instan
             assert lease is not None
             (allocation,) = lease.allocations
             assert culler._slot_usage(lease, allocation) == expected
+    # where the GPU has GPM (Hopper), a MIG instance's activity is its use
+    broker.backend.set_usage(
+        small["slots"][0]["uuid"], utilization_gpu=None, memory_used_mib=700, engine_activity=0.42
+    )
+    with broker.session_factory() as session:
+        lease = session.get(Lease, small["id"])
+        assert lease is not None
+        assert culler._slot_usage(lease, lease.allocations[0]) == (42, 700)
 
 
 def test_model_selectors_match_aliases_and_nvml_names() -> None:
