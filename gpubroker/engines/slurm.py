@@ -18,13 +18,17 @@ protocol.
   --nodelist=NODE --gres=gpu:N`` of a batch script read from standard
   input, with the partition, account, QOS and extra arguments configured,
   ``--time`` from the spec's time limit (rounded up to whole minutes, Slurm's
-  unit), ``--no-requeue`` (the broker requeues its jobs itself) and
-  ``--export=ALL`` of exactly the spec's environment (the trust rule: the
-  job gets the user's environment, never the broker's; only ``SLURM_CONF``
-  is added where configured). A broker run as root submits for another user
-  with ``--uid``/``--gid``. Slurm picks which GPU indices of the node it
-  binds (``--gres`` cannot name them): :meth:`SlurmEngine.poll` reports them
-  as :attr:`~gpubroker.engines.base.Status.devices` once the job runs, and
+  unit) and ``--no-requeue`` (the broker requeues its jobs itself). The job
+  gets exactly the spec's environment (the trust rule: the user's, never
+  the broker's), set by ``export`` lines at the top of the batch script;
+  ``sbatch`` itself runs with an environment of the broker's making only
+  (its ``PATH`` and ``SLURM_CONF``), which ``--export=ALL`` passes on, so
+  nothing a user put in a job's environment (``LD_PRELOAD``,
+  ``SLURM_CONF``, ``SBATCH_*``) reaches ``sbatch``, which may run as root.
+  A broker run as root submits for another user with ``--uid``/``--gid``.
+  Slurm picks which GPU indices of the node it binds (``--gres`` cannot
+  name them): :meth:`SlurmEngine.poll` reports them as
+  :attr:`~gpubroker.engines.base.Status.devices` once the job runs, and
   Slurm sets the job's ``CUDA_VISIBLE_DEVICES`` (the broker's own is left
   out of the environment).
 * **Status** (:meth:`SlurmEngine.poll`): ``squeue --json --states=all``,
@@ -51,6 +55,7 @@ import json
 import math
 import os
 import pwd
+import re
 import shlex
 import shutil
 import subprocess
@@ -164,6 +169,16 @@ class SlurmEngine(LoggingConfigurable):
         env = dict(os.environ if base is None else base)
         if self.slurm_conf:
             env["SLURM_CONF"] = self.slurm_conf
+        return env
+
+    def _submit_env(self) -> dict[str, str]:
+        """What ``sbatch`` runs with: the broker's ``PATH`` and Slurm
+        configuration (``slurm_conf``, else the broker's ``SLURM_CONF``),
+        nothing else: no job's variables, no other broker variables."""
+        env = {"PATH": os.environ.get("PATH", os.defpath)}
+        conf = self.slurm_conf or os.environ.get("SLURM_CONF", "")
+        if conf:
+            env["SLURM_CONF"] = conf
         return env
 
     def _run(
@@ -378,7 +393,8 @@ class SlurmEngine(LoggingConfigurable):
         # with --gres Slurm sets the device variables from its binding;
         # without, the spec's (a server without GPUs: none visible) stay
         env = {k: v for k, v in spec.env.items() if not gpus or k not in SLURM_SET}
-        out = self._run(self.sbatch_args(spec, node, gpus), stdin=_script(spec), env=env)
+        script = _script(spec, env)
+        out = self._run(self.sbatch_args(spec, node, gpus), stdin=script, env=self._submit_env())
         job_id = out.strip().split(";")[0]
         if not job_id.isdigit():
             raise EngineError(f"sbatch answered no job id: {out.strip()[:200]!r}")
@@ -527,10 +543,25 @@ def _pattern(path: str | None) -> str:
     return "/dev/null" if path is None else path.replace("%", "%%")
 
 
-def _script(spec: LaunchSpec) -> str:
-    """The batch script: ``exec`` the program, so it is the batch shell and
-    gets the signals Slurm sends the job."""
-    return f"#!/bin/sh\n# gpubroker lease {spec.lease_id}\nexec {shlex.join(spec.argv)}\n"
+#: a variable name a shell can ``export``
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _script(spec: LaunchSpec, env: Mapping[str, str]) -> str:
+    """The batch script: ``export`` the job's environment ``env`` (values
+    quoted for ``sh``), then ``exec`` the program, so it is the batch shell
+    and gets the signals Slurm sends the job.
+
+    Raises:
+        EngineError: a variable name a shell cannot export.
+    """
+    bad = sorted(name for name in env if not _SHELL_NAME.match(name))
+    if bad:
+        raise EngineError(f"environment variable names a shell cannot export: {bad[:5]}")
+    lines = ["#!/bin/sh", f"# gpubroker lease {spec.lease_id}"]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
+    lines.append(f"exec {shlex.join(spec.argv)}")
+    return "\n".join(lines) + "\n"
 
 
 def _gone(message: str) -> bool:

@@ -4,6 +4,7 @@ drained nodes and failing commands."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import stat
@@ -109,6 +110,31 @@ def test_a_job_runs_on_the_node_of_its_devices_with_only_its_environment(
     assert info["partition"] == "batch"
     assert info["name"] == "gpubroker-lease-7"
     assert info["time_limit"] == 2  # minutes: 90 s rounded up
+
+
+def test_a_jobs_environment_reaches_the_job_never_sbatch(
+    engine: SlurmEngine, tmp_path: Path
+) -> None:
+    """sbatch may run as root: variables from a user's job (which sbatch or
+    the loader would read) must not change how it submits; the job gets
+    them all, values exactly as given."""
+    odd = 'it\'s "quoted" $HOME `id`\nsecond line'
+    user_env = {
+        "SBATCH_RESERVATION": "admins-only",  # would make sbatch fail: no such reservation
+        "SLURM_CONF": "/nonexistent/slurm.conf",  # would make sbatch fail: no config
+        "LD_PRELOAD": "/nonexistent/evil.so",
+        "ODD": odd,
+    }
+    script = ["/bin/sh", "-c", 'printf %s "$ODD" > odd.txt; env > env.txt']
+    spec = _spec(tmp_path, script)
+    handle = engine.launch(dataclasses.replace(spec, env={**spec.env, **user_env}))
+    assert _ended_status(engine, handle).exit_code == 0
+    env = (tmp_path / "env.txt").read_text()
+    for name in ("SBATCH_RESERVATION", "SLURM_CONF", "LD_PRELOAD"):
+        assert f"{name}={user_env[name]}" in env
+    assert (tmp_path / "odd.txt").read_text() == odd
+    with pytest.raises(EngineError, match="cannot export"):
+        engine.launch(dataclasses.replace(spec, env={**spec.env, "A.B": "x"}))
 
 
 def test_a_job_launched_without_devices_gets_none(engine: SlurmEngine, tmp_path: Path) -> None:
