@@ -176,6 +176,13 @@ def caller_name(model: dict[str, Any]) -> str:
     return str(model.get("name", ""))
 
 
+def own_user(model: dict[str, Any]) -> str | None:
+    """The user the caller is, whose leases, jobs and usage are its own;
+    ``None`` for a service (JupyterHub's services and users are separate
+    names: a service named like a user owns nothing of that user's)."""
+    return caller_name(model) if model.get("kind", "user") == "user" else None
+
+
 def check_owner(model: dict[str, Any], user: str, scope: str = ADMIN_SCOPE) -> None:
     """Allow holders of ``scope`` (admins), and users acting on their own name.
 
@@ -184,7 +191,7 @@ def check_owner(model: dict[str, Any], user: str, scope: str = ADMIN_SCOPE) -> N
     """
     if has_scope(model, scope):
         return
-    if model.get("kind", "user") == "user" and caller_name(model) == user:
+    if own_user(model) == user:
         return
     raise Forbidden(
         f"user: {caller_name(model)!r} may not act on leases of {user!r} (needs scope {scope})"
@@ -203,8 +210,9 @@ def check(need: Need, model: dict[str, Any], handler: Any, *args: Any) -> str | 
 
     Returns:
         with ``unless_owner``, the user the request acts for: the owner it
-        names, else the caller's own name, or ``None`` (everyone) for a
-        holder of the scope; without, ``None``.
+        names, else the caller's own name (a user's; a service without the
+        scope is refused), or ``None`` (everyone) for a holder of the scope;
+        without, ``None``.
 
     Raises:
         Forbidden: naming the scope that is missing.
@@ -225,7 +233,9 @@ def check(need: Need, model: dict[str, Any], handler: Any, *args: Any) -> str | 
     if owner is not None:
         check_owner(model, owner, scope)
     elif not held:
-        owner = caller_name(model)
+        owner = own_user(model)
+        if owner is None:  # a service without the scope: nothing here is its own
+            raise Forbidden(f"{need.action} needs scope {scope} (a service owns no leases)")
     if not held and need.admin_for is not None:
         part = need.admin_for(handler, *args)
         if part is not None:

@@ -218,6 +218,12 @@ class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
         return auth.caller_name(self.caller())
 
     @property
+    def own_user(self) -> str:
+        """The user the caller is (:func:`auth.own_user`); ``""``, which no
+        user is named, for a service."""
+        return auth.own_user(self.caller()) or ""
+
+    @property
     def admin(self) -> bool:
         """Whether the caller holds ``custom:gpubroker:admin`` (what admins
         see and how their releases go; who may call what is declared)."""
@@ -286,7 +292,7 @@ class DevicesHandler(APIHandler):
 
     @auth.needs(auth.ACCESS_SCOPE)
     def get(self) -> None:
-        self.write_json(device_listing(self.broker, self.admin, self.me, self.log))
+        self.write_json(device_listing(self.broker, self.admin, self.own_user, self.log))
 
 
 class InventoryHandler(APIHandler):
@@ -303,7 +309,7 @@ class InventoryHandler(APIHandler):
             message = f"inventory: the engine cannot say now (nothing changed): {err}"
             raise Unavailable(message) from err
         self.broker.sync_inventory(nodes)
-        self.write_json(device_listing(self.broker, self.admin, self.me, self.log))
+        self.write_json(device_listing(self.broker, self.admin, self.own_user, self.log))
 
 
 class LeasesHandler(APIHandler):
@@ -313,15 +319,15 @@ class LeasesHandler(APIHandler):
 
     def _listed_user(self) -> str | None:
         """The ``?user=`` of a listing (``?state=`` checked too, first, as
-        before); the caller's own name counts as none named (any caller,
-        a service too, may list the leases of its own name)."""
+        before); the calling user's own name counts as none named (a
+        service owns no leases: it needs the admin scope)."""
         user = self.name_arg("user")
         state = self.get_argument("state", "active")
         if state not in ("active", "all"):
             raise validation.BadRequest(
                 f"state: must be 'active' or 'all', got {validation.echo(state)}"
             )
-        return None if user == self.me else user
+        return None if user is not None and user == self.own_user else user
 
     @auth.needs(auth.ADMIN_SCOPE, unless_owner=_listed_user)
     async def get(self) -> None:
@@ -558,7 +564,7 @@ class PoolsHandler(APIHandler):
 
     @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.named_user)
     def get(self) -> None:
-        self.write_json(self.broker.availability(self.owner or self.me))
+        self.write_json(self.broker.availability(self.owner or self.own_user))
 
 
 class UsageHandler(APIHandler):
@@ -677,9 +683,13 @@ class _JobHandler(APIHandler):
             raise NotFound("jobs: this broker runs no batch jobs")
         return service
 
+    def job_id(self, raw: str) -> int:
+        """The job id of the URL path (404 naming the job when it cannot be one)."""
+        return validation.lease_id(raw, "job")
+
     def job_owner(self, raw_id: str) -> str:
         """The user of the path's job (an ``unless_owner`` finder)."""
-        return str(self.jobs.owner(self.lease_id(raw_id)))
+        return str(self.jobs.owner(self.job_id(raw_id)))
 
 
 class JobsHandler(_JobHandler):
@@ -720,11 +730,11 @@ class JobHandler(_JobHandler):
 
     @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner)
     def get(self, raw_id: str) -> None:
-        self.write_json(self.jobs.get(self.lease_id(raw_id)))
+        self.write_json(self.jobs.get(self.job_id(raw_id)))
 
     @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner)
     async def delete(self, raw_id: str) -> None:
-        job_id = self.lease_id(raw_id)
+        job_id = self.job_id(raw_id)
         reason = f"cancelled by {self.me}"
         self.write_json(await self.jobs.cancel(job_id, reason, actor=self.me))
 
@@ -736,7 +746,7 @@ class JobLogsHandler(_JobHandler):
 
     @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner)
     async def get(self, raw_id: str) -> None:
-        job_id = self.lease_id(raw_id)
+        job_id = self.job_id(raw_id)
         offset = validation.optional_int(self.get_argument("offset", None), "offset") or 0
         wait = validation.wait_seconds(self.get_argument("wait", None), 60.0)
         deadline = asyncio.get_running_loop().time() + wait

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..devices.mig import PROFILE_NAME_RE, profile_for_many
 from ..errors import BadRequest, NotFound
+from ..model.echo import echo
 from ..model.limits import MAX_SHARE_GIB, MIN_SHARE_GIB
 from ..store.models import HolderKind
 
@@ -24,8 +25,6 @@ _NAME = re.compile(r"^[^\s/\x00-\x1f\x7f-\x9f\ud800-\udfff][^/\x00-\x1f\x7f-\x9f
 
 #: deepest nesting of arrays/objects a JSON body may have
 MAX_JSON_DEPTH = 32
-#: characters of a caller's value echoed back in an error message
-MAX_ECHO = 60
 #: largest id or version (SQLite and PostgreSQL integers are signed 64-bit)
 MAX_INT64 = 2**63 - 1
 #: a JSON string (skipped whole) or one bracket, for the depth check
@@ -52,17 +51,6 @@ SLOT_FIELDS = ("gpus", "mig_profile", "memory_gib")
 
 #: longest time limit a lease may ask for, seconds (one year)
 MAX_TIME_LIMIT = 365 * 86400.0
-
-
-def echo(value: Any) -> str:
-    """A caller's value for an error message: its JSON form, ASCII only (so
-    control characters and lone surrogates show escaped, ``"\\ud800"``), cut
-    to :data:`MAX_ECHO` characters plus ``…``."""
-    try:
-        text = json.dumps(value, ensure_ascii=True)
-    except (TypeError, ValueError, RecursionError):
-        text = type(value).__name__
-    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + "…"
 
 
 def _refuse_constant(name: str) -> Any:
@@ -105,7 +93,9 @@ def json_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> int:
 
 
 def _check_strings(value: Any, where: str) -> None:
-    """Refuse lone surrogates anywhere (keys and values) in a parsed body."""
+    """Refuse lone surrogates and NUL characters anywhere (keys and values)
+    in a parsed body: no store keeps a NUL in text (PostgreSQL refuses it),
+    and no program argument, environment variable or path can hold one."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -114,6 +104,11 @@ def _check_strings(value: Any, where: str) -> None:
                 f"{where}: not valid Unicode (lone surrogate at character {err.start}),"
                 f" got {echo(value)}"
             ) from err
+        if "\x00" in value:
+            raise BadRequest(
+                f"{where}: must not contain a NUL character (at character"
+                f" {value.index(chr(0))}), got {echo(value)}"
+            )
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_strings(key, "body: a field name")
@@ -130,11 +125,11 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     numbers beyond the float range (``1e400``) and integers beyond signed
     64 bits are refused, nesting deeper
     than :data:`MAX_JSON_DEPTH` is refused before parsing, and strings with
-    lone surrogates (``"\\ud800"``) are refused.
+    lone surrogates (``"\\ud800"``) or NUL characters are refused.
 
     Raises:
-        BadRequest: not JSON, not an object, too deep, a non-finite number or
-            a string that is not valid Unicode.
+        BadRequest: not JSON, not an object, too deep, a non-finite number, or
+            a string that is not valid Unicode or holds a NUL character.
     """
     if not body.strip():
         return {}
@@ -195,14 +190,15 @@ def optional_name_arg(raw: str | None, field: str) -> str | None:
     return None if raw is None else check_name(raw, field)
 
 
-def lease_id(raw: str) -> int:
-    """A lease id from the URL path: ASCII digits, 1 to :data:`MAX_INT64`.
+def lease_id(raw: str, what: str = "lease") -> int:
+    """A lease (or job: ``what``) id from the URL path: ASCII digits, 1 to
+    :data:`MAX_INT64`.
 
     Raises:
-        NotFound: anything else (no lease can have that id).
+        NotFound: anything else (no lease or job can have that id).
     """
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 19 or not 0 < int(raw) <= MAX_INT64:
-        raise NotFound(f"lease {echo(raw)}: no such lease (ids are 1 to {MAX_INT64})")
+        raise NotFound(f"{what} {echo(raw)}: no such {what} (ids are 1 to {MAX_INT64})")
     return int(raw)
 
 
@@ -424,7 +420,8 @@ def quota_body(data: dict[str, Any]) -> tuple[float, float | None]:
         raise BadRequest(
             f"limit: must be at least guaranteed ({echo(guaranteed)}), got {echo(limit)}"
         )
-    return float(guaranteed), None if limit is None else float(limit)
+    # + 0.0: a "-0.0" sent is stored and shown as 0.0
+    return float(guaranteed) + 0.0, None if limit is None else float(limit) + 0.0
 
 
 def flag(raw: str | None, name: str) -> bool:

@@ -310,8 +310,15 @@ class Admission:
         user: str,
         group: str | None,
         gpus: float,
+        replacing: Lease | None = None,
     ) -> None:
-        """Refuse what would take held plus pending GPUs above a limit (403)."""
+        """Refuse what would take held plus pending GPUs above a limit (403).
+
+        ``replacing``: an active lease the request will release once
+        admitted (a restart's previous lease); what it holds or waits for
+        is not counted, so the check comes before that release and a
+        refusal changes nothing.
+        """
         inputs = self.world.refresh_inputs()
         checks = [("user", user, policy.user_quota(user))]
         quota = policy.group_quota(group)
@@ -321,6 +328,10 @@ class Admission:
             if q.limit is None:
                 continue
             taken = inputs.taken(user=name) if kind == "user" else inputs.taken(group=name)
+            if replacing is not None and name == (
+                replacing.user if kind == "user" else replacing.group_name
+            ):
+                taken -= held_weight(replacing)
             if taken + gpus > q.limit + 1e-9:
                 raise Forbidden(
                     f"quota: {kind} {name} holds or waits for {taken:.3g} GPUs; {gpus:.3g} more "

@@ -169,17 +169,21 @@ class Leases:
         admission.check_guarantee_room(policy, cls, user, charged, shape.weight)
         now = self.runner.now()
         with self.runner.write() as repo:
-            previous = None
+            previous = replacing = None
             freed = False  # a restart released the lease it replaces
             if restart_of is not None:
                 previous = self._restarted(repo, restart_of, user, server_name, holder_kind)
-                if previous.state in ACTIVE_STATES and not dry_run:
-                    self.release(previous, "server restarted", now)
-                    repo.flush()
-                    freed = True
+                if previous.state in ACTIVE_STATES:
+                    replacing = previous
             if holder_kind == HolderKind.server.value:
                 self._check_no_active_lease(repo, user, server_name, restart_of)
-            admission.check_limits(policy, user, charged, shape.weight)
+            # before the release: a refusal must leave the previous lease, and
+            # its devices (a MIG instance is destroyed at release), untouched
+            admission.check_limits(policy, user, charged, shape.weight, replacing)
+            if replacing is not None and not dry_run:
+                self.release(replacing, "server restarted", now)
+                repo.flush()
+                freed = True
             if dry_run:
                 return {
                     "admitted": True,

@@ -37,6 +37,7 @@ import pwd
 import signal as signal_module
 import stat
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,10 @@ class JobService(LoggingConfigurable):
 
     def _inside(self, user: str, relative: str, field: str) -> Path:
         root = self.root_of(user)
-        path = (root / relative).resolve()
+        try:
+            path = (root / relative).resolve()
+        except (OSError, RuntimeError) as err:  # a symlink loop
+            raise model.JobError(field, _unusable(err)) from None
         if path != root and root not in path.parents:
             raise model.JobError(field, f"must stay inside your home directory: {relative!r}")
         return path
@@ -263,14 +267,14 @@ class JobService(LoggingConfigurable):
     def _paths_of(self, user: str, spec: model.JobSpec) -> dict[str, Path]:
         if spec.kind == "notebook":
             notebook = self._inside(user, spec.notebook, "notebook")
-            if not notebook.is_file():
+            if not _is(notebook.is_file, "notebook"):
                 raise model.JobError("notebook", f"no such notebook: {spec.notebook!r}")
             if spec.kernel and spec.kernel not in _kernel_names():
                 raise model.JobError("kernel", f"no such kernel: {spec.kernel!r}")
             cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else notebook.parent
             return {"notebook": notebook, "cwd": cwd}
         cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else self.root_of(user)
-        if not cwd.is_dir():
+        if not _is(cwd.is_dir, "cwd"):
             raise model.JobError("cwd", f"no such directory: {spec.cwd or '~'!r}")
         return {"cwd": cwd}
 
@@ -356,6 +360,8 @@ class JobService(LoggingConfigurable):
             owner = os.getuid() if self.run_as_self else _uid_of(user)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != owner:
                 self.log.warning("Job log %s is not a file of %s: not read", path, user)
+                return b""
+            if offset >= info.st_size:  # nothing there yet (and no seek past a file's limit)
                 return b""
             f.seek(max(offset, 0))
             return f.read(limit)
@@ -878,3 +884,17 @@ def _kernel_names() -> set[str]:
     from jupyter_client.kernelspec import KernelSpecManager
 
     return set(KernelSpecManager().find_kernel_specs())
+
+
+def _unusable(err: BaseException) -> str:
+    """Why a path cannot be used (the system's words)."""
+    return f"cannot use this path: {getattr(err, 'strerror', None) or err}"
+
+
+def _is(test: Callable[[], bool], field: str) -> bool:
+    """``test()`` (a path's ``is_file``/``is_dir``), an error naming ``field``
+    when the system refuses the path (a name too long)."""
+    try:
+        return test()
+    except OSError as err:
+        raise model.JobError(field, _unusable(err)) from None

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from ..model.echo import echo
+
 #: what a report may be grouped by
 BY = ("user", "group", "pool", "model", "day")
 #: the formats a report may be written in
@@ -121,10 +123,10 @@ def parse_request(
     """
     by = by or "user"
     if by not in BY:
-        raise ReportError("by", f"must be one of {', '.join(BY)}, not {by!r}")
+        raise ReportError("by", f"must be one of {', '.join(BY)}, not {echo(by)}")
     fmt = fmt or "table"
     if fmt not in FORMATS:
-        raise ReportError("format", f"must be one of {', '.join(FORMATS)}, not {fmt!r}")
+        raise ReportError("format", f"must be one of {', '.join(FORMATS)}, not {echo(fmt)}")
     zone = zone_of(tz or "UTC")
     local_now = now.astimezone(zone)
     first = dt.datetime(local_now.year, local_now.month, 1, tzinfo=zone)
@@ -153,7 +155,7 @@ def zone_of(name: str) -> ZoneInfo:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, TypeError, OSError):
         raise ReportError(
-            "tz", f"unknown time zone {name!r} (use an IANA name such as Europe/Berlin)"
+            "tz", f"unknown time zone {echo(name)} (use an IANA name such as Europe/Berlin)"
         ) from None
 
 
@@ -167,7 +169,8 @@ def parse_time(param: str, text: str, zone: dt.tzinfo) -> dt.datetime:
     try:
         value = dt.datetime.fromisoformat(raw.replace("Z", "+00:00"))
     except ValueError:
-        raise ReportError(param, f"not a date (YYYY-MM-DD) or ISO 8601 time: {text!r}") from None
+        why = f"not a date (YYYY-MM-DD) or ISO 8601 time: {echo(text)}"
+        raise ReportError(param, why) from None
     if value.tzinfo is None:
         value = value.replace(tzinfo=zone)
     lo, hi = YEARS
@@ -176,7 +179,7 @@ def parse_time(param: str, text: str, zone: dt.tzinfo) -> dt.datetime:
     except (OverflowError, ValueError):
         year = value.year
     if not lo <= year <= hi or not lo <= value.year <= hi:
-        raise ReportError(param, f"must be between the years {lo} and {hi}, got {text!r}")
+        raise ReportError(param, f"must be between the years {lo} and {hi}, got {echo(text)}")
     return value
 
 

@@ -35,6 +35,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "bob-token": {"kind": "user", "name": "bob", "scopes": [ACCESS]},
     "slow-token": {"kind": "user", "name": "sam", "scopes": [ACCESS]},
     "noscope-token": {"kind": "user", "name": "ann", "scopes": ["read:users:name!user=ann"]},
+    # a hub service that happens to be named like a user: not that user
+    "ann-service-token": {"kind": "service", "name": "ann", "scopes": [ACCESS]},
 }
 DOCS = Path(__file__).parents[2] / "docs" / "reference" / "rest-api.md"
 
@@ -274,6 +276,31 @@ async def test_owners_and_admins_and_nobody_else(api: tuple[ServedAPI, FakeHub])
         assert (await served.call("GET", "/devices", token)).code == 200
     released = await served.call("DELETE", f"/leases/{lease['id']}", "bob-token", {})
     assert released.code == 200 and json.loads(released.body)["release_reason"] == "released by bob"
+
+
+async def test_a_service_named_like_a_user_owns_nothing_of_theirs(
+    api: tuple[ServedAPI, FakeHub],
+) -> None:
+    served, _ = api
+    created = await served.call("POST", "/leases", "ann-token", {"user": "ann", "gpus": 1})
+    assert created.code == 201
+    lease = json.loads(created.body)
+    owns_nothing = f"{ADMIN_NEEDED} (a service owns no leases)"
+    for path in ("/leases", "/leases?user=ann", "/notices", "/pools", "/usage"):
+        answer = error(await served.call("GET", path, "ann-service-token"))
+        assert answer[0] == 403, path
+        assert answer[1] in (
+            owns_nothing,
+            "user: 'ann' may not act on leases of 'ann' (needs scope custom:gpubroker:admin)",
+        ), (path, answer)
+    for path in (f"/leases/{lease['id']}", f"/leases/{lease['id']}/events"):
+        assert (await served.call("GET", path, "ann-service-token")).code == 403
+    # the device listing is open to every caller, but shows the holders of
+    # its own leases only: a service has none
+    devices = json.loads((await served.call("GET", "/devices", "ann-service-token")).body)
+    assert not any(d["holders"] for d in devices["devices"])
+    mine = json.loads((await served.call("GET", "/devices", "ann-token")).body)
+    assert [h["user"] for d in mine["devices"] for h in d["holders"]] == ["ann"]
 
 
 async def test_a_slow_token_check_does_not_stall_other_requests(

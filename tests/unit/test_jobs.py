@@ -99,6 +99,9 @@ def test_a_command_job_past_its_time_limit_is_timed_out(jobs: JobService, home: 
     done = run_until_done(jobs, job["id"])
     assert done["state"] == "timed-out" and done["signal"] is not None
     assert "started" in jobs.logs(job["id"])["text"]
+    # an offset past the end, even past any file's largest size: no text
+    for offset in (10**6, 10**14, 2**63 - 1):
+        assert jobs.logs(job["id"], offset) == {"text": "", "offset": offset, "state": "timed-out"}
 
 
 def test_cancel_stops_a_running_job_and_frees_its_lease(jobs: JobService, home: Path) -> None:
@@ -124,6 +127,8 @@ def test_cancel_stops_a_running_job_and_frees_its_lease(jobs: JobService, home: 
         ({"notebook": "train.ipynb", "gpus": 1, "kernel": "no-such-kernel"}, "kernel"),
         ({"notebook": "train.ipynb"}, "gpus"),
         ({"command": "true", "gpus": 1, "env": {"CUDA_VISIBLE_DEVICES": "x"}}, "env"),
+        ({"command": "true", "gpus": 1, "cwd": "x" * 5000}, "cwd"),
+        ({"notebook": "n" * 5000 + ".ipynb", "gpus": 1}, "notebook"),
     ],
 )
 def test_bad_job_requests_name_the_field_and_queue_nothing(

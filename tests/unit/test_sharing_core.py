@@ -361,3 +361,22 @@ def test_mig_mode_goes_on_only_in_mig_pools(broker: Broker) -> None:
     (device,) = [d for d, _ in broker.device_rows() if d.uuid == whole]
     assert device.mig_target is None and not device.mig_enabled
     assert broker.request_lease("ann", "", gpus=1)["state"] == "granted"
+
+
+def test_a_refused_restart_leaves_the_previous_lease_and_its_instance(broker: Broker) -> None:
+    from gpubroker.errors import Forbidden
+
+    first = broker.request_lease("ann", "", mig_profile="3g.40gb")
+    assert first["state"] == "granted"
+    instance = first["slots"][0]["uuid"]
+    parent = first["slots"][0]["device"]
+    broker.set_quota("user", "ann", 0.0, 1.0)
+    with pytest.raises(Forbidden, match="quota: user ann holds or waits for 0 GPUs; 2 more"):
+        broker.request_lease("ann", "", gpus=2, restart_of=first["id"])
+    # a refusal changes nothing: the lease holds its instance, which still exists
+    assert broker.get_lease(first["id"])["state"] == "granted"
+    assert instance in {m.uuid for m in broker.backend.mig_devices(parent)}
+    # within the limit, the restart replaces the lease (its own share not counted)
+    again = broker.request_lease("ann", "", mig_profile="3g.40gb", restart_of=first["id"])
+    assert broker.get_lease(first["id"])["release_reason"] == "server restarted"
+    assert again["restarts"] == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
 
 from gpubroker.api import validation
@@ -143,6 +145,11 @@ def test_deep_json_is_refused_before_parsing() -> None:
         (b'{"user": "ann", "server_name": "\\ud800"}', "server_name: not valid Unicode"),
         (b'{"\\udfff": 1}', "body: a field name: not valid Unicode"),
         (b'{"reason": ["ok", "\\ud800x"]}', "reason: not valid Unicode"),
+        (b'{"reason": "bye\\u0000x"}', "reason: must not contain a NUL character (at character 3)"),
+        (b'{"server_url": "http://x\\u0000"}', "server_url: must not contain a NUL character"),
+        (b'{"command": ["echo", "a\\u0000b"]}', "command: must not contain a NUL character"),
+        (b'{"env": {"X": "a\\u0000b"}}', "env: must not contain a NUL character"),
+        (b'{"a\\u0000": 1}', "body: a field name: must not contain a NUL character"),
     ],
 )
 def test_non_finite_numbers_huge_integers_and_surrogates_are_refused(
@@ -158,6 +165,8 @@ def test_quota_body_refuses_non_finite_numbers_given_directly() -> None:
         with pytest.raises(BadRequest, match="guaranteed: must be a finite number of GPUs >= 0"):
             validation.quota_body({"guaranteed": bad})
     assert validation.quota_body({"guaranteed": 1, "limit": 2}) == (1.0, 2.0)
+    zero = validation.quota_body({"guaranteed": -0.0, "limit": -0.0})
+    assert [str(x) for x in zero] == ["0.0", "0.0"]
 
 
 @pytest.mark.parametrize(
@@ -182,6 +191,8 @@ def test_good_names_pass() -> None:
 def test_lease_ids_beyond_64_bits_are_not_found(raw: str) -> None:
     with pytest.raises(NotFound, match="no such lease"):
         validation.lease_id(raw)
+    with pytest.raises(NotFound, match=r"^job .*: no such job"):
+        validation.lease_id(raw, "job")
     assert validation.lease_id(str(2**63 - 1)) == 2**63 - 1
 
 
@@ -204,3 +215,15 @@ def test_echoed_values_are_escaped_and_cut() -> None:
         validation.check_name("\x00" * 500, "user")
     assert "\x00" not in err.value.message and len(err.value.message) < 200
     assert validation.echo("\ud800") == '"\\ud800"'
+
+
+def test_report_parameters_echo_a_bad_value_cut_and_escaped() -> None:
+    from gpubroker.usage.report import ReportError, parse_time, zone_of
+
+    with pytest.raises(ReportError) as err:
+        zone_of("A" * 300)
+    assert str(err.value) == (
+        f'tz: unknown time zone "{"A" * 59}… (use an IANA name such as Europe/Berlin)'
+    )
+    with pytest.raises(ReportError, match=r'^from: not a date .*: "x\\u0001y"$'):
+        parse_time("from", "x\x01y", dt.timezone.utc)
