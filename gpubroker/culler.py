@@ -326,7 +326,6 @@ class Culler(LoggingConfigurable):
         servers, groups = await self.hub.active_server_models()
         self.groups = groups
         now = now or utcnow()
-        culled = []
         leases = self.broker.server_leases()
         judged = [
             (lease, servers[(lease.user, lease.server_name)])
@@ -340,15 +339,22 @@ class Culler(LoggingConfigurable):
                 return await self._signals(lease, server)
 
         seen = await asyncio.gather(*(read(*pair) for pair in judged), return_exceptions=True)
-        for (lease, _), signals in zip(judged, seen, strict=True):
+
+        async def act(lease: LeaseRef, signals: Signals | BaseException) -> bool:
             if isinstance(signals, BaseException):
                 self.log.error("Culler: cannot judge lease %s: %s", lease.id, signals)
-                continue
+                return False
             try:
-                if await self._act(lease, signals, now):
-                    culled.append(lease.id)
+                return await self._act(lease, signals, now)
             except Exception:
                 self.log.exception("Culler: judging lease %s failed", lease.id)
+                return False
+
+        # at once: each cull waits for its own pre-stop hook only, so no cull
+        # is held up longer than pre_stop_timeout by the others' hooks
+        pairs = zip(judged, seen, strict=True)
+        done = await asyncio.gather(*(act(lease, signals) for (lease, _), signals in pairs))
+        culled = [lease.id for (lease, _), ok in zip(judged, done, strict=True) if ok]
         # only judged leases keep a track: an exempt lease, or one whose server
         # is gone, starts afresh if it is judged again (never a stale warning)
         live = {lease.id for lease, _ in judged}

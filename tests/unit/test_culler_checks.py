@@ -4,6 +4,7 @@ what a cull re-checks."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 from collections.abc import AsyncIterator
@@ -86,3 +87,30 @@ async def test_a_lease_released_while_its_pre_stop_hook_ran_is_not_culled(
     assert await culler.check_once(start + 72 * MIN) == []
     assert kinds(broker, lease["id"]) == ["cull-warning"]
     assert broker.get_lease(lease["id"])["release_reason"] == "server stopped by user"
+
+
+async def test_the_pre_stop_hooks_of_one_check_run_at_the_same_time(broker: Broker) -> None:
+    hub, first, start = idle_server(broker, "ann")
+    _, second, _ = idle_server(broker, "bob")
+    hub.servers[("bob", "")] = hub.servers[("ann", "")]
+    culler = Culler(broker, hub, pre_stop_hook=["/bin/true"])  # type: ignore[arg-type]
+    running: set[int] = set()
+    seen_together: list[bool] = []
+    both = asyncio.Event()
+
+    async def hook(ref: Any, token: str) -> None:
+        running.add(ref.id)
+        if len(running) == 2:
+            both.set()
+        try:  # one after the other, the first would wait here in vain
+            await asyncio.wait_for(both.wait(), 5)
+            seen_together.append(True)
+        except asyncio.TimeoutError:
+            seen_together.append(False)
+
+    culler._run_hook = hook  # type: ignore[method-assign]
+    await culler.check_once(start)
+    await culler.check_once(start + 61 * MIN)
+    culled = await culler.check_once(start + 72 * MIN)
+    assert sorted(culled) == sorted([first["id"], second["id"]])
+    assert seen_together == [True, True]
