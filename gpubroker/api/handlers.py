@@ -71,6 +71,20 @@ class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
         broker: Broker = self.settings["broker"]
         return broker
 
+    def get_argument(self, name: str, default: Any = None, strip: bool = True) -> Any:  # type: ignore[override]
+        """The query argument ``name`` (``default`` when absent); bodies
+        are JSON, so only the query is read.
+
+        Raises:
+            BadRequest: the argument is given more than once (which one
+                would count is not for the server to guess:
+                ``?dry_run=true&dry_run=false``).
+        """
+        values = self.get_query_arguments(name, strip)
+        if len(values) > 1:
+            raise validation.BadRequest(f"{name}: given {len(values)} times; give it once")
+        return values[0] if values else default
+
     def set_default_headers(self) -> None:
         self.set_header("Content-Type", "application/json; charset=utf-8")
         self.set_header("Cache-Control", "no-store")

@@ -303,6 +303,16 @@ async def test_a_service_named_like_a_user_owns_nothing_of_theirs(
     assert [h["user"] for d in mine["devices"] for h in d["holders"]] == ["ann"]
 
 
+async def test_a_query_argument_given_twice_is_refused(api: tuple[ServedAPI, FakeHub]) -> None:
+    served, _ = api
+    body = {"user": "ann", "gpus": 1}
+    answer = await served.call("POST", "/leases?dry_run=true&dry_run=false", "ann-token", body)
+    assert error(answer) == (400, "dry_run: given 2 times; give it once")
+    answer = await served.call("GET", "/leases?state=all&state=active", "ann-token")
+    assert error(answer) == (400, "state: given 2 times; give it once")
+    assert json.loads((await served.call("GET", "/leases", "ann-token")).body)["leases"] == []
+
+
 async def test_a_slow_token_check_does_not_stall_other_requests(
     api: tuple[ServedAPI, FakeHub],
 ) -> None:
