@@ -68,6 +68,8 @@ class SharingOps:
         mps: CUDA MPS control, for shares.
         framework_caps: whether shares' servers get the framework caps
             (``Broker.framework_caps``).
+        framework_context_mib: MiB of a share left to the CUDA context
+            outside the frameworks' allocators (``Broker.framework_context_mib``).
         retry_backoff: seconds before a failed grant is tried again
             (``Broker.grant_retry_backoff``).
         schedule: run or ask for a scheduling pass in the open
@@ -90,6 +92,7 @@ class SharingOps:
         schedule_now: Callable[[], None],
         notify: Callable[[], None],
         log: Any,
+        framework_context_mib: Callable[[], int] = lambda: 0,
     ) -> None:
         self.runner = runner
         self._world = world
@@ -97,6 +100,7 @@ class SharingOps:
         self.pools = pools
         self.mps = mps
         self.framework_caps = framework_caps
+        self.framework_context_mib = framework_context_mib
         self.retry_backoff = retry_backoff
         self.schedule = schedule
         self.schedule_now = schedule_now
@@ -425,7 +429,8 @@ class SharingOps:
         total = device.memory_total_mib
         env["GPUBROKER_SHARE_MEMORY_MIB"] = str(share.memory_mib)
         if self.framework_caps():
-            env.update(framework_env(share.memory_mib, total))
+            context = self.framework_context_mib()
+            env.update(framework_env(share.memory_mib, total, context_mib=context))
         if self.mps.enabled and len(shares) == 1:
             self.mps.ensure_daemon(share.device)
             percent = max(1, min(100, math.ceil(100 * share.memory_mib / total)))

@@ -72,8 +72,20 @@ def memory_fraction(memory_mib: int, device_memory_mib: int) -> str:
     return f"{thousandths // 1000}.{thousandths % 1000:03d}"
 
 
+def allocator_mib(memory_mib: int, context_mib: int) -> int:
+    """The MiB a framework's allocator may take of a share of ``memory_mib``
+    when its CUDA context takes ``context_mib`` beside it (NVML counts both
+    in the process's memory, as the share watchdog reads it): the share
+    less the context, but at least half the share (a share too small for a
+    context is the user's choice, not a cap of nothing)."""
+    return max(memory_mib - max(context_mib, 0), memory_mib // 2, 1)
+
+
 def framework_env(
-    memory_mib: int, device_memory_mib: int, existing_pythonpath: str | None = None
+    memory_mib: int,
+    device_memory_mib: int,
+    existing_pythonpath: str | None = None,
+    context_mib: int = 0,
 ) -> dict[str, str]:
     """The environment that caps JAX, TensorFlow and PyTorch in a share's kernels.
 
@@ -83,18 +95,23 @@ def framework_env(
         existing_pythonpath: the ``PYTHONPATH`` the server would otherwise
             get (``None`` or empty: none); its entries are kept after the
             start-up directory.
+        context_mib: MiB of the share left to the CUDA context, outside the
+            allocators (:func:`allocator_mib`; ``Broker.framework_context_mib``).
 
     Returns:
         ``XLA_PYTHON_CLIENT_MEM_FRACTION`` and ``XLA_CLIENT_MEM_FRACTION``
-        (fraction of the device, 3 decimals, rounded down; JAX docs),
-        ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (JAX docs),
+        (the allocator's fraction of the device, 3 decimals, rounded down;
+        JAX docs), ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (JAX docs),
         ``TF_FORCE_GPU_ALLOW_GROWTH=true`` (TensorFlow GPU guide),
-        ``GPUBROKER_MEMORY_LIMIT_MIB`` (MiB), ``GPUBROKER_MEMORY_FRACTION``
-        (same fraction) and ``PYTHONPATH`` (:data:`STARTUP_DIR` first).
+        ``GPUBROKER_MEMORY_LIMIT_MIB`` (the allocator's MiB),
+        ``GPUBROKER_MEMORY_FRACTION`` (same fraction) and ``PYTHONPATH``
+        (:data:`STARTUP_DIR` first).
 
     Raises:
         ValueError: as :func:`memory_fraction`.
     """
+    memory_fraction(memory_mib, device_memory_mib)  # the share itself must fit
+    memory_mib = allocator_mib(memory_mib, context_mib)
     fraction = memory_fraction(memory_mib, device_memory_mib)
     rest = [p for p in (existing_pythonpath or "").split(os.pathsep) if p and p != STARTUP_DIR]
     return {

@@ -254,7 +254,7 @@ def test_users_spawning_at_once_get_containers_naming_their_own_devices(
     # the share's memory caps reach the container, the start-up hook from the image
     shared = docker_hub.container_of("dan")
     env = env_of(shared)
-    assert env["GPUBROKER_MEMORY_LIMIT_MIB"] == "10240"
+    assert env["GPUBROKER_MEMORY_LIMIT_MIB"] == str(10240 - 512)  # less the CUDA context
     assert env["PYTHONPATH"].split(":")[0] == "/opt/gpubroker/startup"
     found = shared.exec_run(
         ["python3", "-c", "import sitecustomize; print(sitecustomize.__file__)"]

@@ -22,6 +22,18 @@ from gpubroker.enforce.caps import STARTUP_DIR, framework_env, memory_fraction
 # -- the environment -------------------------------------------------------------------
 
 
+def test_the_cuda_context_is_left_out_of_the_allocators_cap() -> None:
+    from gpubroker.enforce.caps import allocator_mib
+
+    env = framework_env(10240, 81559, context_mib=512)
+    assert env["GPUBROKER_MEMORY_LIMIT_MIB"] == "9728"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == env["GPUBROKER_MEMORY_FRACTION"] == "0.119"
+    # a share too small for a context keeps half of itself for the allocator
+    assert allocator_mib(256, 512) == 128 and allocator_mib(1024, 0) == 1024
+    with pytest.raises(ValueError, match="must be at most device_memory_mib"):
+        framework_env(90000, 81559, context_mib=10000)
+
+
 def test_framework_env_values() -> None:
     env = framework_env(10240, 81559)
     assert env == {

@@ -140,6 +140,8 @@ def test_two_40gib_shares_with_reserve_land_on_two_devices(broker: Broker) -> No
     assert env["CUDA_VISIBLE_DEVICES"] == first["slots"][0]["device"]
     assert env["GPUBROKER_SHARE_MEMORY_MIB"] == str(40 * 1024)
     assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) <= 40 * 1024 / 81559
+    # the allocators get the share less the CUDA context (Broker.framework_context_mib)
+    assert env["GPUBROKER_MEMORY_LIMIT_MIB"] == str(40 * 1024 - 512)
     third = broker.request_lease("cat", "", memory_gib=40)
     assert third["state"] == "pending" and third["queue"]["reason"] == "Resources"
 
