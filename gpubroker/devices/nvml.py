@@ -19,6 +19,7 @@ word.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -602,11 +603,23 @@ def _utilization(handle: Any) -> int | None:
 
 
 def _processes(handle: Any) -> tuple[ProcessInfo, ...]:
-    """Compute processes; memory in MiB, 0 where NVML does not know it."""
-    return tuple(
-        ProcessInfo(pid=int(p.pid), used_memory_mib=(p.usedGpuMemory or 0) // _MIB)
-        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    )
+    """Compute processes, CUDA MPS clients included; memory in MiB, 0 where
+    NVML does not know it.
+
+    Under MPS, ``nvmlDeviceGetComputeRunningProcesses`` lists the MPS
+    server, and the clients (the users' processes) come from
+    ``nvmlDeviceGetMPSComputeRunningProcesses`` (NVML API reference,
+    Device Queries); without MPS, or where the driver lacks that call, the
+    second list is empty. A PID in both is listed once, from the first.
+    """
+    found = list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    with contextlib.suppress(pynvml.NVMLError):  # no MPS clients (not supported, old driver)
+        found += pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)
+    seen: dict[int, ProcessInfo] = {}
+    for p in found:
+        pid = int(p.pid)
+        seen.setdefault(pid, ProcessInfo(pid=pid, used_memory_mib=(p.usedGpuMemory or 0) // _MIB))
+    return tuple(seen.values())
 
 
 # --- MIG helpers ---------------------------------------------------------------------

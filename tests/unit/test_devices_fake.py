@@ -318,6 +318,12 @@ def stub_nvml(monkeypatch):
         "nvmlDeviceGetHandleByUUID": _handle_by_uuid,
         "nvmlDeviceGetUtilizationRates": _not_supported,
         "nvmlDeviceGetComputeRunningProcesses": lambda h: [_Proc()],
+        # under MPS the users' processes are listed apart (an MPS client, and
+        # the same PID again, which counts once)
+        "nvmlDeviceGetMPSComputeRunningProcesses": lambda h: [
+            SimpleNamespace(pid=77, usedGpuMemory=512 * 2**20),
+            _Proc(),
+        ],
     }
     for name, stub in stubs.items():
         monkeypatch.setattr(pynvml, name, stub)
@@ -334,7 +340,10 @@ def test_nvml_backend_with_stubbed_pynvml(stub_nvml):
     assert (first.mig_enabled, second.mig_enabled) == (True, False)
     usage = backend.usage("GPU-a")
     assert (usage.utilization_gpu, usage.memory_used_mib) == (None, 3)
-    assert usage.processes == (ProcessInfo(pid=5, used_memory_mib=0),)
+    assert usage.processes == (
+        ProcessInfo(pid=5, used_memory_mib=0),
+        ProcessInfo(pid=77, used_memory_mib=512),
+    )
     with pytest.raises(KeyError):
         backend.usage("GPU-z")
     backend.close()
