@@ -19,7 +19,6 @@ word.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -613,7 +612,7 @@ def _processes(handle: Any) -> tuple[ProcessInfo, ...]:
     second list is empty. A PID in both is listed once, from the first.
     """
     found = list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
-    with contextlib.suppress(pynvml.NVMLError):  # no MPS clients (not supported, old driver)
+    with suppress(pynvml.NVMLError):  # no MPS clients (not supported, old driver)
         found += pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)
     seen: dict[int, ProcessInfo] = {}
     for p in found:
