@@ -195,7 +195,7 @@ class AdminOps:
             repo.add(notice_row(lease, "preempted", text, now))
             detail = {"lease_id": lease_id, "reason": reason}
             # target the user: the audit's user filter finds it
-            self.runner.audit(repo, "lease-preempted", f"user:{lease.user}", detail)
+            self.runner.audit(repo, "lease-preempted", f"user:{lease.user}", detail, reason)
             if self.evict(lease, text, now, "preemption", actor):
                 repo.flush()
                 self.schedule(repo, now)

@@ -302,7 +302,9 @@ class Leases:
                 if stopping is not None:  # the broker asked for this stop: its reason
                     reason = f"{stopping.reason} (server stopped)"
                     cause = stopping.cause or "release"
-                    actor = CAUSE_ACTORS.get(cause)
+                    # and its actor: the broker's part, or who asked for the stop
+                    # (an admin, the user), not the spawner that reports it
+                    actor = CAUSE_ACTORS.get(cause) or _stop_asked_by(repo, lease.id)
                 self.release(lease, reason, now, cause, actor)
                 repo.flush()
                 self.scheduling.schedule(repo, now, lazy=lazy)
@@ -498,3 +500,10 @@ def _devices_to_prefer(previous: Lease, kind: str, count: int) -> list[str] | No
         return None
     devices = [a.device_uuid for a in previous.allocations if a.kind == "device"]
     return devices if len(devices) == count else None
+
+
+def _stop_asked_by(repo: Repository, lease_id: int) -> str | None:
+    """Who asked for the open stop of lease ``lease_id``: the actor of its
+    latest ``stopping`` transition (``None``: none recorded)."""
+    stops = [e for e in repo.events_of(lease_id) if e.kind == "stopping"]
+    return stops[-1].actor if stops else None

@@ -101,12 +101,20 @@ class CommandRunner:
             repo, stimulus, now, self.bus, actor, self._touched, self.world.staged_events
         )
 
-    def audit(self, repo: Repository, action: str, target: str, detail: dict[str, Any]) -> None:
+    def audit(
+        self,
+        repo: Repository,
+        action: str,
+        target: str,
+        detail: dict[str, Any],
+        reason: str = "",
+    ) -> None:
         """Record an admin action in the audit log, in the open transaction
-        (``repo``), as the current command's actor and stimulus."""
+        (``repo``), as the current command's actor and stimulus; ``reason``:
+        the admin's own words, where the action takes them."""
         now = self.now()
         stimulus_id = self.stimulus.id if self.stimulus is not None else ""
-        audit_repo.record(repo, now, self.actor, action, target, detail, stimulus_id)
+        audit_repo.record(repo, now, self.actor, action, target, detail, stimulus_id, reason)
 
 
 def lease_or_404(repo: Repository, lease_id: int) -> Lease:

@@ -17,7 +17,7 @@ Each entry's ``action`` is the event kind (``granted``, ``preempting``,
 ``culled``, ...; ``released`` with its ``cause``: ``cull``,
 ``preemption``, ``time-limit``, ``reconcile``, ``cancel``, ``release``) or
 the admin action (``quota-set``, ``quota-deleted``, ``device-drained``,
-``device-undrained``, ``device-mig``).
+``device-undrained``, ``device-mig``, ``lease-preempted``).
 """
 
 from __future__ import annotations

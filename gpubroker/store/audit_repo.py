@@ -71,8 +71,8 @@ def entries(
     that act for a lease's own user (the hub's spawner calls with the
     broker's service token), left out like the user. ``kind``: only admin
     entries of that action and lease events of that kind (a release
-    cause, e.g. ``cull``: only ``released`` events; the caller keeps those
-    of that cause)."""
+    cause, e.g. ``cull``: ``released`` events too, of which the caller keeps
+    those of that cause; ``granted`` is both)."""
     admin = select(AuditEntry).order_by(AuditEntry.at.desc(), AuditEntry.id.desc()).limit(limit)
     lease = (
         select(LeaseEvent, Lease.user)
@@ -90,7 +90,10 @@ def entries(
         lease = lease.where(LeaseEvent.at < until)
     if kind is not None:
         admin = admin.where(AuditEntry.action == kind)
-        lease = lease.where(LeaseEvent.kind == ("released" if kind in CAUSES else kind))
+        # a name may be both an event kind and a release cause ("granted"):
+        # either matches (the caller keeps the releases of that cause)
+        kinds = [kind, "released"] if kind in CAUSES else [kind]
+        lease = lease.where(LeaseEvent.kind.in_(kinds))
     if user is not None:
         admin = admin.where(or_(AuditEntry.actor == user, AuditEntry.target == f"user:{user}"))
         lease = lease.where(or_(Lease.user == user, LeaseEvent.actor == user))

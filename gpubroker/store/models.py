@@ -393,12 +393,14 @@ class LedgerMark(Base):
 
 
 class AuditEntry(Base):
-    """An admin action on something other than a lease (a quota, a device),
-    for the audit log; actions on leases are in ``lease_events``.
+    """An admin action for the audit log: on something other than a lease
+    (a quota, a device), or an admin's decision about a lease (its
+    preemption) whose transitions are in ``lease_events``.
 
     ``action``: ``quota-set``, ``quota-deleted``, ``device-drained``,
-    ``device-undrained``, ``device-mig``. ``target``: ``user:NAME``,
-    ``group:NAME`` or a device UUID. ``detail``: the values set.
+    ``device-undrained``, ``device-mig``, ``lease-preempted``. ``target``:
+    ``user:NAME``, ``group:NAME`` or a device UUID. ``detail``: the values
+    set. ``reason``: the admin's words, where the action takes them.
     """
 
     __tablename__ = "audit_entries"

@@ -136,8 +136,16 @@ class PanelHandler(HubOAuthenticated, web.RequestHandler):  # type: ignore[misc]
 
     @property
     def me(self) -> str:
-        """The logged-in user's name."""
+        """The caller's name (a user's, or a service's: the actor of what
+        it does)."""
         return auth.caller_name(self.current_user or {})
+
+    @property
+    def own_user(self) -> str:
+        """The user the caller is, whose leases and jobs are its own; ``""``
+        for a service (one named like a user is not that user:
+        :func:`auth.own_user`)."""
+        return auth.own_user(self.current_user or {}) or ""
 
     @property
     def admin(self) -> bool:

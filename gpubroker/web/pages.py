@@ -27,6 +27,8 @@ from .base import PanelHandler
 
 #: the lease states the leases page can filter on
 LEASE_STATES = ("active", "pending", "granted", "all")
+#: the holder kinds the leases page filters by ("": any)
+HOLDER_KINDS = ("", "server", "job", "external")
 
 
 def _idle_since(handler: PanelHandler) -> dict[int, dt.datetime]:
@@ -162,9 +164,16 @@ class LeasesHandler(PanelHandler):
         if state not in LEASE_STATES:
             raise BadRequest(f"state: must be one of {', '.join(LEASE_STATES)}, got {state!r}")
         kind = self.get_argument("kind", "")
+        if kind not in HOLDER_KINDS:
+            raise BadRequest(
+                f"kind: must be one of {', '.join(k for k in HOLDER_KINDS if k)} (or none),"
+                f" got {validation.echo(kind)}"
+            )
         leases = self.broker.list_leases(user=user, active=state != "all")
         if state in ("pending", "granted"):
             leases = [x for x in leases if x["state"] == state]
+        if state == "all":  # the history: the newest first, so the cut keeps them
+            leases.reverse()
         if kind:
             leases = [x for x in leases if x["holder_kind"] == kind]
         jobs_service = self.settings.get("jobs")
@@ -177,6 +186,7 @@ class LeasesHandler(PanelHandler):
             jobs=jobs,
             filters={"user": user or "", "state": state, "kind": kind},
             states=LEASE_STATES,
+            kinds=HOLDER_KINDS,
             done=self.get_argument("done", ""),
         )
 
@@ -410,6 +420,10 @@ class AuditHandler(PanelHandler):
                 error, bounds[name] = str(err), None
         user = validation.optional_name_arg(filters["user"] or None, "user")
         kind = validation.check_name(filters["kind"], "kind") if filters["kind"] else None
+        if error:  # no entries rather than entries the bad bound did not filter
+            self.set_status(400)
+            self.render_page("audit.html", entries=[], filters=filters, error=error)
+            return
         entries = await audit.read(
             self.broker.session_factory,
             bounds["since"],
@@ -419,8 +433,6 @@ class AuditHandler(PanelHandler):
             500,
             on_behalf=(self.settings.get("service_name") or "gpubroker",),
         )
-        if error:
-            self.set_status(400)
         self.render_page("audit.html", entries=entries, filters=filters, error=error)
 
 
@@ -432,8 +444,10 @@ class MeHandler(PanelHandler):
     page = "me"
 
     async def get(self) -> None:
+        me = self.own_user
+        if not me:  # a service's token: a service named like a user is not that user
+            raise web.HTTPError(403, "this page shows a user's own servers: a service has none")
         await self.broker.settled()
-        me = self.me
         leases = self.broker.list_leases(user=me)
         jobs_service = self.settings.get("jobs")
         jobs = jobs_service.list(me)[:50] if jobs_service is not None else []

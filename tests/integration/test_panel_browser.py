@@ -295,6 +295,14 @@ def test_non_admins_xsrf_and_names_that_are_markup(
     assert script in page.inner_text("body")
     page.goto(f"{hub.url}{PANEL}leases?user={requests.utils.quote(marked)}")
     assert marked in page.locator("table.list").first.inner_text()
+    # a bad filter is an error naming it, never a silently empty or unfiltered page
+    response = page.goto(f"{hub.url}{PANEL}leases?kind=bogus")
+    assert response.status == 400
+    assert "kind: must be one of server, job, external" in page.inner_text("body")
+    response = page.goto(f"{hub.url}{PANEL}audit?since=garbage")
+    assert response.status == 400
+    assert "since: not a date" in page.inner_text("body")
+    assert page.locator("#audit td.actor").count() == 0
     page.screenshot(path=str(shots / "leases.png"), full_page=True)
     assert admin.alerts == []
     admin.close()
