@@ -460,6 +460,10 @@ class Broker(LoggingConfigurable):
         """Pending leases in queue order (:meth:`AdminOps.queue`)."""
         return self.admin.queue()
 
+    def priority_classes(self) -> list[str]:
+        """The names of the priority classes in force, sorted."""
+        return sorted(self.scheduling.policy().classes)
+
     def add_notice(self, *args: Any, **kwargs: Any) -> None:
         """A notice for a lease's holder (:meth:`Notices.add_notice`)."""
         self.notice_book.add_notice(*args, **kwargs)

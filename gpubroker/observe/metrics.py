@@ -144,7 +144,8 @@ class _StateCollector(Collector):
 
     def _leases(self) -> Iterator[GaugeMetricFamily]:
         leases: Tally[tuple[str, str, str]] = Tally()
-        queue: Tally[str] = Tally()
+        # every class has a series, 0 when nothing waits (a gap is not a 0)
+        queue: Tally[str] = Tally(dict.fromkeys(self.broker.priority_classes(), 0))
         for lease in self.broker.list_leases():
             leases[(lease["state"], lease["priority_class"], lease["pool"] or "")] += 1
             if lease["state"] == "pending":

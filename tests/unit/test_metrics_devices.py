@@ -20,6 +20,19 @@ def _devices(broker: Broker) -> dict[str, float]:
     return {s.labels["state"]: s.value for s in families["gpubroker_devices"].samples}
 
 
+def test_the_queue_length_of_every_class_is_a_series_zero_included(broker: Broker) -> None:
+    def queue() -> dict[str, float]:
+        text = generate_latest(BrokerMetrics(broker).registry).decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        samples = families["gpubroker_queue_length"].samples
+        return {s.labels["priority_class"]: s.value for s in samples}
+
+    assert set(queue()) == set(broker.priority_classes()) and not any(queue().values())
+    broker.request_lease("ann", "", gpus=8, holder_kind="external")
+    broker.request_lease("bob", "", gpus=1, holder_kind="external", priority_class="batch")
+    assert queue()["batch"] == 1 and sum(queue().values()) == 1
+
+
 def test_devices_by_state_count_outside_apart_from_drained(broker: Broker) -> None:
     nodes = broker.engine.nodes()
     (node,) = nodes
