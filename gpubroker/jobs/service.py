@@ -47,7 +47,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..broker.rebind import Rebinder
 from ..engines.base import EngineError, Handle, LaunchSpec, Status
-from ..errors import BadRequest, BrokerError, NotFound
+from ..errors import BadRequest, BrokerError, Forbidden, NotFound
 from ..model import jobs as model
 from ..store import jobs_repo as repo
 from ..views import isoformat
@@ -75,6 +75,15 @@ class JobService(LoggingConfigurable):
         False,
         help="Run jobs as the broker's own POSIX user (as SimpleLocalGPUSpawner runs "
         "servers), not as the job's user. For demos and tests on one account only.",
+    ).tag(config=True)
+
+    min_uid = Integer(
+        1000,
+        min=0,
+        help="Jobs never run as a POSIX account whose uid is below this (root and the "
+        "system accounts, as login.defs' UID_MIN): a hub user named 'root' or 'daemon' "
+        "is refused at submit (403), whatever the runner. Not checked with run_as_self "
+        "(jobs then run as the broker's own account). 0 turns the check off.",
     ).tag(config=True)
 
     runner = Unicode(
@@ -202,8 +211,12 @@ class JobService(LoggingConfigurable):
 
         Raises:
             BadRequest: naming the bad field; nothing is queued.
-            Forbidden, Conflict: from the lease request (quota, limits).
+            Forbidden: ``user`` has no POSIX account on the broker's host, or
+                one below :attr:`min_uid` (root, system accounts); or from the
+                lease request (quota, limits).
+            Conflict: from the lease request.
         """
+        self._check_account(user)
         try:
             spec, note = self._python_here(model.parse_spec(data))
             paths = self._paths_of(user, spec)
@@ -248,6 +261,36 @@ class JobService(LoggingConfigurable):
             view = self._view(job, lease)
         self.log.info("Job %s of %s queued on lease %s", job_id, user, lease["id"])
         return view
+
+    def _check_account(self, user: str) -> None:
+        """Refuse a job that would run as no account or as root or a system
+        account (uid below :attr:`min_uid`): every runner starts the job as
+        ``user``'s POSIX account on the broker's host (rule 7: a job carries
+        no more than its user's rights).
+
+        Raises:
+            Forbidden: naming the user and the limit.
+        """
+        if self.run_as_self:
+            return
+        uid = _uid_of(user)
+        if uid is None:
+            raise Forbidden(
+                f"user: {user!r} has no POSIX account on the broker's host: jobs run as "
+                "their user's account"
+            )
+        if uid < self.min_uid:
+            raise Forbidden(
+                f"user: jobs do not run as {user!r} (uid {uid}): accounts below "
+                f"JobService.min_uid ({self.min_uid}) are root and system accounts"
+            )
+
+    def _refuse_account(self, user: str) -> None:
+        """:meth:`_check_account` at launch, as an :class:`EngineError`."""
+        try:
+            self._check_account(user)
+        except Forbidden as err:
+            raise EngineError(str(err)) from None
 
     def _python_here(self, spec: model.JobSpec) -> tuple[model.JobSpec, str]:
         """``spec`` with its ``python`` kept only where it can be used (the
@@ -489,6 +532,7 @@ class JobService(LoggingConfigurable):
         if lease is not None and lease["state"] == "granted":
             spec = self._launch_spec(job_id, lease)
             try:
+                self._refuse_account(spec.user)  # queued before min_uid was raised
                 handle = await asyncio.get_running_loop().run_in_executor(
                     None, self._engine(self.runner).launch, spec
                 )

@@ -431,3 +431,41 @@ def test_the_warning_file_is_never_made_or_removed_through_a_link(tmp_path: Path
     assert (root / "real" / "deep" / "z.warn").exists()
     _unlink(root, str(root / "real" / "deep" / "z.warn"))
     assert not (root / "real" / "deep" / "z.warn").exists()
+
+
+def test_jobs_never_run_as_root_or_a_system_account(jobs: JobService, home: Path) -> None:
+    """A hub user named like root or a system account gets no job (rule 7:
+    every runner starts the job as the user's POSIX account); nothing is
+    queued, no lease is made. ``min_uid = 0`` lets root through."""
+    import pwd
+
+    from gpubroker.errors import Forbidden
+
+    jobs.run_as_self = False
+    (home / "root").mkdir(parents=True)
+    for user, said in [
+        ("root", "user: jobs do not run as 'root' (uid 0): accounts below JobService.min_uid"),
+        ("daemon", "user: jobs do not run as 'daemon' (uid 1)"),
+        ("no-such-account-x", "user: 'no-such-account-x' has no POSIX account"),
+    ]:
+        with pytest.raises(Forbidden, match=f"^{said}".replace("(", r"\(").replace(")", r"\)")):
+            jobs.submit(user, {"command": "id -u", "gpus": 1})
+    assert jobs.list(None) == [] and jobs.broker.list_leases() == []
+    jobs.min_uid = 0
+    job = jobs.submit("root", {"command": "id -u > uid.txt", "gpus": 1})
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "succeeded", done
+    assert (home / "root" / "uid.txt").read_text().strip() == str(pwd.getpwnam("root").pw_uid)
+
+
+def test_a_job_queued_before_min_uid_was_raised_does_not_start(
+    jobs: JobService, home: Path
+) -> None:
+    jobs.run_as_self, jobs.min_uid = False, 0
+    (home / "root").mkdir(parents=True)
+    job = jobs.submit("root", {"command": "touch ran", "gpus": 1})
+    jobs.min_uid = 1000
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "failed" and "JobService.min_uid (1000)" in done["reason"], done
+    assert not (home / "root" / "ran").exists()
+    assert jobs.broker.get_lease(done["lease_id"])["state"] == "released"
