@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from traitlets import Any as AnyTrait
@@ -528,6 +528,21 @@ class Broker(LoggingConfigurable):
     @on_evict.setter
     def on_evict(self, callback: Callable[[dict[str, Any]], None] | None) -> None:
         self.stops.on_evict = callback
+
+    @property
+    def containers_followed(self) -> Callable[[], Collection[int]]:
+        """Gives the ids of server leases whose container the service follows:
+        past ``evict_timeout`` they are left to it (:attr:`ServerStops.followed`)."""
+        return self.stops.followed
+
+    @containers_followed.setter
+    def containers_followed(self, followed: Callable[[], Collection[int]]) -> None:
+        self.stops.followed = followed
+
+    def stop_asked_at(self, lease_id: int) -> dt.datetime | None:
+        """When the broker first asked the hub to stop ``lease_id``'s server
+        (aware UTC), or ``None`` (:meth:`ServerStops.asked_at`)."""
+        return self.stops.asked_at(lease_id)
 
     def stop_lease(self, lease_id: int, reason: str, cause: str = "release", **kwargs: Any) -> None:
         """End a granted server lease as an eviction does (:meth:`ServerStops.stop_lease`)."""

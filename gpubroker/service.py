@@ -20,6 +20,7 @@ from tornado.httpserver import HTTPServer
 
 from .api.app import make_app
 from .broker.actuator import Actuator
+from .broker.docker_servers import DockerServers
 from .broker.passloop import PassLoop
 from .broker.slurm_servers import SlurmServers
 from .core import Broker, utcnow
@@ -127,6 +128,8 @@ class BrokerService:
         #: the Docker engine asked about DockerGPUSpawner containers (made on first use)
         self.docker: DockerEngine | None = None
         self.slurm_servers = SlurmServers(self.broker, self.log)
+        self.docker_servers = DockerServers(self.broker, self.docker_engine, self.log)
+        self.broker.containers_followed = self.docker_servers.followed
         self.metrics = BrokerMetrics(self.broker, self.ledger if self.ledger.enabled else None)
         self.broker.bus.subscribe(self.metrics.on_event)
         self.share_guard = ShareGuard(self.broker, parent=app)
@@ -350,54 +353,30 @@ class BrokerService:
     async def reconcile_once(self) -> list[int]:
         """Ask the hub which servers exist, the Docker engine which
         servers' containers still run and Slurm which servers' jobs do;
-        release the leases of those gone. A server's Slurm job is Slurm's to
-        judge: one still running after the hub lost its server is cancelled
-        first (:class:`~gpubroker.broker.slurm_servers.SlurmServers`)."""
+        release the leases of those gone. A server's container or Slurm job
+        is its engine's to judge: one still running after the hub lost its
+        server is stopped first
+        (:class:`~gpubroker.broker.docker_servers.DockerServers`,
+        :class:`~gpubroker.broker.slurm_servers.SlurmServers`)."""
         as_of: dt.datetime = utcnow()
         try:
             servers = await self.hub.active_servers()
         except Exception:
             # Docker and Slurm know, whatever the hub's state
-            await self.reconcile_containers()
+            await self.docker_servers.reconcile()
             await self.slurm_servers.reconcile()
             raise
-        released = self.broker.reconcile(servers, as_of, self.slurm_servers.followed())
-        released += await self.reconcile_containers()
+        followed = self.slurm_servers.followed() | self.docker_servers.followed()
+        released = self.broker.reconcile(servers, as_of, followed)
+        released += await self.docker_servers.reconcile(servers, as_of)
         return released + await self.slurm_servers.reconcile(servers, as_of)
 
-    async def reconcile_containers(self) -> list[int]:
-        """Release the leases of servers whose Docker container (told by
-        ``DockerGPUSpawner``) has exited or is gone, asking the Docker engine
-        of ``DockerEngine.docker_url`` off the event loop. Nothing is asked
-        while no lease names a container; when Docker cannot be read,
-        nothing is released (a warning is logged), and containers the
-        spawner saw on another engine (its ID) are not checked.
-
-        Returns:
-            ids of the leases released.
-        """
-        watched = {
-            x.id: (x.container_id, x.docker_engine)
-            for x in self.broker.server_leases()
-            if x.container_id
-        }
-        if not watched:
-            return []
+    def docker_engine(self) -> DockerEngine:
+        """The Docker engine asked about ``DockerGPUSpawner`` containers
+        (``DockerEngine.docker_url``), made on first use."""
         if self.docker is None:
             self.docker = DockerEngine(parent=self.app)
-        try:
-            ended, elsewhere = await asyncio.to_thread(self.docker.ended_containers, watched)
-        except EngineError as err:
-            self.log.warning("Cannot ask the Docker engine about servers' containers: %s", err)
-            return []
-        if elsewhere:
-            self.log.warning(
-                "The containers of leases %s run on another Docker engine than the one at "
-                "DockerEngine.docker_url (%r): not checked; point it at the hub's engine",
-                elsewhere,
-                self.docker.docker_url or "from DOCKER_HOST",
-            )
-        return self.broker.reconcile_containers(ended) if ended else []
+        return self.docker
 
     async def _reconcile_loop(self) -> None:
         # at once after a start (leases of servers stopped while the broker was

@@ -385,15 +385,23 @@ class Leases:
 
     def _reconcile_release(self, why: Callable[[Lease], str | None], what: str) -> list[int]:
         """Release every active lease ``why`` gives a reason for (cause
-        ``reconcile``), then one pass; return their ids."""
+        ``reconcile``; one whose server stop the broker had asked for keeps
+        that stop's reason first, its cause and its actor), then one pass;
+        return their ids."""
         released = []
         now = self.runner.now()
         with self.runner.write() as repo:
             for lease in self.world.active():
                 reason = why(lease)
-                if reason is not None:
-                    self.release(lease, reason, now, "reconcile")
-                    released.append(lease.id)
+                if reason is None:
+                    continue
+                cause, actor = "reconcile", None
+                stopping = self.stops.open_stop(lease.id)
+                if stopping is not None:
+                    reason, cause = f"{stopping.reason} ({reason})", stopping.cause or cause
+                    actor = CAUSE_ACTORS.get(cause) or _stop_asked_by(repo, lease.id)
+                self.release(lease, reason, now, cause, actor)
+                released.append(lease.id)
             if released:
                 repo.flush()
                 self.scheduling.schedule(repo, now)

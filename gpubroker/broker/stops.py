@@ -8,7 +8,7 @@ stopped (so two servers never share a device), or until
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ..commands import command
@@ -56,6 +56,11 @@ class ServerStops:
         #: called with the view of each server lease to stop (set by the
         #: service, ``Broker.on_evict``); ``None``: leases are released at once
         self.on_evict: Callable[[dict[str, Any]], None] | None = None
+        #: ids of server leases whose holder an engine follows (a Docker
+        #: container, :class:`~gpubroker.broker.docker_servers.DockerServers`,
+        #: set by the service): past ``evict_timeout`` they are not released
+        #: here; the engine's reconciliation stops the holder, then releases
+        self.followed: Callable[[], Collection[int]] = lambda: ()
 
     def evict(
         self,
@@ -92,11 +97,19 @@ class ServerStops:
                 self.on_evict(lease_view(lease) | {"release_reason": reason})
             if (now - intent.created).total_seconds() < self.evict_timeout():
                 return False
+            if lease.id in self.followed():
+                return False  # its engine stops the holder first
             reason, cause = intent.reason, intent.cause or cause
             actor = CAUSE_ACTORS.get(cause, actor)
         self.release(lease, reason, now, cause, actor)
         self.log.warning("Evicted lease %s of %s: %s", lease.id, lease.user, reason)
         return True
+
+    def asked_at(self, lease_id: int) -> dt.datetime | None:
+        """When the open stop of ``lease_id``'s server was first asked
+        (aware UTC), or ``None``: no stop is open."""
+        intent = self.open_stop(lease_id)
+        return None if intent is None else intent.created
 
     def open_stop(self, lease_id: int) -> Intent | None:
         """The open ``stop-server`` intent of ``lease_id``, if any."""
@@ -105,10 +118,13 @@ class ServerStops:
 
     def expire(self, repo: Repository, now: dt.datetime) -> None:
         """Release the leases whose server stop was asked ``evict_timeout``
-        seconds ago or more and has not happened."""
+        seconds ago or more and has not happened (but those :attr:`followed`)."""
         since = now - dt.timedelta(seconds=self.evict_timeout())
         stale = [i for i in self.world.stops.values() if i.created <= since]
+        followed = set(self.followed()) if stale else set()
         for intent in stale:
+            if intent.lease_id in followed:
+                continue  # its engine stops the holder first
             lease = repo.lease(intent.lease_id)
             if lease is not None and lease.state == LeaseState.granted.value:
                 self.log.warning(

@@ -1,0 +1,161 @@
+"""DockerServers against a real Docker engine started by the test
+(tests/dockerutil.py): a server lease whose container still runs keeps its
+devices whatever the hub's listing says, until the broker has stopped the
+container itself; a lease is never released while its container runs.
+
+The hub's listing is an input here (``alive``): the hub tests
+(test_docker_spawner_hub.py) run the whole stack."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import gc
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import docker as sdk
+import pytest
+
+from gpubroker.broker.docker_servers import DockerServers
+from gpubroker.core import Broker
+from gpubroker.engines.docker import DockerEngine
+
+from .. import dockerutil
+from ..conftest import make_broker
+
+LOG = logging.getLogger("test.docker_servers")
+
+
+@pytest.fixture
+def docker_client(private_docker: dockerutil.PrivateDocker) -> Iterator[Any]:
+    client = sdk.DockerClient(base_url=private_docker.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def engine(private_docker: dockerutil.PrivateDocker) -> Iterator[DockerEngine]:
+    engine = DockerEngine(docker_url=private_docker.url)
+    yield engine
+    engine.close()
+
+
+def serve(
+    broker: Broker, client: Any, image: str, engine: DockerEngine, user: str
+) -> tuple[dict, Any]:
+    """A granted server lease of ``user`` whose container runs (as
+    DockerGPUSpawner records one)."""
+    lease = broker.request_lease(user, "", gpus=1)
+    container = client.containers.run(
+        image, ["/bin/sleep", "600"], network_mode="none", detach=True
+    )
+    broker.set_server_url(
+        lease["id"], f"http://127.0.0.1:9/user/{user}/", container.id, engine.engine_id()
+    )
+    return lease, container
+
+
+def reconcile(broker: Broker, servers: DockerServers, alive: set[tuple[str, str]]) -> list[int]:
+    """One round as ``GPUBrokerApp.reconcile_once`` runs it."""
+    as_of = dt.datetime.now(dt.timezone.utc)
+    released = broker.reconcile(alive, as_of, servers.followed())
+    return released + asyncio.run(servers.reconcile(alive, as_of))
+
+
+def test_a_running_container_keeps_its_lease_until_the_broker_stopped_it(
+    db_url: str,
+    docker_client: Any,
+    engine: DockerEngine,
+    private_docker: dockerutil.PrivateDocker,
+) -> None:
+    broker = make_broker(db_url)
+    servers = DockerServers(broker, lambda: engine, LOG)
+    lease, container = serve(broker, docker_client, private_docker.image, engine, "ann")
+    kept, kept_container = serve(broker, docker_client, private_docker.image, engine, "bob")
+    alive = {("bob", "")}  # the hub has lost ann's server (a stop that failed)
+    assert reconcile(broker, servers, alive) == []  # one listing may race a stop
+    assert broker.get_lease(lease["id"])["state"] == "granted"
+    container.reload()
+    assert container.status == "running"
+    assert reconcile(broker, servers, alive) == [lease["id"]]
+    view = broker.get_lease(lease["id"])
+    assert view["release_reason"] == (
+        f"reconcile: the container {container.id[:12]} of server ann/ was stopped by the "
+        "broker: its server is gone from the hub"
+    )
+    with pytest.raises(sdk.errors.NotFound):  # stopped, then removed
+        docker_client.containers.get(container.id)
+    assert broker.get_lease(kept["id"])["state"] == "granted"
+    kept_container.reload()
+    assert kept_container.status == "running"
+    kept_container.remove(force=True)
+    assert reconcile(broker, servers, alive) == [kept["id"]]
+    assert broker.get_lease(kept["id"])["release_reason"].endswith("is gone from the Docker engine")
+
+
+def test_an_overdue_stop_is_carried_out_by_the_broker_before_the_devices_move(
+    db_url: str,
+    docker_client: Any,
+    engine: DockerEngine,
+    private_docker: dockerutil.PrivateDocker,
+) -> None:
+    """The broker asked the hub to stop a server (here a preemption the hub
+    never carries out); past ``evict_timeout`` the lease is not released
+    while the container runs: the broker stops the container, then
+    releases with the stop's reason and cause."""
+    broker = make_broker(db_url, ["1 x H100"])
+    broker.evict_timeout = 0.2
+    asked: list[dict] = []
+    broker.on_evict = asked.append  # a hub that never stops the server
+    servers = DockerServers(broker, lambda: engine, LOG)
+    broker.containers_followed = servers.followed
+    lease, container = serve(broker, docker_client, private_docker.image, engine, "ann")
+    waiting = broker.request_lease("bob", "", gpus=1)
+    assert waiting["state"] == "pending"
+    broker.stop_lease(lease["id"], "culled: idle for 3600 s", cause="cull")
+    assert [x["id"] for x in asked] == [lease["id"]]
+    time.sleep(0.4)
+    broker.schedule_now()  # past evict_timeout: a followed lease is not released here
+    assert broker.get_lease(lease["id"])["state"] == "granted"
+    assert broker.get_lease(waiting["id"])["state"] == "pending"
+    assert reconcile(broker, servers, {("ann", ""), ("bob", "")}) == [lease["id"]]
+    view = broker.get_lease(lease["id"])
+    assert view["release_reason"] == (
+        f"culled: idle for 3600 s (reconcile: the container {container.id[:12]} of server "
+        "ann/ was stopped by the broker: the hub did not stop its server in 0.2 s)"
+    )
+    released = [e for e in broker.lease_events(lease["id"]) if e["kind"] == "released"]
+    assert released[-1]["detail"]["cause"] == "cull"
+    with pytest.raises(sdk.errors.NotFound):
+        docker_client.containers.get(container.id)
+    broker.schedule_now()
+    assert broker.get_lease(waiting["id"])["state"] == "granted"
+
+
+def test_nothing_is_released_while_docker_cannot_be_read(
+    db_url: str,
+    docker_client: Any,
+    engine: DockerEngine,
+    private_docker: dockerutil.PrivateDocker,
+    tmp_path: Any,
+) -> None:
+    broker = make_broker(db_url)
+    lease, container = serve(broker, docker_client, private_docker.image, engine, "ann")
+    unreachable = DockerEngine(docker_url=f"unix://{tmp_path / 'no.sock'}")
+    servers = DockerServers(broker, lambda: unreachable, LOG)
+    # the Docker SDK leaves the socket of a failed version probe to the
+    # garbage collector (docker 7.2, APIClient.__init__): not ours to close
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        try:
+            for _ in range(3):
+                assert reconcile(broker, servers, set()) == []
+        finally:
+            unreachable.close()
+            gc.collect()
+    assert broker.get_lease(lease["id"])["state"] == "granted"
+    container.remove(force=True)
