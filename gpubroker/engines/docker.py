@@ -13,6 +13,9 @@ with the Docker SDK:
   (so a stop's SIGTERM reaches the job);
 * the spec's user as ``UID:GID`` (from the host's user database), its
   environment exactly (nothing of the broker's), its working directory;
+* for a share, its framework caps: the start-up hook mounted read-only at
+  :data:`STARTUP_PATH` and put there on ``PYTHONPATH``; its ``CUDA_MPS_*``
+  variables dropped (no MPS in containers, as ``DockerGPUSpawner``);
 * the user's root directory (``spec.home``, which the broker decides, never
   the user) mounted read-write at the same path, so the job's files, log and
   checkpoints are where the broker reads them; the log is written by the job
@@ -65,6 +68,9 @@ _ERRORS = _errors()
 
 #: where a notebook job's runner (``gpubroker/jobs/nbrun.py``) is mounted
 NBRUN_PATH = "/opt/gpubroker/nbrun.py"
+
+#: where the shares' start-up hook (``gpubroker/enforce/startup``) is mounted
+STARTUP_PATH = "/opt/gpubroker/startup"
 
 # the job's output goes to its log file (inside the mounted home directory)
 _LOGGED = 'exec "$@" >> "$GPUBROKER_LOG" 2>&1'
@@ -190,7 +196,10 @@ class DockerEngine(LoggingConfigurable):
         volumes = {spec.home: {"bind": spec.home, "mode": "rw"}}
         if self.nbrun:
             volumes[self.nbrun] = {"bind": NBRUN_PATH, "mode": "ro"}
-        env = dict(spec.env) | {"GPUBROKER_LOG": spec.stdout or "/dev/null"}
+        env, hook = self._share_env(spec)
+        if hook:
+            volumes[hook] = {"bind": STARTUP_PATH, "mode": "ro"}
+        env |= {"GPUBROKER_LOG": spec.stdout or "/dev/null"}
         requests = (
             [DeviceRequest(driver="nvidia", device_ids=list(spec.devices), capabilities=[["gpu"]])]
             if spec.devices
@@ -230,6 +239,33 @@ class DockerEngine(LoggingConfigurable):
             ", ".join(spec.devices) or "no devices",
         )
         return Handle(self.name, container.id, self.node)
+
+    def _share_env(self, spec: LaunchSpec) -> tuple[dict[str, str], str]:
+        """The job's environment for a container, and the host directory of
+        the shares' start-up hook to mount at :data:`STARTUP_PATH` (``""``:
+        none). A share's framework caps hold in the container: the hook's
+        host path on ``PYTHONPATH`` becomes :data:`STARTUP_PATH`. Its
+        ``CUDA_MPS_*`` variables are dropped (an MPS client would need the
+        host's IPC namespace, which would let every user's container read
+        the others' shared memory), with a warning, as ``DockerGPUSpawner``
+        does; the watchdog still holds the share's memory."""
+        from ..enforce.caps import STARTUP_DIR
+
+        env = dict(spec.env)
+        mps = sorted(name for name in env if name.startswith("CUDA_MPS_"))
+        if mps:
+            self.log.warning(
+                "Docker: lease %s: MPS is not passed into containers; dropped %s",
+                spec.lease_id,
+                ", ".join(mps),
+            )
+            for name in mps:
+                del env[name]
+        entries = env.get("PYTHONPATH", "").split(":") if env.get("PYTHONPATH") else []
+        if STARTUP_DIR not in entries:
+            return env, ""
+        env["PYTHONPATH"] = ":".join(STARTUP_PATH if p == STARTUP_DIR else p for p in entries)
+        return env, STARTUP_DIR
 
     def poll(self, handle: Handle) -> Status:
         """The container's status; one past its time limit is stopped

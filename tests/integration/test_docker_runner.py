@@ -141,3 +141,39 @@ def test_the_reconciliation_reads_containers_of_its_own_engine_only(
     finally:
         client.close()
         engine.close()
+
+
+def test_a_share_job_in_a_container_keeps_its_framework_caps(
+    db_url: str, tmp_path: Path, private_docker: dockerutil.PrivateDocker
+) -> None:
+    """The caps' start-up hook is a host path: the container gets it mounted
+    read-only at /opt/gpubroker/startup, and PYTHONPATH names that."""
+    from gpubroker.engines.docker import STARTUP_PATH
+
+    from ..unit.test_sharing_core import sharing_broker
+
+    broker = sharing_broker(db_url, tmp_path)
+    service = JobService(broker, broker.engine, run_as_self=True, runner="docker")
+    service.root_dir_template = str(tmp_path / "home" / "{username}")
+    engine = service._engine("docker")
+    engine.docker_url, engine.image = private_docker.url, private_docker.image
+    home = tmp_path / "home" / "ann"
+    home.mkdir(parents=True)
+    try:
+        script = (
+            'echo "$PYTHONPATH" > pp.txt; echo "$GPUBROKER_MEMORY_LIMIT_MIB" >> pp.txt; '
+            f"cat {STARTUP_PATH}/sitecustomize.py > hook.py"
+        )
+        job = service.submit("ann", {"command": script, "memory_gib": 10, "pool": "shared"})
+        done = run_until_done(service, job["id"])
+        assert done["state"] == "succeeded", done
+        lease = broker.get_lease(done["lease_id"])
+        assert lease["kind"] == "share"
+        path, limit = (home / "pp.txt").read_text().split()
+        assert path == STARTUP_PATH and int(limit) == 10 * 1024 - 512
+        from gpubroker.enforce.caps import STARTUP_DIR
+
+        hook = Path(STARTUP_DIR) / "sitecustomize.py"
+        assert (home / "hook.py").read_text() == hook.read_text()
+    finally:
+        engine.close()

@@ -94,6 +94,8 @@ def test_the_compose_file_builds_the_images_of_docker_and_names_its_secrets() ->
     assert broker["deploy"]["resources"]["reservations"]["devices"] == [
         {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
     ]
+    # the share watchdog reads and ends host processes that NVML names
+    assert broker["pid"] == "host" and "SYS_PTRACE" in broker["cap_add"]
     # no password on a command line (ps shows it to every local user)
     assert not any("POSTGRES_PASSWORD" in arg for arg in broker["command"])
     assert "${POSTGRES_PASSWORD}" in broker["environment"]["GPUBROKER_DB_URL"]
