@@ -143,9 +143,7 @@ class DockerServers:
         if alive is None or as_of is None:
             self._suspects = set()
             return {}
-        lost = {
-            x.id for x in running if x.created < as_of and (x.user, x.server_name) not in alive
-        }
+        lost = {x.id for x in running if x.created < as_of and (x.user, x.server_name) not in alive}
         orphans = lost & self._suspects
         self._suspects = lost
         return {x: "its server is gone from the hub" for x in orphans}
