@@ -312,7 +312,8 @@ class JobService(LoggingConfigurable):
             notebook = self._inside(user, spec.notebook, "notebook")
             if not _is(notebook.is_file, "notebook"):
                 raise model.JobError("notebook", f"no such notebook: {spec.notebook!r}")
-            if spec.kernel and spec.kernel not in _kernel_names():
+            # a container has its image's kernels, not the host's: checked there
+            if spec.kernel and self.runner != "docker" and spec.kernel not in _kernel_names():
                 raise model.JobError("kernel", f"no such kernel: {spec.kernel!r}")
             cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else notebook.parent
             return {"notebook": notebook, "cwd": cwd}

@@ -469,3 +469,17 @@ def test_a_job_queued_before_min_uid_was_raised_does_not_start(
     assert done["state"] == "failed" and "JobService.min_uid (1000)" in done["reason"], done
     assert not (home / "root" / "ran").exists()
     assert jobs.broker.get_lease(done["lease_id"])["state"] == "released"
+
+
+def test_a_kernel_is_checked_on_the_host_unless_jobs_run_in_containers(
+    jobs: JobService, home: Path
+) -> None:
+    """The local runner uses the host's kernels, so an unknown one is a 400
+    at submit; a container has its image's kernels, which the broker cannot
+    list, so the docker runner leaves the check to papermill there."""
+    notebook(home / "ann" / "a.ipynb", ["1"])
+    with pytest.raises(BadRequest, match="^kernel: no such kernel: 'image-only'$"):
+        jobs.submit("ann", {"notebook": "a.ipynb", "gpus": 1, "kernel": "image-only"})
+    jobs.runner = "docker"
+    job = jobs.submit("ann", {"notebook": "a.ipynb", "gpus": 1, "kernel": "image-only"})
+    assert job["spec"]["kernel"] == "image-only"
