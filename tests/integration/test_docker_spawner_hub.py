@@ -216,7 +216,13 @@ def test_a_server_container_gets_exactly_its_leased_gpu_and_stopping_releases_it
     docker_hub.stop("ann")
     assert hub.leases(user="ann") == []
     ended = hub.broker_api("GET", f"/leases/{lease['id']}").json()
-    assert ended["state"] == "released" and ended["release_reason"] == "server stopped"
+    # the spawner's release, or (when the 2 s reconciliation runs between the
+    # container's exit and that release) the broker's, from what Docker said
+    assert ended["state"] == "released"
+    assert ended["release_reason"] in (
+        "server stopped",
+        f"reconcile: the container {container.id[:12]} of server ann/ exited with status 0",
+    ), ended
     with pytest.raises(sdk.errors.NotFound):
         docker_hub.client.containers.get(container.id)
 
