@@ -219,10 +219,9 @@ def test_a_server_container_gets_exactly_its_leased_gpu_and_stopping_releases_it
     # the spawner's release, or (when the 2 s reconciliation runs between the
     # container's exit and that release) the broker's, from what Docker said
     assert ended["state"] == "released"
-    assert ended["release_reason"] in (
-        "server stopped",
-        f"reconcile: the container {container.id[:12]} of server ann/ exited with status 0",
-    ), ended
+    reconciled = f"reconcile: the container {container.id[:12]} of server ann/ "
+    reason = ended["release_reason"]
+    assert reason == "server stopped" or reason.startswith(reconciled), ended
     with pytest.raises(sdk.errors.NotFound):
         docker_hub.client.containers.get(container.id)
 
