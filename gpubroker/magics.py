@@ -306,6 +306,8 @@ class GPUMagics(Magics):
             logs = self._call("job_logs", args.job, offset, 10.0 if args.follow else 0)
             sys.stdout.write(logs["text"])
             offset = logs["offset"]
+            if logs["text"]:  # more may follow at once (a read is at most 1 MiB)
+                continue
             if not args.follow or logs["state"] not in ("queued", "running"):
                 return
             time.sleep(0.1)

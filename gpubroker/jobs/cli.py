@@ -153,6 +153,8 @@ class LogsCommand(_JobsCall):
             sys.stdout.write(logs["text"])
             sys.stdout.flush()
             offset = logs["offset"]
+            if logs["text"]:  # more may follow at once (a read is at most 1 MiB)
+                continue
             if not self.follow or logs["state"] not in ("queued", "running"):
                 return
             time.sleep(0.1)

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
-import json
 import os
 import pwd
 import signal as signal_module
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
@@ -316,6 +316,8 @@ class JobService(LoggingConfigurable):
             if spec.kernel and self.runner != "docker" and spec.kernel not in _kernel_names():
                 raise model.JobError("kernel", f"no such kernel: {spec.kernel!r}")
             cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else notebook.parent
+            if not _is(cwd.is_dir, "cwd"):
+                raise model.JobError("cwd", f"no such directory: {spec.cwd!r}")
             return {"notebook": notebook, "cwd": cwd}
         cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else self.root_of(user)
         if not _is(cwd.is_dir, "cwd"):
@@ -379,11 +381,12 @@ class JobService(LoggingConfigurable):
 
     def logs(self, job_id: int, offset: int = 0, limit: int = 1 << 20) -> dict[str, Any]:
         """The job's log from byte ``offset``: ``{"text", "offset" (the
-        next), "state"}``; at most ``limit`` bytes."""
+        next), "state"}``; at most ``limit`` bytes, ending at a whole UTF-8
+        character (a character cut by the limit comes with the next read)."""
         with self.sessions() as session:
             job = self._get(session, job_id)
             path, state, user = job.log_path, job.state, job.user
-        text = self._read_log(path, user, offset, limit) if path else b""
+        text = _whole_chars(self._read_log(path, user, offset, limit) if path else b"")
         return {
             "text": text.decode("utf-8", "replace"),
             "offset": offset + len(text),
@@ -709,6 +712,7 @@ class JobService(LoggingConfigurable):
             "LANG": "C.UTF-8",
             **spec["env"],
             **lease["env"],
+            **_pythonpath(spec["env"], lease["env"]),
             "GPUBROKER_JOB_ID": str(job_id),
             "GPUBROKER_RESTART_COUNT": str(restarts),
             "GPUBROKER_CHECKPOINT_DIR": str(root / ".gpubroker" / "checkpoints" / str(job_id)),
@@ -729,7 +733,9 @@ class JobService(LoggingConfigurable):
                 "--log-output",
                 "--no-progress-bar",
             ]
-            argv += ["--cwd", str(cwd), "-y", json.dumps(spec["params"])]
+            # papermill reads -y as YAML 1.1, where JSON's 1e-05 is a string:
+            # PyYAML writes floats so that they read back as floats (1.0e-05)
+            argv += ["--cwd", str(cwd), "-y", yaml.safe_dump(spec["params"], sort_keys=False)]
             if spec["kernel"]:
                 argv += ["-k", spec["kernel"]]
             elif spec.get("python") and self.runner == "local":  # nbrun makes a kernel of it
@@ -923,6 +929,29 @@ def _describe(state: str, status: Any) -> str:
     if status.signal is not None:
         return f"ended by signal {status.signal}"
     return f"exit code {status.exit_code}"
+
+
+def _whole_chars(data: bytes) -> bytes:
+    """``data`` without a UTF-8 character cut at its end (RFC 3629: a lead
+    byte 110xxxxx, 1110xxxx or 11110xxx starts 2, 3 or 4 bytes)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:  # a continuation byte: look further back
+            continue
+        need = {0xC0: 2, 0xD0: 2, 0xE0: 3, 0xF0: 4}.get(byte & 0xF0, 1)
+        if byte >= 0xF8:  # not UTF-8: the reader shows U+FFFD, nothing to wait for
+            need = 1
+        return data if back >= need else data[:-back]
+    return data
+
+
+def _pythonpath(own: dict[str, str], lease: dict[str, str]) -> dict[str, str]:
+    """``PYTHONPATH`` when a share's caps put their start-up hook there and
+    the job has its own: the hook first, then the job's entries (neither is
+    lost); else nothing to change."""
+    if not (own.get("PYTHONPATH") and lease.get("PYTHONPATH")):
+        return {}
+    return {"PYTHONPATH": f"{lease['PYTHONPATH']}:{own['PYTHONPATH']}"}
 
 
 def _kernel_names() -> set[str]:

@@ -20,6 +20,7 @@ kept apart, as ``sacct`` shows ``ExitCode`` as ``code:signal``.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,11 +104,13 @@ def parse_time(text: Any) -> float:
 def parse_params(items: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
     """Notebook parameters: ``["epochs=2", "lr=1e-3", "name=run a"]`` or a
     mapping. A value that is a JSON literal (number, ``true``, ``null``, a
-    quoted string, a list) is that value; any other text is a string.
+    quoted string, a list) is that value; any other text (``NaN`` too) is a
+    string.
 
     Raises:
         JobError: (``param``) an item without ``=``, a name that is not a
-            Python identifier, or more than :data:`MAX_PARAMS`.
+            Python identifier, a number that is not finite (``1e999``), or
+            more than :data:`MAX_PARAMS`.
     """
     pairs: list[tuple[str, Any]] = []
     if isinstance(items, Mapping):
@@ -124,15 +127,41 @@ def parse_params(items: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
     for name, value in pairs:
         if not isinstance(name, str) or not _NAME.match(name):
             raise JobError("param", f"{name!r} is not a Python name")
+        if _has_non_finite(value):
+            raise JobError("param", f"{name}: a number must be finite (at most ~1.8e308)")
         params[name] = value
     return params
 
 
 def _value(raw: str) -> Any:
+    """``raw`` as a JSON literal, else the text itself; ``NaN`` and
+    ``Infinity`` are text (not JSON), a number too large for a float
+    (``1e999``) is refused.
+
+    Raises:
+        JobError: (``param``) a number that is not finite.
+    """
     try:
-        return json.loads(raw)
+        value = json.loads(raw, parse_constant=_not_json)
     except ValueError:
         return raw
+    if _has_non_finite(value):
+        raise JobError("param", f"{raw[:40]!r}: a number must be finite (at most ~1.8e308)")
+    return value
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _has_non_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, list):
+        return any(_has_non_finite(x) for x in value)
+    if isinstance(value, dict):
+        return any(_has_non_finite(x) for x in value.values())
+    return False
 
 
 @dataclass(frozen=True)

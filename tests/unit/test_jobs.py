@@ -478,8 +478,94 @@ def test_a_kernel_is_checked_on_the_host_unless_jobs_run_in_containers(
     at submit; a container has its image's kernels, which the broker cannot
     list, so the docker runner leaves the check to papermill there."""
     notebook(home / "ann" / "a.ipynb", ["1"])
-    with pytest.raises(BadRequest, match="^kernel: no such kernel: 'image-only'$"):
+    with pytest.raises(BadRequest, match=r"^kernel: no such kernel: 'image-only'$"):
         jobs.submit("ann", {"notebook": "a.ipynb", "gpus": 1, "kernel": "image-only"})
     jobs.runner = "docker"
     job = jobs.submit("ann", {"notebook": "a.ipynb", "gpus": 1, "kernel": "image-only"})
     assert job["spec"]["kernel"] == "image-only"
+
+
+def test_notebook_parameters_keep_their_json_types_in_the_notebook(
+    jobs: JobService, home: Path
+) -> None:
+    """Papermill reads its -y as YAML 1.1, where ``1e-05`` is a string: the
+    broker writes the parameters so that each reads back as its own type."""
+    notebook(
+        home / "ann" / "p.ipynb",
+        [
+            "lr = 0.1\nbig = 1\nflag = False\nname = ''\nsizes = []",
+            "open('types.txt', 'w').write(' '.join(type(v).__name__ + ':' + repr(v) "
+            "for v in (lr, big, flag, name, sizes)))",
+        ],
+    )
+    params = ["lr=1e-5", "big=1e20", "flag=true", "name=yes", "sizes=[1, 2.5]"]
+    job = jobs.submit("ann", {"notebook": "p.ipynb", "gpus": 1, "params": params})
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "succeeded", done
+    assert (home / "ann" / "types.txt").read_text().split() == [
+        "float:1e-05",
+        "float:1e+20",
+        "bool:True",
+        "str:'yes'",
+        "list:[1,",
+        "2.5]",
+    ]
+
+
+def test_a_number_that_is_not_finite_is_refused_and_nan_is_text(
+    jobs: JobService, home: Path
+) -> None:
+    notebook(home / "ann" / "p.ipynb", ["x = 1"])
+    for params in (["x=1e999"], {"x": float("inf")}, ["x=[1, -1e400]"]):
+        with pytest.raises(BadRequest, match=r"^param: .*a number must be finite"):
+            jobs.submit("ann", {"notebook": "p.ipynb", "gpus": 1, "params": params})
+    assert jobs.list(None) == [] and jobs.broker.list_leases() == []
+    assert model.parse_params(["x=NaN", "y=Infinity"]) == {"x": "NaN", "y": "Infinity"}
+
+
+def test_a_notebook_jobs_missing_cwd_is_refused_at_submit(jobs: JobService, home: Path) -> None:
+    notebook(home / "ann" / "p.ipynb", ["x = 1"])
+    with pytest.raises(BadRequest, match=r"^cwd: no such directory: 'no/such'$"):
+        jobs.submit("ann", {"notebook": "p.ipynb", "gpus": 1, "cwd": "no/such"})
+    assert jobs.list(None) == [] and jobs.broker.list_leases() == []
+
+
+def test_a_log_read_ends_at_a_whole_character(jobs: JobService, home: Path) -> None:
+    """Parts of a log read with a limit reassemble into the same text: a
+    character the limit cuts comes whole with the next read."""
+    text = "é€😀x" * 50
+    (home / "ann").mkdir(parents=True)
+    job = jobs.submit("ann", {"command": f"printf '%s' '{text}'", "gpus": 1})
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "succeeded", done
+    got, offset = "", 0
+    for _ in range(1000):
+        part = jobs.logs(job["id"], offset, limit=7)
+        if not part["text"]:
+            break
+        got, offset = got + part["text"], part["offset"]
+    assert got == text and "\ufffd" not in got
+
+
+def test_a_share_jobs_own_pythonpath_follows_the_caps_hook(db_url: str, tmp_path: Path) -> None:
+    from gpubroker.enforce.caps import STARTUP_DIR
+
+    from .test_sharing_core import sharing_broker
+
+    broker = sharing_broker(db_url, tmp_path)
+    service = JobService(broker, broker.engine, run_as_self=True, poll_interval=0.2)
+    service.root_dir_template = str(tmp_path / "home" / "{username}")
+    (tmp_path / "home" / "ann").mkdir(parents=True)
+    job = service.submit(
+        "ann",
+        {
+            "command": 'echo "$PYTHONPATH" > pp.txt',
+            "memory_gib": 10,
+            "pool": "shared",
+            "env": {"PYTHONPATH": "/home/ann/lib"},
+        },
+    )
+    done = run_until_done(service, job["id"])
+    assert done["state"] == "succeeded", done
+    seen = (tmp_path / "home" / "ann" / "pp.txt").read_text().strip()
+    assert seen == f"{STARTUP_DIR}:/home/ann/lib"

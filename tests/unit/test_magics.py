@@ -132,3 +132,22 @@ def test_gpu_shows_the_slots_with_their_use_the_quota_left_and_notices(
     assert "MIG-1" in out and "37%" in out and "5.0 GiB" in out
     assert "quota: 0.1429 held, 0 pending, 1.8571 left (device units)" in out
     assert "job-ended" in out
+
+
+def test_gpu_logs_prints_a_finished_jobs_whole_log_read_in_parts(
+    shell: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A read is at most 1 MiB: the magic reads on while text comes, also
+    once the job has ended (it used to stop after the first part)."""
+    ip, recorder = shell
+    parts = ["a" * 10, "b" * 10, "c" * 5, ""]
+
+    def job_logs(job_id: int, offset: int, wait: float) -> dict[str, Any]:
+        text = parts.pop(0)
+        recorder.calls.append(("job_logs", (job_id, offset, wait)))
+        return {"text": text, "offset": offset + len(text), "state": "succeeded"}
+
+    recorder.job_logs = job_logs  # type: ignore[attr-defined]
+    ip.run_line_magic("gpu_logs", "7")
+    assert capsys.readouterr().out == "a" * 10 + "b" * 10 + "c" * 5
+    assert [c[1][1] for c in recorder.calls] == [0, 10, 20, 25]
