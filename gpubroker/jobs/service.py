@@ -155,6 +155,8 @@ class JobService(LoggingConfigurable):
         self.rebinder = Rebinder(broker, self.log)
         self.sessions = broker.session_factory
         self._cancelling: set[int] = set()
+        #: jobs the supervisor is acting on (across its awaits)
+        self._busy: set[int] = set()
 
     def _engine(self, name: str) -> Any:
         """The engine ``name`` (``local``, ``docker``).
@@ -337,14 +339,21 @@ class JobService(LoggingConfigurable):
     async def cancel(self, job_id: int, reason: str, actor: str) -> dict[str, Any]:
         """Cancel a queued job (its lease ends) or stop a running one
         (SIGTERM, then SIGKILL after ``stop_grace``, in a worker thread).
-        Idempotent: a job that has ended is left as it is."""
-        with self.sessions() as session:
-            job = self._get(session, job_id)
-            state, lease_id, handle = job.state, job.lease_id, _handle(job)
-        if state in model.FINAL or job_id in self._cancelling:
+        Idempotent: a job that has ended is left as it is. A job the
+        supervisor is acting on (a launch, a preemption's stop and requeue)
+        is cancelled once that step is done, from the state it left: so the
+        process it launched is stopped and the lease it made is released."""
+        if job_id in self._cancelling:
             return self.get(job_id)
         self._cancelling.add(job_id)  # the supervisor leaves it alone meanwhile
         try:
+            while job_id in self._busy:
+                await asyncio.sleep(0.05)
+            with self.sessions() as session:
+                job = self._get(session, job_id)
+                state, lease_id, handle = job.state, job.lease_id, _handle(job)
+            if state in model.FINAL:
+                return self.get(job_id)
             status = None
             if state == model.RUNNING and handle is not None:
                 loop = asyncio.get_running_loop()
@@ -500,14 +509,25 @@ class JobService(LoggingConfigurable):
         for job_id, state, lease_id, handle, watch in pending:
             if job_id in self._cancelling:
                 continue
-            lease = self.broker.get_lease(lease_id) if lease_id is not None else None
-            if state == model.QUEUED:
-                changed += await self._tick_queued(job_id, lease)
-            elif state == model.RUNNING and handle is not None:
-                changed += await self._tick_running(
-                    job_id, lease, handle, watch, polled.get((handle.engine, handle.id))
-                )
+            self._busy.add(job_id)  # a cancel waits for this step
+            try:
+                if self._state_now(job_id) != state:  # a cancel ended it meanwhile
+                    continue
+                lease = self.broker.get_lease(lease_id) if lease_id is not None else None
+                if state == model.QUEUED:
+                    changed += await self._tick_queued(job_id, lease)
+                elif state == model.RUNNING and handle is not None:
+                    changed += await self._tick_running(
+                        job_id, lease, handle, watch, polled.get((handle.engine, handle.id))
+                    )
+            finally:
+                self._busy.discard(job_id)
         return changed
+
+    def _state_now(self, job_id: int) -> str:
+        """The job's state as stored now."""
+        with self.sessions() as session:
+            return str(self._get(session, job_id).state)
 
     async def _poll_together(
         self, handles: list[Handle]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -569,3 +570,56 @@ def test_a_share_jobs_own_pythonpath_follows_the_caps_hook(db_url: str, tmp_path
     assert done["state"] == "succeeded", done
     seen = (tmp_path / "home" / "ann" / "pp.txt").read_text().strip()
     assert seen == f"{STARTUP_DIR}:/home/ann/lib"
+
+
+def test_a_cancel_during_a_preemptions_stop_leaves_no_lease(jobs: JobService, home: Path) -> None:
+    """The supervisor stops a preempted job (its grace) and requeues it on a
+    new lease; a cancel meanwhile waits for that step, then ends the job
+    and releases the lease the requeue made."""
+    jobs.stop_grace = 2.0
+    (home / "kim").mkdir(parents=True)
+    job = jobs.submit("kim", {"command": "trap '' TERM; sleep 600", "gpus": 1})
+
+    async def main() -> None:
+        await jobs.tick()
+        view = jobs.get(job["id"])
+        assert view["state"] == "running"
+        jobs.broker.preempt_lease(view["lease_id"], "maintenance")
+        tick = asyncio.create_task(jobs.tick())
+        await asyncio.sleep(0.5)
+        cancelled = await jobs.cancel(job["id"], "cancelled by kim", actor="kim")
+        assert cancelled["state"] == "cancelled"
+        await tick
+
+    asyncio.run(main())
+    active = [x for x in jobs.broker.list_leases() if x["state"] in ("granted", "pending")]
+    assert active == []
+
+
+def test_a_cancel_during_a_launch_stops_the_launched_process(jobs: JobService, home: Path) -> None:
+    import subprocess
+    import time
+
+    (home / "kim").mkdir(parents=True)
+    engine = jobs.engines["local"]
+    launch = engine.launch
+
+    def slow_launch(spec: Any) -> Any:  # as docker create or sbatch can take
+        time.sleep(1.0)
+        return launch(spec)
+
+    engine.launch = slow_launch
+    job = jobs.submit("kim", {"command": "echo $$ > pid.txt; exec sleep 600", "gpus": 1})
+
+    async def main() -> None:
+        tick = asyncio.create_task(jobs.tick())
+        await asyncio.sleep(0.3)
+        cancelled = await jobs.cancel(job["id"], "cancelled by kim", actor="kim")
+        assert cancelled["state"] == "cancelled"
+        await tick
+
+    asyncio.run(main())
+    assert jobs.broker.get_lease(jobs.get(job["id"])["lease_id"])["state"] == "released"
+    pid = (home / "kim" / "pid.txt").read_text().strip()
+    alive = subprocess.run(["ps", "-o", "stat=", "-p", pid], capture_output=True, text=True)
+    assert alive.stdout.strip() in ("", "Z"), alive.stdout
