@@ -29,16 +29,34 @@ class OptionsError(ValueError):
 def options_from_form(formdata: dict[str, list[str]]) -> dict[str, Any]:
     """Turn the form's POST data (``{"gpus": ["2"]}``) into ``{"gpus": 2}``.
 
-    A value that is not a decimal integer is kept as the string it was, so
-    that :func:`check_gpu_options` refuses it with its usual message.
+    A value that is not a decimal integer, or has more than
+    :data:`MAX_FORM_DIGITS` digits, is kept as the string it was, so that
+    :func:`check_gpu_options` refuses it with its usual message.
     """
     options: dict[str, Any] = {}
     for key in OPTION_KEYS:
         values = formdata.get(key)
         if values:
             raw = values[0].strip()
-            options[key] = int(raw) if raw.isdecimal() else raw
+            options[key] = int(raw) if raw.isdecimal() and len(raw) <= MAX_FORM_DIGITS else raw
     return options
+
+
+#: most digits of a form value turned into an integer (longer: kept as text)
+MAX_FORM_DIGITS = 6
+#: most characters of a refused value quoted in an error message
+MAX_SHOWN = 40
+
+
+def _shown(value: Any) -> str:
+    """``value`` as JSON for an error message, cut to :data:`MAX_SHOWN` characters."""
+    try:
+        text = json.dumps(value)
+    except TypeError:  # not JSON
+        text = f"a value of type {type(value).__name__}"
+    except ValueError:  # an int too long to write out
+        text = "a number too long to show"
+    return text if len(text) <= MAX_SHOWN else f"{text[: MAX_SHOWN - 3]}..."
 
 
 def check_gpu_options(
@@ -68,10 +86,10 @@ def check_gpu_options(
     gpus = requested_gpus(options, default)
     between = f"between 0 and {limit}" if limit is not None else "0 or more"
     if isinstance(gpus, bool) or not isinstance(gpus, int):
-        raise OptionsError(f"gpus: must be an integer {between}, got {json.dumps(gpus)}")
+        raise OptionsError(f"gpus: must be an integer {between}, got {_shown(gpus)}")
     if gpus < 0 or (limit is not None and gpus > limit):
         most = " (the most this server may have)" if limit is not None else ""
-        raise OptionsError(f"gpus: must be {between}{most}, got {gpus}")
+        raise OptionsError(f"gpus: must be {between}{most}, got {_shown(gpus)}")
     return gpus
 
 
@@ -220,7 +238,7 @@ def select_profile(
         return _profiles.default_profile(profiles)
     if not isinstance(slug, str):
         raise OptionsError(
-            f"profile: must be the slug of a profile (choices: {slugs}), got {json.dumps(slug)}"
+            f"profile: must be the slug of a profile (choices: {slugs}), got {_shown(slug)}"
         )
     for profile in profiles:
         if profile["slug"] == slug:

@@ -24,6 +24,7 @@ import asyncio
 import html
 import json
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -58,6 +59,8 @@ NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"}
 BROKER_RETRY_MESSAGE = "GPU broker restarting, retrying\u2026"
 #: seconds before the first retry of a broker call; doubled up to broker_retry_interval
 FIRST_RETRY_DELAY = 0.25
+#: release reason of a lease this server still had when it was started again
+REPLACED_REASON = "replaced by a new start of the server"
 #: background release retries, held here so the event loop keeps them alive
 _BACKGROUND_RELEASES: set[asyncio.Future[None]] = set()
 
@@ -381,7 +384,10 @@ class GPUSpawnerMixin(LoggingConfigurable):
             await self.apply_gpu_profile(profile)
             return dict(profile["request"])
         limit: int | None = 0
-        if form.requested_gpus(options, self.default_gpus):
+        gpus = form.requested_gpus(options, self.default_gpus)
+        if not (type(gpus) is int and gpus == 0):
+            # any other value needs the real limit: for the grant, or for the
+            # error that names it
             try:
                 limit = await self.gpu_limit()
             except BrokerClientError as err:
@@ -391,8 +397,8 @@ class GPUSpawnerMixin(LoggingConfigurable):
                     ) from None
                 self._defer_broker_checks(err)
                 limit = None
-        gpus = form.check_gpu_options(options, limit, self.default_gpus)
-        return {"gpus": gpus} if gpus else {}
+        count = form.check_gpu_options(options, limit, self.default_gpus)
+        return {"gpus": count} if count else {}
 
     def _defer_broker_checks(self, err: BrokerClientError) -> None:
         if not self._gpu_checks_deferred:
@@ -687,10 +693,11 @@ class GPUSpawnerMixin(LoggingConfigurable):
                 self._gpu_env = dict(lease["env"])
                 self.gpu_devices = [d["uuid"] for d in lease.get("devices") or []]
         except BaseException:
+            # followers of progress() stop here: the hub reports the failure
+            self._gpu_feed.close(failed=True)
             await self._release("spawn failed or was cancelled while waiting for GPUs")
             raise
-        finally:
-            self._gpu_feed.close()
+        self._gpu_feed.close()
         try:
             url = await maybe_future(super().start())  # type: ignore[misc]
         except BaseException:
@@ -734,10 +741,7 @@ class GPUSpawnerMixin(LoggingConfigurable):
         fields = {**request, **self._lease_fields()}
         lease: dict[str, Any]
         try:
-            lease = await self._retrying(
-                lambda: self.broker.request_lease(self.user.name, self.name, **fields),
-                "requesting GPUs",
-            )
+            lease = await self._request_lease(fields)
         except BrokerClientError as err:
             raise spawn_error(f"GPU request refused: {err.message}", "gpu-refused") from err
         self.gpu_lease_id = lease["id"]
@@ -779,6 +783,65 @@ class GPUSpawnerMixin(LoggingConfigurable):
         )
         return lease
 
+    async def _request_lease(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """``POST /leases`` for this server (retried while the broker is
+        unavailable). When the broker answers 409 because this server
+        already has an active lease, that lease is stale (the hub starts one
+        instance of a server at a time, and this start is it: the lease is
+        left from a start whose answer was lost or that was cancelled while
+        the request was on its way, or from a stop whose release the broker
+        did not get): it is released (reason :data:`REPLACED_REASON`) and the
+        request made again, once.
+
+        Raises:
+            BrokerClientError: the broker refused the request (another 409
+                too), or refused again after the stale lease was released.
+            SpawnException: the broker stayed unavailable.
+        """
+
+        async def request() -> dict[str, Any]:
+            return await self._retrying(  # type: ignore[no-any-return]
+                lambda: self.broker.request_lease(self.user.name, self.name, **fields),
+                "requesting GPUs",
+            )
+
+        try:
+            return await request()
+        except BrokerClientError as err:
+            stale = self._own_active_lease(err)
+            if stale is None:
+                raise
+            self.log.warning(
+                "%s: the broker already has active lease %s for this server, left from an "
+                "earlier start or stop; releasing it and requesting again",
+                self._log_name,
+                stale,
+            )
+            try:
+                await self._retrying(
+                    lambda: self._release_call(stale, REPLACED_REASON, note_end=False),
+                    f"releasing lease {stale}",
+                )
+            except BrokerClientError as release_err:
+                if release_err.status != 404:
+                    self.log.error("Could not release lease %s: %s", stale, release_err)
+                    raise err from None
+        return await request()
+
+    def _own_active_lease(self, err: BrokerClientError) -> int | None:
+        """The id of the active lease of this server (this user, this server
+        name) that a 409 to ``POST /leases`` names, else None (a 409 for any
+        other reason, or another error)."""
+        if err.status != 409:
+            return None
+        server = f"{self.user.name}/{self.name or '(default)'}"
+        match = re.fullmatch(
+            rf"server_name: {re.escape(server)} already has active lease (\d+); "
+            r"one active lease per server",
+            err.message.strip(),
+        )
+        return int(match.group(1)) if match else None
+
     async def _poll(self, lease: dict[str, Any], wait: float) -> dict[str, Any]:
         """Long-poll the lease; while the broker restarts (unreachable or 5xx),
         retry as :meth:`_retrying` does.
@@ -814,9 +877,13 @@ class GPUSpawnerMixin(LoggingConfigurable):
         self._gpu_feed.add(event["progress"], event["message"], once=True)
 
     async def progress(self) -> AsyncIterator[dict[str, Any]]:
-        """Spawn progress: queue position and reason while waiting, then the grant."""
+        """Spawn progress: queue position and reason while waiting, then the
+        grant, then the server's own start; when the GPU step failed (refused,
+        timed out in the queue, cancelled), nothing after its events."""
         async for event in self._gpu_feed.follow():
             yield event
+        if self._gpu_feed.failed:
+            return
         async for event in super().progress():  # type: ignore[misc]
             yield event
 

@@ -20,11 +20,14 @@ class ProgressFeed:
     Attributes:
         events: every event added so far, oldest first.
         over: no more events will come (the part of the start it follows is done).
+        failed: that part of the start failed (set by :meth:`close`): the
+            spawn goes no further, so nothing follows these events.
     """
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
         self.over = False
+        self.failed = False
         self._changed = asyncio.Event()
 
     def add(self, progress: int, message: str, once: bool = False) -> bool:
@@ -40,9 +43,11 @@ class ProgressFeed:
         self._changed.set()
         return True
 
-    def close(self) -> None:
-        """No more events: followers stop after the ones added."""
+    def close(self, failed: bool = False) -> None:
+        """No more events: followers stop after the ones added; ``failed``:
+        the part of the start this feed follows failed."""
         self.over = True
+        self.failed = self.failed or failed
         self._changed.set()
 
     async def follow(self) -> AsyncIterator[dict[str, Any]]:
