@@ -105,8 +105,10 @@ def job_body(what: dict[str, Any], **options: Any) -> dict[str, Any]:
     """A ``POST /jobs`` body: ``what`` (``notebook`` and ``params``, or
     ``command``) and the options that are set (``gpus``, ``mig_profile``,
     ``memory_gib``, ``time``, ``kernel``, ``pool``, ``priority_class``,
-    ``retries``; ``None``, ``0`` and ``""`` are left out)."""
-    return dict(what) | {key: value for key, value in options.items() if value}
+    ``retries``; those not given, ``None`` or ``""``, are left out: a
+    ``0`` is sent, so the broker names its limit)."""
+    given = {key: value for key, value in options.items() if value is not None and value != ""}
+    return dict(what) | given
 
 
 def _message(body: bytes) -> str:

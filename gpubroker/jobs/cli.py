@@ -64,13 +64,13 @@ class SubmitCommand(_JobsCall):
 
     name = "submit"
     description = "Submit a notebook (or --command) as a batch job."
-    gpus = Int(0, help="Whole GPUs.").tag(config=True)
+    gpus = Int(None, allow_none=True, help="Whole GPUs.").tag(config=True)
     mig = Unicode("", help="A MIG profile, e.g. 1g.10gb.").tag(config=True)
-    memory = Float(0.0, help="A share of this many GiB.").tag(config=True)
+    memory = Float(None, allow_none=True, help="A share of this many GiB.").tag(config=True)
     time = Unicode("", help="Time limit: seconds, or 90s, 10m, 12h, 2d.").tag(config=True)
     param = List(Unicode(), help="Notebook parameters NAME=VALUE.").tag(config=True)
     kernel = Unicode("", help="The kernel (default: the notebook's).").tag(config=True)
-    retries = Int(0, help="Run again after a failure, this many times.").tag(config=True)
+    retries = Int(None, allow_none=True, help="Run again after a failure, this many times.").tag(config=True)
     command = Unicode("", help="A shell line to run instead of a notebook.").tag(config=True)
     priority_class = Unicode("", help="The priority class (default: batch).").tag(config=True)
     pool = Unicode("", help="The pool.").tag(config=True)
@@ -89,6 +89,10 @@ class SubmitCommand(_JobsCall):
     }
 
     def start(self) -> None:
+        if self.command and (self.extra_args or self.param):
+            given = "a notebook" if self.extra_args else "--param"
+            self.log.critical("give one notebook or --command, not %s with --command", given)
+            self.exit(2)
         if self.command:
             what: dict[str, Any] = {"command": self.command}
         elif len(self.extra_args) == 1:
