@@ -70,7 +70,9 @@ class SubmitCommand(_JobsCall):
     time = Unicode("", help="Time limit: seconds, or 90s, 10m, 12h, 2d.").tag(config=True)
     param = List(Unicode(), help="Notebook parameters NAME=VALUE.").tag(config=True)
     kernel = Unicode("", help="The kernel (default: the notebook's).").tag(config=True)
-    retries = Int(None, allow_none=True, help="Run again after a failure, this many times.").tag(config=True)
+    retries = Int(None, allow_none=True, help="Run again after a failure, this many times.").tag(
+        config=True
+    )
     command = Unicode("", help="A shell line to run instead of a notebook.").tag(config=True)
     priority_class = Unicode("", help="The priority class (default: batch).").tag(config=True)
     pool = Unicode("", help="The pool.").tag(config=True)
