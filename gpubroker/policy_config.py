@@ -8,6 +8,7 @@ taking precedence over configured ones.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -128,6 +129,13 @@ class SchedulingPolicy(LoggingConfigurable):
 
     @staticmethod
     def _classes(items: Iterable[dict[str, Any]]) -> dict[str, PriorityClass]:
+        """The configured classes by name, checked as docs/scheduling.md
+        ("Priority classes") lists: a bad value is refused here, at load,
+        not left to crash every scheduling pass.
+
+        Raises:
+            TraitError: naming the class and the field at fault.
+        """
         classes = {}
         for item in items:
             unknown = set(item) - _CLASS_KEYS
@@ -136,7 +144,35 @@ class SchedulingPolicy(LoggingConfigurable):
                     f"priority_classes: each needs name and rank, and only {sorted(_CLASS_KEYS)};"
                     f" got {item!r}"
                 )
-            classes[item["name"]] = PriorityClass(**item)
+            name = item["name"]
+            if not isinstance(name, str) or not name:
+                raise TraitError(f"priority_classes: name must be a non-empty string, got {name!r}")
+            if name in classes:
+                raise TraitError(f"priority_classes: class {name!r} is defined twice")
+            rank = item["rank"]
+            # bool is an int subclass; True as a rank is a mistake, not 1
+            if not isinstance(rank, int) or isinstance(rank, bool):
+                raise TraitError(
+                    f"priority_classes: class {name!r}: rank must be an integer, got {rank!r}"
+                )
+            for key in ("preempting", "preemptible"):
+                if key in item and not isinstance(item[key], bool):
+                    raise TraitError(
+                        f"priority_classes: class {name!r}: {key} must be True or False,"
+                        f" got {item[key]!r}"
+                    )
+            for key in ("min_runtime", "grace"):
+                value = item.get(key, 0)
+                if (
+                    not isinstance(value, (int, float))
+                    or isinstance(value, bool)
+                    or not 0 <= value < math.inf
+                ):
+                    raise TraitError(
+                        f"priority_classes: class {name!r}: {key} must be seconds >= 0,"
+                        f" got {value!r}"
+                    )
+            classes[name] = PriorityClass(**item)
         return classes
 
     def fingerprint(self) -> str:

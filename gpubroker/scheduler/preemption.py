@@ -5,7 +5,9 @@ A request may take devices back when it is within its guarantee (then
 ``preempting`` (then leases of lower-rank, preemptible classes are). Never a
 lease of a non-preemptible class, never one inside its minimum runtime, never
 one already told. Victims are taken lowest class first, then the most over
-guarantee, then the shortest running; the node needing the fewest victims wins.
+guarantee, then the shortest running, until the request is covered; then
+victims not needed are dropped, the last taken first; the node needing the
+fewest victims wins.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ def find_victims(
         spares = spares[: request.gpus - len(free)]
         need = request.gpus - len(free) - len(spares)
         victims: list[Running] = []
+        owned: list[list[str]] = []  # per victim, its devices the request may use
         devices: list[str] = []
         for victim in index.by_node.get(node, ()):
             if len(devices) >= need:
@@ -152,9 +155,12 @@ def find_victims(
             if not theirs:
                 continue  # its devices are in pools the request may not use
             victims.append(victim)
+            owned.append(theirs)
             devices += theirs
         if len(devices) < need or not (victims or spares):
             continue
+        if len(victims) > 1:
+            victims, devices = _prune(victims, owned, need)
         plan = Plan(node, tuple(victims), free, spares, tuple(devices[:need]))
         key = (len(victims), node)
         if best is None or key < best[0]:
@@ -162,6 +168,26 @@ def find_victims(
         if len(victims) <= 1:
             break  # nothing cheaper than one victim but spares, which come first
     return None if best is None else best[1]
+
+
+def _prune(
+    victims: list[Running], owned: list[list[str]], need: int
+) -> tuple[list[Running], list[str]]:
+    """``victims`` (taken in victim order until ``need`` devices were
+    covered) without those not needed: the last taken is dropped first,
+    while the others still cover ``need``. The greedy pick alone may take a
+    small early victim and then a large one that would have sufficed alone,
+    and no lease should lose its work for nothing (docs/scheduling.md,
+    "Borrowing, reclaim and preemption": victims not needed are dropped). Order is kept, so the
+    result is deterministic."""
+    keep = [True] * len(victims)
+    total = sum(len(d) for d in owned)
+    for i in reversed(range(len(victims))):
+        if total - len(owned[i]) >= need:
+            keep[i] = False
+            total -= len(owned[i])
+    kept = [i for i, k in enumerate(keep) if k]
+    return [victims[i] for i in kept], [d for i in kept for d in owned[i]]
 
 
 def _may_take(

@@ -139,9 +139,13 @@ class Policy:
     max_reservations: int = 100
 
     def class_of(self, name: str) -> PriorityClass:
-        """The class ``name``; an unknown one (e.g. removed from config while
-        requests still name it) ranks lowest and is preemptible."""
-        return self.classes.get(name) or PriorityClass(name, rank=0)
+        """The class ``name``; an unknown one (removed from the config while
+        leases still name it) ranks lowest and is not preemptible, as
+        docs/scheduling.md promises ("Running leases of a class that no
+        longer exists keep running and are never preempted"). Being not
+        preemptible, its pending requests run only within guarantees, like
+        those of any non-preemptible class."""
+        return self.classes.get(name) or PriorityClass(name, rank=0, preemptible=False)
 
     @functools.cached_property
     def has_guarantees(self) -> bool:
