@@ -68,6 +68,18 @@ def last_event_s(session: Session, before: float) -> float:
     return 0.0 if at is None else at.timestamp()
 
 
+def counted_until(session: Session, now_s: float) -> float:
+    """Until when a report read at ``now_s`` (UTC epoch seconds) counts the
+    intervals still open: the broker's last sign of life, as the start-up
+    catch-up sees it (the later of the ledger's heartbeat and the newest log
+    entry stamped before ``now_s``), but never after ``now_s``. So a report
+    read while the broker is down does not count the down time; one read
+    beside a live broker counts up to the ledger's last write. Returns UTC
+    epoch seconds (0 when neither the ledger nor the log ever wrote)."""
+    _, heartbeat = read_mark(session)
+    return min(now_s, max(heartbeat, last_event_s(session, now_s)))
+
+
 def holders_and_slots(
     session: Session, lease_ids: Iterable[int], pool_of: Callable[[str], str]
 ) -> tuple[dict[int, Holder], dict[int, tuple[Slot, ...]]]:
@@ -175,8 +187,9 @@ def _row(interval: Any) -> dict[str, Any]:
 
 def reopen(session: Session, end_s: float, start_s: float) -> tuple[int, int]:
     """Close every open interval at ``end_s`` (``broker-down``; never before
-    its start) and open a copy of it, with the same facts, from
-    ``start_s``. Returns (closed, opened)."""
+    its start) and open a copy of it, with the same facts (its idle seconds
+    of a cull included), from ``start_s`` (both UTC epoch seconds). Returns
+    (closed, opened)."""
     c = _T.c
     copied = [
         c.lease_id,
@@ -193,6 +206,7 @@ def reopen(session: Session, end_s: float, start_s: float) -> tuple[int, int]:
         c.model,
         c.node,
         c.weight,
+        c.idle_s,  # a cull noted before the stop: only the cull-ended copy is summed
     ]
     rows = [dict(r._mapping) for r in session.execute(select(*copied).where(c.end_s.is_(None)))]
     if not rows:
@@ -206,7 +220,7 @@ def reopen(session: Session, end_s: float, start_s: float) -> tuple[int, int]:
         )
     )
     fresh = {"start_s": start_s, "end_s": None, "end_cause": "", "used_gpu_seconds": 0.0}
-    fresh |= {"sampled_s": 0.0, "idle_s": 0.0}
+    fresh |= {"sampled_s": 0.0}
     session.execute(insert(_T), [row | fresh for row in rows])
     return len(rows), len(rows)
 
@@ -266,7 +280,11 @@ def aggregate(
 ) -> list[dict[str, Any]]:
     """Sums over the intervals that overlap ``[start_s, end_s)``, clipped to
     it, grouped by ``key`` (a :data:`KEYS` name; ``None``: one group) and the
-    device model. An open interval counts up to ``now_s``.
+    device model. An open interval counts up to ``now_s`` (the caller passes
+    :func:`counted_until`). An interval that ends exactly at ``start_s`` is
+    read (it adds no time) so that its cull or preemption counts in the
+    range where its end falls: ``start_s <= end < end_s``. All in UTC epoch
+    seconds.
 
     Each row: ``key``, ``model``, ``allocated`` (GPU-seconds: weight *
     overlap), ``used`` (GPU-seconds, pro rata of the overlap), ``wait``
@@ -311,7 +329,7 @@ def aggregate(
     ]
     stmt = (
         select(*columns)
-        .where(and_(c.start_s < hi, or_(c.end_s.is_(None), c.end_s > lo)))
+        .where(and_(c.start_s < hi, or_(c.end_s.is_(None), c.end_s >= lo)))
         .group_by(group_key, c.model)
     )
     if user is not None:

@@ -3,7 +3,10 @@
 It reads the store (``--db-url``, or ``GPUBrokerApp.db_url`` of the
 ``--config`` file) and writes nothing, so it may run beside a live broker:
 the ledger in the store is as new as its last write
-(``Ledger.flush_interval``); ``GET /api/v1/usage`` writes first. Prices
+(``Ledger.flush_interval``); ``GET /api/v1/usage`` writes first. An
+interval still open counts up to the broker's last sign of life, never past
+now, so a report read while the broker is down does not count the down
+time (:func:`gpubroker.store.ledger_repo.counted_until`). Prices
 come from ``Ledger.price_per_gpu_hour`` in the config file.
 """
 

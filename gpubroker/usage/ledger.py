@@ -152,7 +152,9 @@ class Ledger(LoggingConfigurable):
         entries) and reopened, with the same facts, from ``booted``; only
         then are this broker's own entries folded (its adoption of the
         leases may release or grant some at once), so the time the broker
-        was down is never counted.
+        was down is never counted. The catch-up keeps the stored heartbeat
+        (a start killed before its reopen leaves the last sign of life as it
+        was), and the reopen writes the heartbeat ``now``.
 
         Args:
             booted: when this broker process started (UTC epoch seconds;
@@ -162,7 +164,9 @@ class Ledger(LoggingConfigurable):
         boot = now if booted is None else booted
         with self.session_factory() as session:
             _, heartbeat = repo.read_mark(session)  # before the catch-up writes a new one
-        folded = self._fold_all(now, before=boot)
+        # the catch-up writes back the stored heartbeat, not now: a broker
+        # killed before the reopen below leaves the last sign of life as it was
+        folded = self._fold_all(heartbeat, before=boot)
         with self.session_factory.begin() as session:
             event_id, _ = repo.read_mark(session)
             last_alive = max(heartbeat, repo.last_event_s(session, boot))
@@ -188,8 +192,9 @@ class Ledger(LoggingConfigurable):
     def flush(self, now: float | None = None, before: float | None = None) -> int:
         """Fold the new log entries (only those stamped before ``before``,
         when given), add the sampled use, write the heartbeat (``now``, UTC
-        epoch seconds; default the clock), in one transaction. Returns how
-        many entries were folded."""
+        epoch seconds; default the clock; the start-up catch-up passes the
+        stored heartbeat), in one transaction. Returns how many entries were
+        folded."""
         now = self.clock() if now is None else now
         accrued, self._accrued = self._accrued, {}
         try:

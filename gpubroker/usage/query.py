@@ -29,17 +29,18 @@ def build_report(
     Args:
         session_factory: the store's sessions.
         request: the checked request.
-        now: aware UTC; open intervals count up to it.
+        now: aware UTC; open intervals count up to it, or up to the
+            broker's last sign of life when that is earlier (a broker that
+            is down: :func:`gpubroker.store.ledger_repo.counted_until`).
         prices: price per GPU-hour by model.
         user: only this user's intervals (a user reading their own usage).
     """
     rows: list[ReportRow] = []
     with session_factory() as session:
+        upto = repo.counted_until(session, now.timestamp())
         for label, lo, hi in buckets(request):
             key = None if request.by == "day" else request.by
-            sums = repo.aggregate(
-                session, lo.timestamp(), hi.timestamp(), now.timestamp(), key, user
-            )
+            sums = repo.aggregate(session, lo.timestamp(), hi.timestamp(), upto, key, user)
             if request.by == "day":
                 rows.extend(combine([(label, s) for s in sums], prices) or [_empty(label)])
             else:
@@ -59,7 +60,9 @@ def series(
     user: str | None = None,
     top: int = 8,
 ) -> dict[str, Any]:
-    """What the HTML report plots.
+    """What the HTML report plots. ``now``: aware UTC; open intervals
+    count up to it or to the broker's last sign of life, as in
+    :func:`build_report`.
 
     Returns:
         ``days`` (labels), ``users`` (the ``top`` users by allocated
@@ -72,12 +75,11 @@ def series(
     used: dict[str, list[float]] = {}
     totals: dict[str, float] = {}
     with session_factory() as session:
+        upto = repo.counted_until(session, now.timestamp())  # as build_report
         per_day = []
         for label, lo, hi in buckets(daily):
             days.append(label)
-            sums = repo.aggregate(
-                session, lo.timestamp(), hi.timestamp(), now.timestamp(), "user", user
-            )
+            sums = repo.aggregate(session, lo.timestamp(), hi.timestamp(), upto, "user", user)
             per_day.append(combine([(s["key"], s) for s in sums], {}))
             for row in per_day[-1]:
                 totals[row.key] = totals.get(row.key, 0.0) + row.gpu_hours_allocated
@@ -92,7 +94,7 @@ def series(
                 allocated[name].append(row.gpu_hours_allocated if row else 0.0)
                 used[name].append(row.gpu_hours_used if row else 0.0)
         waits = [
-            ((r["end_s"] or now.timestamp()) - r["start_s"]) / 3600
+            ((r["end_s"] or upto) - r["start_s"]) / 3600
             for r in repo.interval_rows(
                 session, request.start.timestamp(), request.end.timestamp(), user
             )

@@ -520,3 +520,100 @@ def test_a_running_lease_held_across_a_restart_is_charged_as_the_ledger_counts_i
     released = again._world.usage["eve"].gpu_seconds
     assert running == pytest.approx(released, rel=1e-9)
     assert released == pytest.approx(8 * 2 * 3600, rel=0.03)  # 2 h held (decayed), not 7
+
+
+def test_a_report_read_while_the_broker_is_down_counts_no_down_time(
+    db_url: str, clock: Clock
+) -> None:
+    """``gpubroker report`` beside a stopped broker counts an open interval
+    up to the broker's last sign of life, as its restart will (found by a
+    review)."""
+    broker = make_broker(db_url)
+    ledger = ledger_of(broker, clock)
+    broker.request_lease("dan", "", 1, holder_kind="external")
+    clock.advance(HOUR)
+    ledger.stop()  # a clean stop: the last heartbeat
+    clock.advance(5 * HOUR)  # down for 5 h, then a report
+    assert report(broker, clock)["dan"].gpu_hours_allocated == pytest.approx(1.0)
+    again = restart(db_url, clock, clock.epoch())
+    assert report(again, clock)["dan"].gpu_hours_allocated == pytest.approx(1.0)
+    clock.advance(HOUR)
+    Ledger(again.session_factory, again.backend, clock=clock.epoch).flush()  # alive again
+    assert report(again, clock)["dan"].gpu_hours_allocated == pytest.approx(2.0)
+
+
+def test_a_start_killed_during_its_catch_up_counts_no_down_time(
+    db_url: str, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The catch-up keeps the stored heartbeat, so a broker killed before
+    its reopen does not make the next start count the time the first
+    broker was down (found by a review)."""
+    from gpubroker.store import ledger_repo
+
+    broker = make_broker(db_url)
+    ledger = ledger_of(broker, clock)
+    broker.request_lease("dan", "", 1, holder_kind="external")
+    clock.advance(HOUR)
+    ledger.flush()  # the last heartbeat, then SIGKILL
+    clock.advance(10 * HOUR)  # down for 10 h
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise SystemExit("SIGKILL during the start-up")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ledger_repo, "reopen", killed)
+        with pytest.raises(SystemExit):
+            Ledger(broker.session_factory, broker.backend, clock=clock.epoch).start()
+    clock.advance(dt.timedelta(seconds=30))
+    again = restart(db_url, clock, clock.epoch())
+    assert report(again, clock)["dan"].gpu_hours_allocated == pytest.approx(1.0)
+
+
+def test_a_cull_counts_its_idle_hours_when_the_broker_restarts_before_the_release(
+    db_url: str, clock: Clock
+) -> None:
+    """The idle seconds of a cull noted before a restart are carried into
+    the reopened interval that the release ends (found by a review)."""
+    broker = make_broker(db_url)
+    broker.on_evict = lambda view: None  # the service stops the hub server
+    ledger = ledger_of(broker, clock)
+    lease = broker.request_lease("ann", "", 2)
+    clock.advance(2 * HOUR)
+    broker.note_lease(lease["id"], "culled", "culled: idle", detail={"idle_seconds": 3600.0})
+    broker.stop_lease(lease["id"], "culled: idle", cause="cull")
+    ledger.flush()
+    clock.advance(dt.timedelta(seconds=5))  # SIGKILL, then a restart
+    again = restart(db_url, clock, clock.epoch())
+    again.on_evict = lambda view: None
+    clock.advance(dt.timedelta(seconds=30))
+    again.release_lease(lease["id"], "server stopped")
+    Ledger(again.session_factory, again.backend, clock=clock.epoch).flush()
+    ann = report(again, clock)["ann"]
+    assert ann.culls == 1
+    assert ann.idle_gpu_hours_culled == pytest.approx(2.0)  # 2 GPUs x 1 h, once
+
+
+def test_a_cull_ending_on_a_days_boundary_counts_on_the_day_it_ends(
+    db_url: str, clock: Clock
+) -> None:
+    """An interval that ends exactly at a period's start counts its cull
+    there, and adds no time (found by a review)."""
+    clock.now = dt.datetime(2026, 11, 2, 20, 0, tzinfo=dt.timezone.utc)
+    broker = make_broker(db_url)  # no hub: a cull releases at once
+    ledger = ledger_of(broker, clock)
+    lease = broker.request_lease("ann", "", 1)
+    clock.now = dt.datetime(2026, 11, 3, 0, 0, tzinfo=dt.timezone.utc)  # midnight exactly
+    broker.note_lease(lease["id"], "culled", "culled: idle", detail={"idle_seconds": 3600.0})
+    broker.stop_lease(lease["id"], "culled: idle", cause="cull")
+    assert broker.get_lease(lease["id"])["state"] == "released"
+    ledger.flush()
+    clock.advance(HOUR)
+    days = report(broker, clock, by="day", start="2026-11-02", end="2026-11-04")
+    assert (days["2026-11-02"].gpu_hours_allocated, days["2026-11-02"].culls) == (
+        pytest.approx(4.0),
+        0,
+    )
+    assert days["2026-11-03"].gpu_hours_allocated == 0
+    assert days["2026-11-03"].culls == 1
+    assert days["2026-11-03"].idle_gpu_hours_culled == pytest.approx(1.0)
+    assert report(broker, clock, start="2026-11-03", end="2026-11-04")["ann"].culls == 1
