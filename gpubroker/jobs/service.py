@@ -621,7 +621,7 @@ class JobService(LoggingConfigurable):
         if lease is not None and lease["state"] == "granted":
             self.broker.release_lease(lease["id"], f"job {job_id} {state_now}", actor="broker")
         if state_now == model.FAILED and self._restarts_left(job_id, False):
-            self._requeue(job_id, f"retried: {_describe(state_now, status)}", status)
+            self._requeue(job_id, f"retried: {_describe(state_now, status)}", status, retry=True)
         else:
             self._finish(job_id, state_now, _describe(state_now, status), status)
         return 1
@@ -668,15 +668,18 @@ class JobService(LoggingConfigurable):
 
     def _restarts_left(self, job_id: int, preempted: bool) -> bool:
         """Whether the job may run again: after a preemption up to
-        ``max_restarts`` times, after a failure up to its ``retries``."""
+        ``max_restarts`` preemptions, after a failure up to its ``retries``
+        failures (each counted apart: ``jobs.retried``)."""
         with self.sessions() as session:
             job = self._get(session, job_id)
-            allowed = self.max_restarts if preempted else int(job.spec.get("retries") or 0)
-            return bool(job.restarts < allowed)
+            if preempted:
+                return bool(job.restarts - job.retried < self.max_restarts)
+            return bool(job.retried < int(job.spec.get("retries") or 0))
 
-    def _requeue(self, job_id: int, reason: str, status: Any) -> None:
+    def _requeue(self, job_id: int, reason: str, status: Any, retry: bool = False) -> None:
         """Queue the job again on a new lease of the same shape, charged by
-        the groups it had at its submission."""
+        the groups it had at its submission; ``retry``: after a failure
+        (counted in ``jobs.retried``), else after a preemption."""
         with self.sessions() as session:
             job = self._get(session, job_id)
             user, asked, old = job.user, dict(job.spec.get("lease") or {}), job.lease_id
@@ -699,6 +702,7 @@ class JobService(LoggingConfigurable):
             model.check_transition(job.state, model.QUEUED)
             job.state, job.reason, job.lease_id = model.QUEUED, reason, lease["id"]
             job.restarts += 1
+            job.retried += int(retry)
             job.warned_at = job.started_at = None
             job.handle_engine = job.handle_id = job.handle_node = ""
             if status is not None:

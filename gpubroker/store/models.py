@@ -447,5 +447,7 @@ class Job(Base):
     handle_node: Mapped[str] = mapped_column(String(255), default="")
     #: times it was requeued (preempted, or retried after a failure)
     restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    #: of those, times it was retried after a failure (``retries`` limits them)
+    retried: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     #: when its process got the warning signal (a stop is near)
     warned_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)

@@ -623,3 +623,27 @@ def test_a_cancel_during_a_launch_stops_the_launched_process(jobs: JobService, h
     pid = (home / "kim" / "pid.txt").read_text().strip()
     alive = subprocess.run(["ps", "-o", "stat=", "-p", pid], capture_output=True, text=True)
     assert alive.stdout.strip() in ("", "Z"), alive.stdout
+
+
+def test_a_preemption_does_not_use_up_a_retry(jobs: JobService, home: Path) -> None:
+    """``retries`` limits the requeues after failures, ``max_restarts`` those
+    after preemptions: a job with one retry, preempted once, still gets its
+    retry when the next run fails."""
+    jobs.stop_grace = 1.0
+    (home / "kim").mkdir(parents=True)
+    script = (
+        'echo "run $GPUBROKER_RESTART_COUNT" >> runs.txt; '
+        'if [ "$GPUBROKER_RESTART_COUNT" = 0 ]; then sleep 60; else exit 1; fi'
+    )
+    job = jobs.submit("kim", {"command": script, "gpus": 1, "retries": 1})
+
+    async def main() -> None:
+        await jobs.tick()
+        assert jobs.get(job["id"])["state"] == "running"
+        jobs.broker.preempt_lease(jobs.get(job["id"])["lease_id"], "maintenance")
+
+    asyncio.run(main())
+    done = run_until_done(jobs, job["id"])
+    assert (done["state"], done["restarts"]) == ("failed", 2), done
+    runs = (home / "kim" / "runs.txt").read_text().split()
+    assert runs == ["run", "0", "run", "1", "run", "2"]
