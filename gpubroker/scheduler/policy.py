@@ -128,6 +128,10 @@ class _Pass:
     #: victim searches that found none, valid for (pool version, preemptions)
     no_victims: dict[tuple[object, ...], tuple[int, int]] = field(default_factory=dict)
 
+    #: requests with valid earmarked devices, counted as held from the
+    #: pass's start (:func:`_count_earmarked`): lease id -> covered
+    counted: dict[int, bool] = field(default_factory=dict)
+
     #: the victim index, built on the first victim search (:meth:`victims`)
     _victims: VictimIndex | None = None
     #: what the victim index is built from: holdings and told leases at the start
@@ -240,7 +244,11 @@ class _Pass:
         if request.time_limit is not None:
             ends = self.now + dt.timedelta(seconds=request.time_limit)
         self.pool.take(devices, ends)
-        self.acct.add(request.lease_id, request.user, request.group, float(len(devices)))
+        covered = self.counted.get(request.lease_id)
+        if covered is None:
+            self.acct.add(request.lease_id, request.user, request.group, float(len(devices)))
+        elif not covered:  # counted as held at the pass's start
+            self.acct.borrowed.add(request.lease_id)
         self.grants.append(Grant(request.lease_id, devices))
 
     def grant_parts(self, request: Request, parts: tuple[Part, ...]) -> None:
@@ -348,8 +356,11 @@ def _fractional(p: _Pass, request: Request) -> Miss | None:
 
 
 def _held(p: _Pass, request: Request) -> bool:
-    """Steps 1: limits, size and class rules. True when the request must wait."""
-    hit = p.acct.limit_hit(request)
+    """Steps 1: limits, size and class rules. True when the request must wait.
+    A request counted as held (:func:`_count_earmarked`) adds nothing more
+    to its limits and guarantees."""
+    counted = request.lease_id in p.counted
+    hit = p.acct.limit_hit(request, 0.0 if counted else None)
     if hit is not None:
         kind, name, held, limit = hit
         reason = WaitReason.quota_user if kind == "user" else WaitReason.quota_group
@@ -362,8 +373,10 @@ def _held(p: _Pass, request: Request) -> bool:
         p.wait(request, WaitReason.pool_drained, None, detail)
         return True
     cls = p.state.policy.class_of(request.priority_class)
-    if not cls.preemptible and not p.acct.within_guarantee(
-        request.user, request.group, request.amount
+    if (
+        not cls.preemptible
+        and not counted
+        and not p.acct.within_guarantee(request.user, request.group, request.amount)
     ):
         detail = f"class {cls.name} is not preemptible, so it only runs within your guarantee"
         p.wait(request, WaitReason.over_guarantee, None, detail)
@@ -377,17 +390,33 @@ def _earmarked(p: _Pass, request: Request) -> None:
     if not busy:
         p.grant(request, request.earmarked)
         return
-    _counts_as_held(p, request)
     eta = max(p.pool.available_from[d] for d in busy)
     detail = f"{gpus_text(len(busy))} being reclaimed for you, expected by {clock(eta, p.now)}"
     p.wait(request, WaitReason.preempting, eta, detail, request.earmarked)
 
 
-def _counts_as_held(p: _Pass, request: Request) -> None:
+def _counts_as_held(p: _Pass, request: Request) -> bool:
     """A request with devices reclaimed for it counts as held from now on, so
-    its guarantee and limits are not used twice."""
-    p.acct.add(-request.lease_id, request.user, request.group, request.amount)
+    its guarantee and limits are not used twice. Returns whether it is covered."""
+    covered = p.acct.add(-request.lease_id, request.user, request.group, request.amount)
     p.acct.borrowed.discard(-request.lease_id)  # not a lease yet: never reported
+    return covered
+
+
+def _count_earmarked(p: _Pass) -> None:
+    """Count every request with devices earmarked for it (by a reclaim or
+    preemption of an earlier pass) as held before the walk, so a request
+    ranked ahead of it cannot reclaim with the same guarantee again. Only
+    earmarks step 2 will honour count: all devices in service and in the
+    request's pool (else it is placed anew and counted when granted)."""
+    slots = p.pool.slots
+    for request in p.state.pending:
+        if (
+            request.earmarked
+            and request.kind == "gpus"
+            and all(d in slots and in_pool(slots[d], request.pool) for d in request.earmarked)
+        ):
+            p.counted[request.lease_id] = _counts_as_held(p, request)
 
 
 def _preempt(p: _Pass, request: Request, window: bool) -> bool:
@@ -480,6 +509,7 @@ def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:
     p.told.update(e.lease_id for e in evictions)
     _spare_of_told(p, withdrawn)
     p._victim_basis = (p.acct.holdings(), frozenset(p.told))
+    _count_earmarked(p)
     _walk(p, queue_order(state, now))
     return Decisions(
         grants=tuple(p.grants),
@@ -527,6 +557,7 @@ def _walk(p: _Pass, order: list[Request]) -> None:
     #: shape of a fractional request -> (sharing pool version, miss)
     missed: dict[tuple[object, ...], tuple[int, Miss]] = {}
     wait, wait_plain = p.wait, p.wait_plain
+    counted = p.counted
     #: set once the window is full and a request was blocked: from then on
     #: it stays so for the rest of the pass
     closed = False
@@ -534,6 +565,8 @@ def _walk(p: _Pass, order: list[Request]) -> None:
         user, group = request.user, request.group
         weight = request.weight
         amount = float(request.gpus) if weight is None else weight
+        if counted and request.lease_id in counted:
+            amount = 0.0  # already counted as held (_count_earmarked)
         # step 1: limits, size and class rules (_held decides and records a hit)
         limit = user_limit.get(user)
         if limit is None:
