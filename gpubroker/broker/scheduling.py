@@ -5,6 +5,7 @@ answers that wait for a pass. A part of the broker
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
 from collections.abc import Callable, Mapping
@@ -243,11 +244,14 @@ class Scheduling:
         return evicted, decisions
 
     def state(self) -> tuple[scheduler.SchedulerState, dict[int, Lease]]:
-        """The scheduler's view of memory (:func:`build_state`): MIG
-        instances being made occupy their slices, and their requests are
-        left out."""
+        """The scheduler's view of memory (:func:`build_state`): a grant
+        being made (MIG instances, an MPS daemon starting) is left out of
+        the requests and counts as running with the parts it is about to
+        hold (:meth:`SharingOps.preparing_running`), so its shares' memory
+        and its MIG slices are taken for every pass meanwhile; MIG
+        instances being made also occupy their slices as instances."""
         sharing = self.sharing
-        return build_state(
+        state, leases = build_state(
             self.world,
             self.policy(),
             self.topology(),
@@ -258,3 +262,8 @@ class Scheduling:
             share_placement=self.settings.share_placement,
             share_sizes=tuple(round(s * 1024) for s in self.settings.share_mix_gib),
         )
+        preparing = sharing.preparing_running()
+        if preparing:
+            running = sorted((*state.running, *preparing), key=lambda r: r.lease_id)
+            state = dataclasses.replace(state, running=tuple(running))
+        return state, leases

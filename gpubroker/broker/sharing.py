@@ -20,17 +20,18 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..commands import command
+from ..devices import mig
 from ..devices.base import DeviceBackend, DeviceBackendError
 from ..devices.mig import Placement
 from ..devices.models import MODELS
 from ..enforce import EnforcementError
 from ..enforce.caps import framework_env
 from ..enforce.mps import MPSControl
-from ..errors import BadRequest, NotFound
+from ..errors import BadRequest, Conflict, NotFound
 from ..model.holdings import LeaseRef
 from ..passes import PREPARING, grant_parts, set_wait
 from ..pools import Pools, PoolSpec
-from ..scheduler import Instance, Part, PoolMode
+from ..scheduler import Instance, Part, PoolMode, Running
 from ..store.models import Device, Lease
 from ..store.repository import Repository
 from .actuator import Actuator
@@ -115,6 +116,8 @@ class SharingOps:
         self.actuator: Actuator | None = None
         #: grants whose MIG instances are being made: lease id -> parts
         self._preparing: dict[int, tuple[Part, ...]] = {}
+        #: when each grant of :attr:`_preparing` began to be made (aware UTC)
+        self._preparing_since: dict[int, dt.datetime] = {}
         #: leases whose instance could not be made: lease id -> (failures,
         #: monotonic time before which no new try is made)
         self.retry_after: dict[int, tuple[int, float]] = {}
@@ -142,6 +145,31 @@ class SharingOps:
         for uuid, planned in self.preparing_instances().items():
             instances.setdefault(uuid, []).extend(planned)
         return instances
+
+    def preparing_running(self) -> tuple[Running, ...]:
+        """The pending leases whose grant is being made (:attr:`preparing`),
+        as the running leases they are about to become: for the scheduler,
+        what they will hold is taken from the start of the making (shares'
+        memory, MIG slices, quotas), so no pass hands it out again
+        meanwhile. A lease cancelled meanwhile is left out (its share holds
+        nothing; an instance made for it is destroyed again)."""
+        found = []
+        for lease_id, parts in self._preparing.items():
+            lease = self._world.leases.get(lease_id)
+            if lease is None or lease.state != "pending":
+                continue
+            found.append(
+                Running(
+                    lease_id=lease_id,
+                    user=lease.user,
+                    devices=(),
+                    started=self._preparing_since.get(lease_id, lease.created),
+                    group=lease.group_name,
+                    priority_class=lease.priority_class,
+                    parts=parts,
+                )
+            )
+        return tuple(found)
 
     def forget_retry(self, lease_id: int) -> None:
         """Drop the backoff of ``lease_id`` (it is released)."""
@@ -221,6 +249,7 @@ class SharingOps:
             for part in made:
                 if part.kind == "mig" and part.instance and not self._is_static(part.device):
                     self._destroy(part.device, part.instance)
+            self._learn_instances(parts)
             if isinstance(err, RuntimeError):
                 raise
             raise DeviceBackendError(str(err)) from err
@@ -244,6 +273,7 @@ class SharingOps:
         if time.monotonic() < not_before:
             return None  # keeps the failure as its wait; tried after the backoff
         self._preparing[lease.id] = parts
+        self._preparing_since[lease.id] = self.runner.now()
         lease_id = lease.id
         self.actuator.submit(
             f"preparing lease {lease_id}",
@@ -293,17 +323,24 @@ class SharingOps:
         request waiting on and tried again after a backoff
         (``grant_retry_backoff`` seconds, doubling, at most 60 s); or, for
         a request cancelled meanwhile, the instances destroyed again
-        (nothing is left half-made)."""
-        self._preparing.pop(lease_id, None)
+        (nothing is left half-made). A share's device is checked again
+        first (:meth:`_share_room_problem`): a grant it has no room for any
+        more fails as above instead of over-committing the device."""
+        parts = self._preparing.pop(lease_id, ())
+        self._preparing_since.pop(lease_id, None)
         now = self.runner.now()
         world = self._world
         with self.runner.write() as repo:
             found = world.leases.get(lease_id)
             lease = found if found is not None and found.state == "pending" else None
             rec = self.runner.rec(repo, now, "scheduler")
+            if err is None and made is not None and lease is not None:
+                problem = self._share_room_problem(lease, made)
+                if problem is not None:
+                    err = DeviceBackendError(problem)
             if err is not None or made is None:
                 if lease is not None:
-                    self._failed(lease, err, rec)
+                    self._failed(lease, err, rec, made or parts)
             else:
                 known = {i.uuid for found in self._mig_inventory.values() for i in found}
                 for part in made:
@@ -320,8 +357,41 @@ class SharingOps:
             self.schedule(repo, now)
         self.notify()
 
-    def _failed(self, lease: Lease, err: BaseException | None, rec: Any) -> None:
-        """Record a failed making of ``lease``'s instances, and its backoff."""
+    def _share_room_problem(self, lease: Lease, parts: tuple[Part, ...]) -> str | None:
+        """Why ``parts``' shares no longer fit their devices (in service,
+        share room ``memory_total_mib`` less the pool's reserve, MiB, less
+        the shares granted there to other leases), or ``None`` when they
+        fit: checked when a prepared grant is committed."""
+        for part in parts:
+            if part.kind != "share":
+                continue
+            device = self._world.devices.get(part.device)
+            if device is None or not device.present:
+                return f"device {part.device} is no longer in the inventory"
+            room = device.memory_total_mib - self.pool_spec(part.device).reserve_mib
+            used = sum(
+                a.memory_mib or 0
+                for x in self._world.active()
+                if x.state == "granted" and x.id != lease.id
+                for a in x.allocations
+                if a.active and a.kind == "share" and a.device_uuid == part.device
+            )
+            if used + part.memory_mib > room:
+                return (
+                    f"device {part.device} has {max(room - used, 0)} MiB of share room left,"
+                    f" less than the {part.memory_mib} MiB asked"
+                )
+        return None
+
+    def _failed(
+        self, lease: Lease, err: BaseException | None, rec: Any, parts: tuple[Part, ...] = ()
+    ) -> None:
+        """Record a failed making of ``lease``'s instances, and its backoff;
+        re-read the MIG instances of the devices of its MIG ``parts``
+        (:meth:`_learn_instances`): one made outside the broker is learned,
+        so the next pass places the request elsewhere or tells the true
+        reason it waits."""
+        self._learn_instances(parts)
         failures = self.retry_after.get(lease.id, (0, 0.0))[0] + 1
         delay = min(60.0, self.retry_backoff() * 2.0 ** (failures - 1))
         self.retry_after[lease.id] = (failures, time.monotonic() + delay)
@@ -384,6 +454,32 @@ class SharingOps:
         self._mig_inventory.setdefault(part.device, []).append(
             Instance(part.profile, part.start, part.size, part.instance, part.memory_mib)
         )
+
+    def _learn_instances(self, parts: Iterable[Part]) -> None:
+        """Re-read the MIG instances of the devices of ``parts``' MIG parts
+        through the backend, after a make failed there (an instance made by
+        hand, unknown to the inventory, may have been in the way). A device
+        that cannot be listed keeps the instances known."""
+        for device in sorted({p.device for p in parts if p.kind == "mig"}):
+            if device not in self._mig_inventory:
+                continue
+            try:
+                found = self.backend.mig_devices(device)
+            except (DeviceBackendError, KeyError) as err:
+                self.log.error("Cannot list the MIG instances of %s: %s", device, err)
+                continue
+            read = [
+                Instance(m.profile, m.placement.start, m.placement.size, m.uuid, m.memory_mib)
+                for m in found
+            ]
+            new = {i.uuid for i in read} - {i.uuid for i in self._mig_inventory[device]}
+            if new:
+                self.log.warning(
+                    "MIG instance(s) %s on %s were not made by the broker: their slices are taken",
+                    ", ".join(sorted(new)),
+                    device,
+                )
+            self._mig_inventory[device] = read
 
     def preparing_instances(self) -> dict[str, list[Instance]]:
         """The MIG instances being made, by device (they occupy their
@@ -559,17 +655,42 @@ class SharingOps:
 
         Raises:
             NotFound: no such device.
-            BadRequest: the model does not support MIG, or MIG mode on for
-                a device outside a pool of mode ``mig`` (no request could
-                use its instances: it would only stop being granted whole).
+            Conflict: the device is absent from the inventory, or a change
+                of its MIG mode to the other mode runs now (it cannot be
+                reversed until done: the switch would destroy what a grant
+                got meanwhile).
+            BadRequest: the model does not support MIG or is not in the MIG
+                catalogue (:func:`gpubroker.devices.mig.spec_for`), or MIG
+                mode on for a device outside a pool of mode ``mig`` (no
+                request could use its instances: it would only stop being
+                granted whole).
         """
         with self.runner.write() as repo:
             device = repo.device(uuid)
             if device is None:
                 raise NotFound(f"device {uuid}: no such device")
+            if not device.present:
+                raise Conflict(
+                    f"mig_mode: device {uuid} is absent from the inventory (not seen at the"
+                    " last inventory read); its MIG mode cannot change"
+                )
+            key = mig_mode_key(uuid)
+            if self.actuator is not None and self.actuator.busy(key):
+                under_way = device.mig_target
+                if under_way is None or bool(under_way) != enabled:
+                    now = "on" if under_way else "off"
+                    raise Conflict(
+                        f"mig_mode: the MIG mode of device {uuid} is being turned {now} now;"
+                        " ask again once that change is done"
+                    )
             model = MODELS.get(device.name)
             if enabled and model is not None and not model.mig_capable:
                 raise BadRequest(f"mig_mode: {device.name} does not support MIG")
+            if enabled and mig.spec_for(device.name) is None:
+                raise BadRequest(
+                    f"mig_mode: device {uuid} is a {device.name}, which is not in the MIG"
+                    f" catalogue (it has: {', '.join(mig.SPECS)})"
+                )
             pool = self.pool_spec(uuid)
             if enabled and pool.mode != "mig":
                 raise BadRequest(
@@ -617,8 +738,8 @@ class SharingOps:
             busy = {a.device_uuid for x in world.active() for a in x.allocations if a.active}
             busy |= {p.device for parts in self._preparing.values() for p in parts}
             for device in targets:
-                if device.uuid in busy:
-                    continue
+                if device.uuid in busy or not device.present:
+                    continue  # held; or absent: the backend does not know it
                 uuid, target = device.uuid, bool(device.mig_target)
                 instances = [i.uuid for i in self._mig_inventory.get(uuid, [])]
                 if self.actuator is not None:
@@ -653,9 +774,9 @@ class SharingOps:
 
         Raises:
             MigModeRefused: the mode cannot be set (an instance that could
-                not be destroyed makes the mode change fail); it carries
-                the instances left on the device (MIG mode still on) or
-                none.
+                not be destroyed makes the mode change fail, or the backend
+                does not know the device); it carries the instances left
+                on the device (MIG mode still on) or none.
         """
         for instance in instances:
             try:
@@ -664,6 +785,8 @@ class SharingOps:
                 self.log.error("Cannot destroy MIG instance %s on %s: %s", instance, uuid, err)
         try:
             self.backend.set_mig_mode(uuid, target)
+        except KeyError:
+            raise MigModeRefused(f"device {uuid} is not known to the device backend", []) from None
         except DeviceBackendError as err:
             # the mode is unchanged: MIG is on exactly when it was to go off
             left = self._read_instances(uuid) if not target else []

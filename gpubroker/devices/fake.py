@@ -564,7 +564,10 @@ class FakeDeviceBackend(DeviceBackend):
 
         Setting the current mode does nothing. Otherwise refused while MIG
         devices exist on the GPU or the state records processes on it (NVML
-        answers ``NVML_ERROR_IN_USE``).
+        answers ``NVML_ERROR_IN_USE``). The count of MIG devices ever
+        created on the GPU is kept across the change, so a MIG device made
+        afterwards never gets the UUID of one made before (a real driver
+        never reuses MIG UUIDs).
 
         Raises:
             KeyError: ``uuid`` is not a GPU of this backend.
@@ -595,7 +598,9 @@ class FakeDeviceBackend(DeviceBackend):
                 f"cannot turn MIG mode {mode} on {gpu.describe()}: in use by process(es) "
                 f"{', '.join(map(str, pids))}"
             )
-        self._save_mig(state, gpu, _MigRecord(enabled, []))
+        # the creation counter survives the change: a real driver never
+        # gives a MIG device a UUID another had before
+        self._save_mig(state, gpu, _MigRecord(enabled, [], record.created))
         self.log.info("SIMULATED MIG mode %s on device %d", mode, gpu.index)
 
     def _pids(self, state: Mapping[str, Any], uuid: str) -> list[int]:

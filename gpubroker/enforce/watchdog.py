@@ -3,11 +3,16 @@
 Each check, the broker samples the compute processes of its shared devices
 (NVML ``nvmlDeviceGetComputeRunningProcesses``, as
 :class:`~gpubroker.devices.base.ProcessInfo`: pid and used memory in MiB)
-and calls :meth:`ShareWatchdog.judge`, which is pure (no clock, no OS):
+and calls :meth:`ShareWatchdog.judge`, which reads no clock and touches
+no process (the uids it compares come from the injectable
+:attr:`ShareWatchdog.uid_of_pid` and :attr:`ShareWatchdog.holder_uid`):
 
 - a process belongs to the lease named by ``GPUBROKER_LEASE_ID`` in its
-  environment or its parents' (:func:`lease_of_pid`); processes of no lease
-  are ignored (debug log);
+  environment or its parents' of the same uid (:func:`lease_of_pid`), and
+  only when its uid is the lease holder's, where that is known
+  (:attr:`ShareCap.uid`, else the holder's POSIX account,
+  :attr:`ShareWatchdog.check_uid`); processes of no lease are ignored
+  (debug log), those of another uid too (warning log);
 - the memory a lease uses on its share's device is the sum of its
   processes' memory there; the lease is *over* when that sum exceeds
   ``cap_mib + tolerance_mib``;
@@ -27,10 +32,14 @@ ended, which frees its memory.
 Limits: after the fact (memory over the cap is held until the deadline);
 sees what NVML reports, in the host's PID namespace, so the broker must run
 in the host's PID namespace (not in a container of its own). Attribution
-trusts the processes' environment: a user can clear or forge
-``GPUBROKER_LEASE_ID`` in a process they start with a fresh environment, so
-this stops accidents, not attacks; MPS (:mod:`gpubroker.enforce.mps`) is the
-hard cap. On a real node the broker must run as root (or as the notebook
+trusts the processes' environment within one uid: a user can clear
+``GPUBROKER_LEASE_ID`` in a process they start with a fresh environment,
+or name another of their own leases; a process of another uid that names
+a lease is not that lease's where the holder's uid is known (a holder
+with no POSIX account on the host, e.g. a hub user whose servers run in
+containers as a shared account, is attributed by the environment alone).
+So this stops accidents, not attacks; MPS (:mod:`gpubroker.enforce.mps`)
+is the hard cap. On a real node the broker must run as root (or as the notebook
 users' owner) to read ``/proc/<pid>/environ`` of users' processes and to
 signal them.
 """
@@ -39,6 +48,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import pwd
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -61,12 +71,16 @@ class ShareCap:
         user: its holder.
         device_uuid: NVML UUID of the shared device.
         cap_mib: device memory the lease may use on it, MiB (its ``memory_mib``).
+        uid: the POSIX uid its holder's processes run as, where the caller
+            knows it; ``None``: the watchdog looks it up
+            (:attr:`ShareWatchdog.holder_uid`).
     """
 
     lease_id: int
     user: str
     device_uuid: str
     cap_mib: int
+    uid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -167,9 +181,20 @@ class ShareWatchdog(LoggingConfigurable):
         5,
         help="Seconds an ended process gets between SIGTERM and SIGKILL.",
     ).tag(config=True)
+    check_uid = Bool(
+        True,
+        help="Attribute a process to a share lease only when the process runs as its holder's "
+        "uid (the holder's POSIX account on this host; not checked for a holder without one): "
+        "a process of another user that names the lease in its environment is never warned "
+        "or ended for it.",
+    ).tag(config=True)
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
+        #: the real uid of a process, ``None`` when unknown (gone, no /proc)
+        self.uid_of_pid: Callable[[int], int | None] = process_uid
+        #: the uid of a holder's processes by user name, ``None`` when unknown
+        self.holder_uid: Callable[[str], int | None] = user_uid
         #: (lease id, device uuid, pid) -> deadline of its warning (aware UTC)
         self.warned: dict[tuple[int, str, int], dt.datetime] = {}
         #: (lease id, device uuid, pid) of processes a Terminate was issued for
@@ -190,7 +215,11 @@ class ShareWatchdog(LoggingConfigurable):
                 or any iterable of caps (a lease with shares on several
                 devices has one cap per device; each is judged alone).
             lease_of_pid: the lease of a process, or ``None`` (e.g.
-                :func:`lease_of_pid`); called once per pid.
+                :func:`lease_of_pid`); called once per pid. With
+                :attr:`check_uid`, a process whose uid
+                (:attr:`uid_of_pid`) is not its lease holder's
+                (:attr:`ShareCap.uid`, else :attr:`holder_uid`) belongs to
+                no lease; either uid unknown: not checked.
             now: the time of the sample (aware UTC); no clock is read here.
 
         Returns:
@@ -206,6 +235,7 @@ class ShareWatchdog(LoggingConfigurable):
         by_share: dict[tuple[int, str], list[ProcessSample]] = {}
         seen: set[tuple[int, str, int]] = set()
         owners: dict[int, int | None] = {}
+        holders: dict[int, int | None] = {}
         for sample in samples:
             if sample.pid not in owners:
                 owners[sample.pid] = lease_of_pid(sample.pid)
@@ -218,8 +248,11 @@ class ShareWatchdog(LoggingConfigurable):
                     sample.used_memory_mib,
                 )
                 continue
-            if (lease_id, sample.device_uuid) not in caps:
+            cap = caps.get((lease_id, sample.device_uuid))
+            if cap is None:
                 continue  # not a share lease, or not one of its shares' devices
+            if not self._holders_process(cap, sample, holders):
+                continue
             seen.add((lease_id, sample.device_uuid, sample.pid))
             by_share.setdefault((lease_id, sample.device_uuid), []).append(sample)
         self.warned = {k: v for k, v in self.warned.items() if k in seen}
@@ -228,6 +261,36 @@ class ShareWatchdog(LoggingConfigurable):
         for key in sorted(by_share):
             actions.extend(self._judge_lease(caps[key], by_share[key], now))
         return actions
+
+    def _holders_process(
+        self, cap: ShareCap, sample: ProcessSample, holders: dict[int, int | None]
+    ) -> bool:
+        """Whether ``sample``'s process may be the process of ``cap``'s lease:
+        its uid is the holder's, or either uid is unknown (or
+        :attr:`check_uid` is off). ``holders``: the holders' uids of this
+        judgement by lease id (each looked up once)."""
+        if not self.check_uid:
+            return True
+        if cap.lease_id not in holders:
+            holders[cap.lease_id] = cap.uid if cap.uid is not None else self.holder_uid(cap.user)
+        expected = holders[cap.lease_id]
+        if expected is None:
+            return True
+        found = self.uid_of_pid(sample.pid)
+        if found is None or found == expected:
+            return True
+        self.log.warning(
+            "Process %s on %s (%s MiB) names lease %s of %s (uid %s) but runs as uid %s;"
+            " not the lease's, ignored",
+            sample.pid,
+            sample.device_uuid,
+            sample.used_memory_mib,
+            cap.lease_id,
+            cap.user,
+            expected,
+            found,
+        )
+        return False
 
     def _judge_lease(
         self, cap: ShareCap, procs: list[ProcessSample], now: dt.datetime
@@ -346,6 +409,32 @@ def _stat_fields(pid: int) -> list[str] | None:
     return text[end + 2 :].split() if end >= 0 else None
 
 
+def process_uid(pid: int) -> int | None:
+    """The real uid of ``pid`` (``Uid:`` of ``/proc/<pid>/status``), or
+    ``None`` when unreadable (gone, no /proc)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            fields = line.split()
+            try:
+                return int(fields[1])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def user_uid(user: str) -> int | None:
+    """The uid of POSIX account ``user`` on this host, or ``None`` when it has none."""
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except (KeyError, UnicodeEncodeError, ValueError):
+        return None
+
+
 def parent_pid(pid: int) -> int | None:
     """The parent of ``pid`` (``/proc/<pid>/stat``), or ``None`` when unreadable."""
     fields = _stat_fields(pid)
@@ -358,7 +447,9 @@ def parent_pid(pid: int) -> int | None:
 def lease_of_pid(pid: int, max_depth: int = 4) -> int | None:
     """The lease a process belongs to: ``GPUBROKER_LEASE_ID`` in its
     environment (``/proc/<pid>/environ``, NUL-separated), else in its
-    parent's, up to ``max_depth`` ancestors (not init, pid 1).
+    parent's, up to ``max_depth`` ancestors (not init, pid 1) that run as
+    the process's own uid (a parent of another uid, e.g. a root daemon that
+    started it, does not lend it its lease).
 
     Args:
         pid: a process id in the broker's PID namespace.
@@ -370,8 +461,11 @@ def lease_of_pid(pid: int, max_depth: int = 4) -> int | None:
         must run as root or as the users' owner).
     """
     current: int | None = pid
+    uid = process_uid(pid)
     for _ in range(max_depth + 1):
         if current is None or current <= 1:
+            return None
+        if current != pid and uid is not None and process_uid(current) != uid:
             return None
         value = _environ_value(current, LEASE_ENV)
         if value is not None:
