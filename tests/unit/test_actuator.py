@@ -5,10 +5,6 @@ a retry succeeds, and a request cancelled meanwhile leaves nothing behind."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,18 +116,6 @@ async def test_a_retry_at_once_after_a_failure_is_not_dropped(broker: Broker) ->
 
 
 # -- MPS daemons of shares, started off the event loop ----------------------------
-
-
-@pytest.fixture
-def standin(tmp_path: Path) -> Iterator[StandIn]:
-    """A stand-in ``nvidia-cuda-mps-control``; its daemons ended by pid."""
-    fake = StandIn(tmp_path)
-    try:
-        yield fake
-    finally:
-        for pid in fake.daemon_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture

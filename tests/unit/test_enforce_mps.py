@@ -5,15 +5,12 @@ pid file the real daemon creates) drives real subprocesses and real files."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -98,17 +95,6 @@ def wait_gone(pid: int, timeout: float = 5) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-@pytest.fixture
-def standin(tmp_path: Path) -> Iterator[StandIn]:
-    fake = StandIn(tmp_path)
-    try:
-        yield fake
-    finally:  # end every stand-in daemon left behind, by its pid
-        for pid in fake.daemon_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_ensure_daemon_starts_once_with_the_device_env(standin: StandIn) -> None:

@@ -20,7 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,18 +69,6 @@ def broker(db_url: str, tmp_path: Path) -> Broker:
     broker = sharing_broker(db_url, tmp_path)
     broker.actuator = Actuator(broker.log, backoff=0.01)
     return broker
-
-
-@pytest.fixture
-def standin(tmp_path: Path) -> Iterator[StandIn]:
-    """A stand-in ``nvidia-cuda-mps-control``; its daemons ended by pid."""
-    fake = StandIn(tmp_path)
-    try:
-        yield fake
-    finally:
-        for pid in fake.daemon_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 # -- 1. shares being prepared count as taken --------------------------------------------
