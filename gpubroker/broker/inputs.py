@@ -62,6 +62,7 @@ def running_of(
         priority_class=lease.priority_class,
         ends=lease.ends_at,
         preempt_deadline=lease.preempt_deadline,
+        preempted_for=lease.preempted_for,
         parts=tuple(part_of(a) for a in active if a.kind != "device"),
         held_before=held[0] if held else None,
         held_since=held[1] if held else None,

@@ -9,13 +9,13 @@ simulator and the broker follow the same rules. In the order
 1. evictions: the lease leaves ``running`` (``granted`` -> ``released``);
    its GPU-seconds, decayed, are charged to its user's usage record (as
    :func:`gpubroker.usage.record_usage` does at a release);
-2. withdrawn preemptions: the lease's ``preempt_deadline`` is cleared;
+2. withdrawn preemptions: the lease's ``preempt_deadline`` and ``preempted_for`` are cleared;
 3. grants: the request leaves ``pending`` and becomes a
    :class:`~gpubroker.scheduler.Running` lease (``pending`` -> ``granted``)
    holding the granted whole devices, or the granted ``parts`` (MIG
    instances, shares; its weight is then the parts' weights summed), with
    ``started`` = now and ``ends`` = now + its time limit;
-4. preemptions: the victim's ``preempt_deadline`` is set (a ``preempting``
+4. preemptions: the victim's ``preempt_deadline`` and ``preempted_for`` are set (a ``preempting``
    note); it keeps running until an eviction ends it;
 5. waits: each waiting request takes the wait's earmarked devices (the
    devices being reclaimed for it); a ``waiting`` note is given when its
@@ -353,7 +353,9 @@ def apply(
         if lease is None:
             raise ApplyError(f"withdrawn preemption of lease {lease_id}, which is not running")
         if lease.preempt_deadline is not None:
-            lease = marked[lease_id] = running[lease_id] = replace(lease, preempt_deadline=None)
+            lease = marked[lease_id] = running[lease_id] = replace(
+                lease, preempt_deadline=None, preempted_for=None
+            )
         why = "no longer needed for another request"
         events.append(LeaseEvent(lease_id, "preemption-withdrawn", GRANTED, GRANTED, why, now))
     granted: list[Running] = []
@@ -384,7 +386,7 @@ def apply(
         if victim is None:
             raise ApplyError(f"preempted lease {preemption.lease_id} is not running")
         victim = marked[victim.lease_id] = running[victim.lease_id] = replace(
-            victim, preempt_deadline=preemption.deadline
+            victim, preempt_deadline=preemption.deadline, preempted_for=preemption.for_lease
         )
         detail = {
             "for_lease": preemption.for_lease,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 
-from .types import WaitReason
+from .types import INTERACTIVE_POOLS, WaitReason
 
 
 @functools.lru_cache(maxsize=65536)
@@ -43,14 +43,25 @@ def wait_message(
     eta: dt.datetime | None,
     now: dt.datetime,
     detail: str = "",
-    planned: bool = True,
+    why: str = "",
 ) -> str:
     """One sentence: what blocks the request, its place, its estimated start.
 
-    ``planned``: whether the request could have had an ETA (whole GPUs);
-    when it has none because GPUs are held without a time limit, say so.
-    MIG and share requests are never planned, so nothing is added."""
-    head, tail = wait_parts(reason, eta, now, detail, planned)
+    Args:
+        reason: why it waits.
+        position: its 1-based place in the queue.
+        eta: its estimated start (aware UTC), ``None`` when unknown.
+        now: the pass's time (aware UTC), to tell whether ``eta`` is today.
+        detail: said instead of the reason's usual words when given.
+        why: why the estimated start is unknown (:data:`UNTIMED`,
+            :func:`unplanned`), said after it only when ``eta`` is ``None``;
+            ``""``: nothing is said (it is not known why, or there is no
+            plan for this kind of request, e.g. MIG instances and shares).
+
+    Returns:
+        ``waiting: <what>; you are <position> in the queue; estimated start
+        <when>[ (<why>)]``."""
+    head, tail = wait_parts(reason, eta, now, detail, why)
     return f"{head}{ordinal(position)}{tail}"
 
 
@@ -65,7 +76,33 @@ _LEAD = {
     WaitReason.pool_drained: "no node has that many GPUs in service",
     WaitReason.fragmented: "the free MIG slices are scattered by other instances",
 }
-_UNPLANNED = (WaitReason.resources, WaitReason.priority, WaitReason.reserved)
+
+#: ``why`` of a wait whose planned GPUs include one held by a lease without
+#: a time limit (so nobody can tell when it frees up)
+UNTIMED = " (GPUs are held without a time limit)"
+
+
+def unplanned(limit: int) -> str:
+    """``why`` of a wait that got no reservation because ``limit``
+    (``Policy.max_reservations``) blocked requests ahead of it have one."""
+    if limit <= 0:
+        return " (blocked requests get no estimate)"
+    if limit == 1:
+        return " (only the first blocked request gets an estimate)"
+    return f" (only the first {limit} blocked requests get an estimate)"
+
+
+def drained(gpus: int, pool: str | None, largest: int) -> str:
+    """The ``PoolDrained`` detail of a request for ``gpus`` whole devices of
+    ``pool`` (a pool's name, :data:`INTERACTIVE_POOLS` or ``None``: any),
+    where the node with the most devices in service it may use has ``largest``."""
+    if pool is None:
+        where = f"no node has {gpus} GPUs in service"
+    elif pool == INTERACTIVE_POOLS:
+        where = f"no node has {gpus} GPUs in service outside batch pools"
+    else:
+        where = f"no node of pool {pool} has {gpus} GPUs in service"
+    return f"{where} (largest: {largest})"
 
 
 def wait_parts(
@@ -73,13 +110,11 @@ def wait_parts(
     eta: dt.datetime | None,
     now: dt.datetime,
     detail: str = "",
-    planned: bool = True,
+    why: str = "",
 ) -> tuple[str, str]:
     """:func:`wait_message` around the ordinal of the position: ``(head,
     tail)``, so that a pass builds them once for the many requests that
     wait for the same reason (``head + ordinal(position) + tail``)."""
     text = detail or _LEAD[reason]
-    why = ""
-    if planned and eta is None and reason in _UNPLANNED:
-        why = " (GPUs are held without a time limit)"
-    return f"waiting: {text}; you are ", f" in the queue; {when(eta, now)}{why}"
+    note = why if eta is None else ""
+    return f"waiting: {text}; you are ", f" in the queue; {when(eta, now)}{note}"

@@ -118,6 +118,8 @@ class Pool:
     available_from: dict[str, dt.datetime] = field(default_factory=dict)
     earmarked: set[str] = field(default_factory=set)
     _largest: int | None = None
+    #: :meth:`largest_node` per pool asked for (not ``None``)
+    _largest_in: dict[str, int] = field(default_factory=dict)
     _largest_free: int | None = None
     _times: dict[str, list[dt.datetime]] = field(default_factory=dict)
     #: per node, per pool: sorted next-free times of its devices of that pool
@@ -169,11 +171,22 @@ class Pool:
         slot = self.slots.get(uuid)
         return None if slot is None else slot.node
 
-    def largest_node(self) -> int:
-        """Devices in service on the largest node (fixed for the pass)."""
-        if self._largest is None:
-            self._largest = max((len(v) for v in self.by_node.values()), default=0)
-        return self._largest
+    def largest_node(self, pool: str | None = None) -> int:
+        """Devices in service on the node with the most of them (fixed for
+        the pass): of all devices, or, when ``pool`` is given (a pool's name
+        or :data:`~gpubroker.scheduler.types.INTERACTIVE_POOLS`), of the
+        devices a request for ``pool`` may use (:func:`in_pool`); 0 when
+        there are none."""
+        if pool is None or pool == self.only_pool():
+            if self._largest is None:
+                self._largest = max((len(v) for v in self.by_node.values()), default=0)
+            return self._largest
+        largest = self._largest_in.get(pool)
+        if largest is None:
+            largest = self._largest_in[pool] = max(
+                (sum(1 for s in v if in_pool(s, pool)) for v in self.by_node.values()), default=0
+            )
+        return largest
 
     def largest_free(self) -> int:
         """Most free devices on one node, reservations aside (cached until a change)."""

@@ -5,20 +5,25 @@ Order: priority class rank, then fair-share factor (in steps of
 each request is
 
 1. held at a limit (``QuotaUserLimit``/``QuotaGroupLimit``) or refused
-   service when too large (``PoolDrained``) or when its non-preemptible class
-   would run above guarantee (``OverGuarantee``);
+   service when larger than every node of the pool it asks for
+   (``PoolDrained``) or when its non-preemptible class would run above
+   guarantee (``OverGuarantee``);
 2. granted devices reclaimed for it once they are free (earmarked);
 3. granted now when devices are free on one node, topology-aware, and not
    reserved for a request ahead of it, unless it ends before that
    reservation (backfill);
 4. else, when it may preempt (within guarantee, or a ``preempting`` class),
    given victims: they are told now and evicted after their grace period,
-   and their devices are earmarked for it alone;
+   and their devices (with free ones not reserved for a request ahead) are
+   earmarked for it alone;
 5. else given a reservation on the devices that free up first (up to
-   ``Policy.max_reservations`` per pass), whose start is its ETA.
+   ``Policy.max_reservations`` per pass), whose start is its ETA; it waits
+   for ``Reserved``, ``Priority`` (a competing request ahead is blocked
+   too) or ``Resources``.
 
 Leases told of a preemption whose grace is over are evicted; a preemption
-whose request went away is withdrawn.
+whose request went away is withdrawn (:func:`_evictions`), and the pass
+treats its victim as running untold.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from . import fairshare
 from .accounting import EPS, Accounting
-from .messages import clock, ordinal, wait_parts
+from .messages import UNTIMED, clock, drained, ordinal, unplanned, wait_parts
 from .messages import gpus as gpus_text
 from .placement import NEVER, Pool
 from .preemption import VictimIndex, find_victims
@@ -118,8 +123,20 @@ class _Pass:
     waiting_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: the names of the batch pools (:attr:`Slot.batch`), set by :func:`schedule`
     batch_pools: frozenset[str] = frozenset()
-    #: message parts by (reason, eta, detail, whole)
-    _messages: dict[tuple[WaitReason, dt.datetime | None, str, bool], tuple[str, str]] = field(
+    #: waits so far blocked for devices (step 5: ``Resources``, ``Priority``,
+    #: ``Reserved``) by (slot kind, pool asked for), and by slot kind
+    blocked_waiting: dict[tuple[str, str | None], int] = field(
+        default_factory=lambda: defaultdict(int)
+    )
+    blocked_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: devices held by leases without a time limit (and not told): nobody
+    #: knows when they free up
+    untimed: frozenset[str] = frozenset()
+    #: why a wait has no ETA once the reservation window is full
+    #: (:func:`~gpubroker.scheduler.messages.unplanned`)
+    window_full: str = ""
+    #: message parts by (reason, eta, detail, why the ETA is unknown)
+    _messages: dict[tuple[WaitReason, dt.datetime | None, str, str], tuple[str, str]] = field(
         default_factory=dict
     )
     #: (gpus, ends, pool) that found no devices: free devices only go
@@ -151,17 +168,23 @@ class _Pass:
 
     def _ahead(self, kind: str, pool: str) -> int:
         """Waits so far of ``kind`` that compete with a request of ``pool``
-        (a pool's name, or :data:`INTERACTIVE_POOLS`): those asking for any
-        pool, for the same one, and, between the interactive pools and one
-        of them, each other (batch pools are not interactive ones)."""
-        waiting = self.waiting
-        batch = self.batch_pools
-        if pool == INTERACTIVE_POOLS:
-            return self.waiting_kind[kind] - sum(waiting[(kind, b)] for b in batch)
-        ahead = waiting[(kind, pool)] + waiting[(kind, None)]
-        if batch and pool not in batch:
-            ahead += waiting[(kind, INTERACTIVE_POOLS)]
-        return ahead
+        (:func:`_competing`)."""
+        return _competing(self.waiting, self.waiting_kind, self.batch_pools, kind, pool)
+
+    def blocked_ahead(self, request: Request) -> bool:
+        """Whether a request ahead of ``request`` that competes with it
+        (same kind, overlapping pool: :func:`_competing`) waits blocked for
+        devices; then ``request`` waits for ``Priority``, not ``Resources``."""
+        kind, pool = request.kind, request.pool
+        if pool is None:
+            return self.blocked_kind[kind] > 0
+        return _competing(self.blocked_waiting, self.blocked_kind, self.batch_pools, kind, pool) > 0
+
+    def block(self, request: Request) -> None:
+        """Record that ``request`` waits blocked for devices (step 5)."""
+        self.blocked = True
+        self.blocked_waiting[(request.kind, request.pool)] += 1
+        self.blocked_kind[request.kind] += 1
 
     def position(self, request: Request) -> int:
         """1-based place among the waits so far that compete with ``request``:
@@ -181,20 +204,22 @@ class _Pass:
         eta: dt.datetime | None = None,
         detail: str = "",
         earmarked: tuple[str, ...] = (),
+        why: str = "",
     ) -> None:
         """Record that ``request`` waits; its message is built from parts
-        shared by the requests that wait for the same reason."""
+        shared by the requests that wait for the same reason. ``eta``: aware
+        UTC or ``None``; ``why``: why the ETA is unknown
+        (:func:`~gpubroker.scheduler.messages.wait_message`)."""
         kind, pool = request.kind, request.pool  # position(request), inlined (hot)
         waiting = self.waiting
         position = (self.waiting_kind[kind] if pool is None else self._ahead(kind, pool)) + 1
         waiting[(kind, pool)] += 1
         self.waiting_kind[kind] += 1
         if self.explain:
-            whole = kind == "gpus"
-            key = (reason, eta, detail, whole)
+            key = (reason, eta, detail, why)
             parts = self._messages.get(key)
             if parts is None:
-                parts = wait_parts(reason, eta, self.now, detail, whole)
+                parts = wait_parts(reason, eta, self.now, detail, why)
                 self._messages[key] = parts
             message = parts[0] + ordinal(position) + parts[1]
         else:
@@ -214,7 +239,7 @@ class _Pass:
         )
         self.waits.append(wait)
 
-    def wait_plain(self, request: Request, reason: WaitReason) -> None:
+    def wait_plain(self, request: Request, reason: WaitReason, why: str = "") -> None:
         """:meth:`wait` without ETA, detail or earmarked devices (the common
         case: thousands per pass), with less work per call; the same Wait."""
         kind, pool = request.kind, request.pool
@@ -228,10 +253,10 @@ class _Pass:
         values["position"] = position
         values["reason"] = reason
         if self.explain:
-            key = (reason, None, "", kind == "gpus")
+            key = (reason, None, "", why)
             parts = self._messages.get(key)
             if parts is None:
-                parts = self._messages[key] = wait_parts(reason, None, self.now, "", key[3])
+                parts = self._messages[key] = wait_parts(reason, None, self.now, "", why)
             values["message"] = parts[0] + ordinal(position) + parts[1]
         else:
             values["message"] = ""
@@ -265,21 +290,106 @@ _NEW = object.__new__
 _SET = object.__setattr__
 
 
-def _evictions(state: SchedulerState, now: dt.datetime) -> tuple[list[Eviction], list[int]]:
+def _competing(
+    counts: dict[tuple[str, str | None], int],
+    totals: dict[str, int],
+    batch: frozenset[str],
+    kind: str,
+    pool: str | None,
+) -> int:
+    """Of the waits counted in ``counts`` (by slot kind and pool asked for)
+    and ``totals`` (by slot kind), those of ``kind`` that compete with a
+    request of ``pool`` (``None``: any pool; a pool's name; or
+    :data:`INTERACTIVE_POOLS`): every one for a request of any pool; else
+    those asking for any pool, for the same one, and, between the
+    interactive pools and one of them, each other (``batch``: the batch
+    pools, which are not interactive ones)."""
+    if pool is None:
+        return totals[kind]
+    if pool == INTERACTIVE_POOLS:
+        return totals[kind] - sum(counts[(kind, b)] for b in batch)
+    ahead = counts[(kind, pool)] + counts[(kind, None)]
+    if batch and pool not in batch:
+        ahead += counts[(kind, INTERACTIVE_POOLS)]
+    return ahead
+
+
+def _evictions(
+    state: SchedulerState, now: dt.datetime
+) -> tuple[list[Eviction], list[int], frozenset[int]]:
     """Leases past their time limit or their preemption grace, and
-    preemptions whose request went away."""
-    wanted = {d for r in state.pending if r.earmarked for d in r.earmarked}
+    preemptions to withdraw (their victims keep running).
+
+    A preemption is withdrawn when its request went away: for a victim whose
+    request is known (``Running.preempted_for``), when that request is no
+    longer pending or its earmarked devices no longer include the victim's;
+    else when no pending request's earmarked devices include the victim's.
+    The earmarks of other requests on a withdrawn victim's devices (its
+    spare devices, taken because it was being evicted anyway) are dropped:
+    those requests are placed anew, and preemptions for them are withdrawn
+    in turn by the same rule.
+
+    Returns:
+        (evictions, withdrawn lease ids in ``state.running`` order, lease
+        ids of the pending requests whose earmarks are dropped).
+    """
+    earmarks = {r.lease_id: r.earmarked for r in state.pending if r.earmarked}
+    told = [
+        lease
+        for lease in state.running
+        if lease.preempt_deadline is not None and (lease.ends is None or lease.ends > now)
+    ]
+    withdrawn: set[int] = set()
+    dropped: set[int] = set()
+    while True:  # until no earmark is dropped (one round unless requesters are known)
+        wanted = {d for e in earmarks.values() for d in e}
+        gone: set[str] = set()
+        for lease in told:
+            if lease.lease_id in withdrawn:
+                continue
+            if lease.preempted_for is None:
+                needed = not wanted.isdisjoint(lease.devices)
+            else:
+                mine = earmarks.get(lease.preempted_for, ())
+                needed = any(d in mine for d in lease.devices)
+            if not needed:
+                withdrawn.add(lease.lease_id)
+                gone.update(lease.devices)
+        stale = [i for i, e in earmarks.items() if not gone.isdisjoint(e)]
+        if not stale:
+            break
+        for lease_id in stale:
+            del earmarks[lease_id]
+            dropped.add(lease_id)
     evict, withdraw = [], []
     for lease in state.running:
         if lease.ends is not None and lease.ends <= now:
             evict.append(Eviction(lease.lease_id, "time limit reached"))
         elif lease.preempt_deadline is None:
             continue
-        elif not wanted.intersection(lease.devices):
+        elif lease.lease_id in withdrawn:
             withdraw.append(lease.lease_id)
         elif lease.preempt_deadline <= now:
             evict.append(Eviction(lease.lease_id, "preempted: grace period over"))
-    return evict, withdraw
+    return evict, withdraw, frozenset(dropped)
+
+
+def _without_withdrawn(
+    state: SchedulerState, withdrawn: list[int], dropped: frozenset[int]
+) -> SchedulerState:
+    """``state`` as the pass sees it once the ``withdrawn`` preemptions are
+    undone: those victims untold (they may be chosen again, and their
+    devices free up at their own end), and the ``dropped`` requests without
+    earmarked devices (they are placed anew)."""
+    gone = set(withdrawn)
+    running = tuple(
+        replace(lease, preempt_deadline=None, preempted_for=None)
+        if lease.lease_id in gone
+        else lease
+        for lease in state.running
+    )
+    pending = tuple(replace(r, earmarked=()) if r.lease_id in dropped else r for r in state.pending)
+    return replace(state, running=running, pending=pending)
 
 
 def _busy_until(running: Iterable[Running], now: dt.datetime) -> dict[str, dt.datetime]:
@@ -321,7 +431,24 @@ def _start(state: SchedulerState, now: dt.datetime) -> _Pass:
     )
     acct = Accounting.of(state.policy, state.running)
     batch = frozenset(s.pool for s in state.slots if s.batch)
-    return _Pass(state, now, acct, pool, running, sharing, explain=state.explain, batch_pools=batch)
+    untimed = frozenset(
+        uuid
+        for lease in running
+        if lease.ends is None and lease.preempt_deadline is None
+        for uuid in (*lease.devices, *(part.device for part in lease.parts))
+    )
+    return _Pass(
+        state,
+        now,
+        acct,
+        pool,
+        running,
+        sharing,
+        explain=state.explain,
+        batch_pools=batch,
+        untimed=untimed,
+        window_full=unplanned(state.policy.max_reservations),
+    )
 
 
 def _fractional(p: _Pass, request: Request) -> Miss | None:
@@ -368,8 +495,9 @@ def _held(p: _Pass, request: Request) -> bool:
         detail = f"{who} {held:g} of {'your' if kind == 'user' else 'its'} {gpus_text(limit)} limit"
         p.wait(request, reason, None, detail)
         return True
-    if request.whole and request.gpus > p.pool.largest_node():
-        detail = f"no node has {request.gpus} GPUs in service (largest: {p.pool.largest_node()})"
+    largest = p.pool.largest_node(request.pool)
+    if request.whole and request.gpus > largest:
+        detail = drained(request.gpus, request.pool, largest)
         p.wait(request, WaitReason.pool_drained, None, detail)
         return True
     cls = p.state.policy.class_of(request.priority_class)
@@ -476,24 +604,31 @@ def _preempt(p: _Pass, request: Request, window: bool) -> bool:
 
 
 def _reserve(p: _Pass, request: Request) -> None:
-    """Step 5: a reservation and ETA (within the window), else wait unplanned."""
+    """Step 5: a reservation and ETA (within the window), else wait unplanned.
+
+    The reason is ``Reserved`` when enough devices are free but reserved
+    for requests ahead; else ``Priority`` when a competing request ahead is
+    blocked too, else ``Resources``. Without an ETA, the message says why
+    when it is known: the window is full, or a device planned for it is
+    held without a time limit."""
     could_fit = p.pool.fits_ignoring_reservations(request.gpus, request.pool)
+    if could_fit:
+        reason = WaitReason.reserved
+    elif p.blocked_ahead(request):
+        reason = WaitReason.priority
+    else:
+        reason = WaitReason.resources
+    p.block(request)
     if p.reservations >= p.state.policy.max_reservations:
-        blocked = WaitReason.priority if p.blocked else WaitReason.resources
-        p.blocked = True
-        p.wait(request, WaitReason.reserved if could_fit else blocked)
+        p.wait(request, reason, why=p.window_full)
         return
     p.reservations += 1
     planned = p.pool.reserve(request.gpus, request.time_limit, request.pool)
     eta = None if planned is None or planned[0] >= NEVER else planned[0]
-    if could_fit:
-        reason = WaitReason.reserved
-    elif p.blocked:
-        reason = WaitReason.priority
-    else:
-        reason = WaitReason.resources
-    p.blocked = True
-    p.wait(request, reason, eta)
+    why = ""
+    if planned is not None and eta is None and not p.untimed.isdisjoint(planned[1]):
+        why = UNTIMED
+    p.wait(request, reason, eta, why=why)
 
 
 def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:
@@ -504,7 +639,9 @@ def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:
         grace is over, a :class:`Wait` for every other request in queue order
         (position, reason, message, ETA), and the reclaimable lease ids.
     """
-    evictions, withdrawn = _evictions(state, now)
+    evictions, withdrawn, dropped = _evictions(state, now)
+    if withdrawn:
+        state = _without_withdrawn(state, withdrawn, dropped)
     p = _start(state, now)
     p.told.update(e.lease_id for e in evictions)
     _spare_of_told(p, withdrawn)
@@ -545,7 +682,10 @@ def _walk(p: _Pass, order: list[Request]) -> None:
     policy = state.policy
     max_reservations = policy.max_reservations
     has_guarantees = policy.has_guarantees
-    largest = pool.largest_node()
+    largest_any = pool.largest_node()
+    largest_node = pool.largest_node
+    window_full = p.window_full
+    blocked_waiting, blocked_kind, batch_pools = p.blocked_waiting, p.blocked_kind, p.batch_pools
     slots = pool.slots
     no_fit = p.no_fit
     user_held, group_held = acct.user_held, acct.group_held
@@ -581,6 +721,7 @@ def _walk(p: _Pass, order: list[Request]) -> None:
             _held(p, request)
             continue
         whole = request.kind == "gpus"
+        largest = largest_any if request.pool is None else largest_node(request.pool)
         if whole and request.gpus > largest:
             _held(p, request)
             continue
@@ -597,14 +738,24 @@ def _walk(p: _Pass, order: list[Request]) -> None:
             # node has this many devices free (free devices only go during
             # a pass): no placement, reservation or class preemption can
             # happen, so what the full path gives is a plain wait for
-            # Priority, unless a reclaim for a request within guarantee is
+            # Priority (Resources when no competing request ahead is
+            # blocked), unless a reclaim for a request within guarantee is
             # possible
             if not (
                 has_guarantees
                 and request.pool in _ANY_POOL
                 and acct.within_guarantee(user, group, amount)
             ):
-                wait_plain(request, _PRIORITY)
+                # p.blocked_ahead(request) and p.block(request), inlined (hot)
+                kind, wanted = request.kind, request.pool
+                ahead = (
+                    blocked_kind[kind]
+                    if wanted is None
+                    else _competing(blocked_waiting, blocked_kind, batch_pools, kind, wanted)
+                )
+                wait_plain(request, _PRIORITY if ahead else _RESOURCES, window_full)
+                blocked_waiting[(kind, wanted)] += 1
+                blocked_kind[kind] += 1
                 continue
         elif not closed and p.blocked and p.reservations >= max_reservations:
             closed = True
@@ -651,10 +802,10 @@ def _walk(p: _Pass, order: list[Request]) -> None:
             continue
         # _reserve once the window is full: no reservation, no ETA
         if pool.fits_ignoring_reservations(request.gpus, request.pool):
-            wait_plain(request, _RESERVED)
+            wait_plain(request, _RESERVED, window_full)
         else:
-            wait_plain(request, _PRIORITY if p.blocked else _RESOURCES)
-        p.blocked = True
+            wait_plain(request, _PRIORITY if p.blocked_ahead(request) else _RESOURCES, window_full)
+        p.block(request)
 
 
 _RESERVED, _PRIORITY, _RESOURCES = WaitReason.reserved, WaitReason.priority, WaitReason.resources

@@ -28,8 +28,9 @@ class Plan:
     Attributes:
         node: where.
         victims: leases to tell now.
-        free: devices free now.
-        spare: devices of victims told before, not earmarked by anyone.
+        free: devices free now, not reserved for a request ahead.
+        spare: devices of victims told before, not earmarked by anyone nor
+            reserved for a request ahead.
         reclaimed: devices of ``victims``.
     """
 
@@ -115,7 +116,13 @@ def find_victims(
 
     Candidates come from ``index``; the ``spare`` devices of victims told
     before (per node, not earmarked) are used first, so a second request does
-    not wait for a second grace period.
+    not wait for a second grace period. Free and spare devices reserved for
+    a request ahead (``pool.reserved_from``: its reservation in this pass)
+    are left to it: only victims may make up for them.
+
+    Returns:
+        the plan, or ``None`` when no node can free ``request.gpus`` devices
+        for it.
     """
     cls = policy.class_of(request.priority_class)
     best: tuple[tuple[int, str], Plan] | None = None
@@ -128,12 +135,22 @@ def find_victims(
         if node not in spared and not _may_take_any(index, node, request, in_guarantee, acct, cls):
             continue  # no spare device and no lease it may take: no plan here
         wanted = request.pool
-        free = tuple(sorted(u for u, s in pool.free.get(node, {}).items() if in_pool(s, wanted)))
+        reserved = pool.reserved_from
+        free = tuple(
+            sorted(
+                u
+                for u, s in pool.free.get(node, {}).items()
+                if u not in reserved and in_pool(s, wanted)
+            )
+        )
         free = free[: request.gpus]
         spares = tuple(
             d
             for d in (spare or {}).get(node, ())
-            if d not in pool.earmarked and d in pool.slots and in_pool(pool.slots[d], wanted)
+            if d not in pool.earmarked
+            and d not in reserved
+            and d in pool.slots
+            and in_pool(pool.slots[d], wanted)
         )
         spares = spares[: request.gpus - len(free)]
         need = request.gpus - len(free) - len(spares)

@@ -17,16 +17,19 @@ from dataclasses import dataclass, field
 class WaitReason(str, enum.Enum):
     """Why a request waits; codes modelled on Slurm's ``squeue`` reasons.
 
-    - ``Resources``: it is the first blocked request; not enough devices free.
-    - ``Priority``: requests ahead of it (by class, fair share, age) go first.
+    - ``Resources``: not enough devices free, and no request ahead of it that
+      competes for the same devices (same kind, overlapping pool) is blocked.
+    - ``Priority``: requests ahead of it (by class, fair share, age) that
+      compete for the same devices are blocked too, and go first.
     - ``Reserved``: free devices exist but are reserved for a request ahead of
       it, and its time limit does not end before that reservation starts.
     - ``Preempting``: devices are being reclaimed for it (victims in grace).
     - ``QuotaUserLimit`` / ``QuotaGroupLimit``: granting it would exceed a limit.
     - ``OverGuarantee``: its priority class is not preemptible, so it may only
       run within a guarantee, and the guarantee is used up.
-    - ``PoolDrained``: no node has that many devices in service (or, for a
-      MIG instance or a share, no device of the pool can ever hold it).
+    - ``PoolDrained``: no node has that many devices in service in the pool
+      it asks for (or, for a MIG instance or a share, no device of the pool
+      can ever hold it).
     - ``Fragmented``: a MIG profile does not fit although enough compute and
       memory slices are free on some device: existing instances sit where it
       would go (the message names them).
@@ -287,6 +290,13 @@ class Running:
             (as of the end of that time); ``None``: none.
         held_since: when fair share's charge of it runs from (the start of
             its open ledger interval, after a restart); ``None``: ``started``.
+        preempted_for: once told (``preempt_deadline`` set), the lease id of
+            the request it is preempted for (``Preemption.for_lease``). The
+            preemption is withdrawn once that request is no longer pending
+            or its earmarked devices no longer include this lease's.
+            ``None``: not told, or the request is not known; then the
+            preemption stands while any pending request's earmarked devices
+            include this lease's.
     """
 
     lease_id: int
@@ -300,6 +310,7 @@ class Running:
     parts: tuple[Part, ...] = ()
     held_before: UsageRecord | None = field(default=None, repr=False)
     held_since: dt.datetime | None = field(default=None, repr=False)
+    preempted_for: int | None = field(default=None, repr=False)  # repr: golden data
 
     @property
     def gpus(self) -> float:

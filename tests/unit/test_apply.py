@@ -155,7 +155,8 @@ def test_preemption_marks_the_victim_and_withdrawn_clears_it() -> None:
     out = apply(state, decisions, NOW)
     by_id = {lease.lease_id: lease for lease in out.state.running}
     assert by_id[2].preempt_deadline == deadline
-    assert by_id[3].preempt_deadline is None
+    assert by_id[2].preempted_for == 13  # the next pass withdraws it if 13 leaves
+    assert by_id[3].preempt_deadline is None and by_id[3].preempted_for is None
     assert by_id[1].preempt_deadline is None
     assert {lease.lease_id for lease in out.marked} == {2, 3}
     pending = {r.lease_id: r for r in out.state.pending}

@@ -8,8 +8,6 @@ from gpubroker.devices.topology import dgx_like
 from gpubroker.scheduler import (
     Policy,
     Quota,
-    Request,
-    Running,
     SchedulerState,
     Slot,
     UsageRecord,
@@ -17,21 +15,7 @@ from gpubroker.scheduler import (
     schedule,
 )
 
-NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)
-HOUR = dt.timedelta(hours=1)
-
-
-def node(name: str = "a", n: int = 8) -> tuple[Slot, ...]:
-    return tuple(Slot(f"{name}{i}", name, i) for i in range(n))
-
-
-def running(lease_id: int, user: str, devices: tuple[str, ...], **kw) -> Running:
-    kw.setdefault("started", NOW - HOUR)
-    return Running(lease_id, user, devices, **kw)
-
-
-def req(lease_id: int, user: str, gpus: int = 1, minute: int = 0, **kw) -> Request:
-    return Request(lease_id, user, gpus, NOW + dt.timedelta(minutes=minute), **kw)
+from .policy_helpers import HOUR, NOW, node, req, running
 
 
 def test_limit_holds_a_request_back_with_a_reason() -> None:

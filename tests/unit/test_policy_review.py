@@ -9,33 +9,9 @@ import pytest
 from traitlets import TraitError
 
 from gpubroker.policy_config import SchedulingPolicy
-from gpubroker.scheduler import (
-    Policy,
-    Quota,
-    Request,
-    Running,
-    SchedulerState,
-    Slot,
-    WaitReason,
-    schedule,
-)
+from gpubroker.scheduler import Policy, Quota, SchedulerState, WaitReason, schedule
 
-NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)
-HOUR = dt.timedelta(hours=1)
-
-
-def node(name: str = "a", n: int = 8) -> tuple[Slot, ...]:
-    return tuple(Slot(f"{name}{i}", name, i) for i in range(n))
-
-
-def running(lease_id: int, user: str, devices: tuple[str, ...], **kw: Any) -> Running:
-    kw.setdefault("started", NOW - HOUR)
-    return Running(lease_id, user, devices, **kw)
-
-
-def req(lease_id: int, user: str, gpus: int = 1, minute: int = 0, **kw: Any) -> Request:
-    return Request(lease_id, user, gpus, NOW + dt.timedelta(minutes=minute), **kw)
-
+from .policy_helpers import HOUR, NOW, node, req, running
 
 # A: a class removed from the config
 
