@@ -33,7 +33,10 @@ MAX_LIMIT = 10000
 
 
 def _iso(at: dt.datetime) -> str:
-    return at.isoformat().replace("+00:00", "Z")
+    """``at`` (aware) as ISO 8601 UTC with microseconds, ``…T09:12:04.000000Z``:
+    one width for every entry, so the text sorts as the times do."""
+    utc = at.astimezone(dt.timezone.utc).replace(tzinfo=None)
+    return utc.isoformat(timespec="microseconds") + "Z"
 
 
 def query(
@@ -64,11 +67,11 @@ def query(
     """
     with session_factory() as session:
         admin, leases = audit_repo.entries(session, since, until, user, MAX_LIMIT, on_behalf, kind)
-        found = [_admin(a) for a in admin] + [_lease(e, u) for e, u in leases]
+        timed = [(a.at, _admin(a)) for a in admin] + [(e.at, _lease(e, u)) for e, u in leases]
     if kind is not None:
-        found = [f for f in found if kind in (f["action"], f["cause"])]
-    found.sort(key=lambda f: f["at"], reverse=True)
-    return found[:limit]
+        timed = [(at, f) for at, f in timed if kind in (f["action"], f["cause"])]
+    timed.sort(key=lambda pair: pair[0], reverse=True)  # the times, not their text
+    return [f for _at, f in timed[:limit]]
 
 
 async def read(

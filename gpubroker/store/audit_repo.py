@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from ..usage.intervals import CAUSES
@@ -90,10 +90,17 @@ def entries(
         lease = lease.where(LeaseEvent.at < until)
     if kind is not None:
         admin = admin.where(AuditEntry.action == kind)
-        # a name may be both an event kind and a release cause ("granted"):
-        # either matches (the caller keeps the releases of that cause)
-        kinds = [kind, "released"] if kind in CAUSES else [kind]
-        lease = lease.where(LeaseEvent.kind.in_(kinds))
+        if kind in CAUSES:
+            # a release cause: the releases that record it (or record none the
+            # caller can read: it keeps those of that cause), here, before the
+            # limit cuts them; a name may also be an event kind ("granted")
+            cause = LeaseEvent.detail["cause"].as_string()
+            recorded = or_(cause == kind, cause.is_(None), cause.not_in(CAUSES))
+            lease = lease.where(
+                or_(LeaseEvent.kind == kind, and_(LeaseEvent.kind == "released", recorded))
+            )
+        else:
+            lease = lease.where(LeaseEvent.kind == kind)
     if user is not None:
         admin = admin.where(or_(AuditEntry.actor == user, AuditEntry.target == f"user:{user}"))
         lease = lease.where(or_(Lease.user == user, LeaseEvent.actor == user))

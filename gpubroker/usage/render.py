@@ -8,6 +8,7 @@ in the HTML page.
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import html
 import io
 import json
@@ -91,11 +92,17 @@ def as_csv(request: ReportRequest, rows: Sequence[ReportRow]) -> str:
     return out.getvalue()
 
 
+def _utc(at: dt.datetime) -> str:
+    """``at`` (aware) as the API writes times: UTC with microseconds,
+    ``2026-11-01T00:00:00.000000Z``."""
+    return at.astimezone(dt.timezone.utc).replace(tzinfo=None).isoformat("T", "microseconds") + "Z"
+
+
 def as_json(request: ReportRequest, rows: Sequence[ReportRow]) -> dict[str, Any]:
     """The report as a JSON object (``UsageReport`` in the OpenAPI document)."""
     return {
-        "from": request.start.isoformat().replace("+00:00", "Z"),
-        "to": request.end.isoformat().replace("+00:00", "Z"),
+        "from": _utc(request.start),
+        "to": _utc(request.end),
         "by": request.by,
         "tz": request.tz,
         "columns": list(COLUMNS),

@@ -21,7 +21,7 @@ from tornado import web
 
 from .. import views
 from ..api import validation
-from ..errors import BadRequest, BrokerError
+from ..errors import BadRequest, BrokerError, Conflict
 from . import tiles
 from .base import PanelHandler
 
@@ -200,7 +200,13 @@ class LeasesHandler(PanelHandler):
         if action == "release":
             text = _reason(reason, f"released by {self.me}")
             lease = self.broker.get_lease(lease_id)
+            if lease["state"] not in ("pending", "granted"):
+                # ended already (by its user, another admin, a form sent twice):
+                # no release to record, no notice for its holder
+                raise Conflict(f"lease {lease_id}: is {lease['state']} already, nothing to release")
             if lease["state"] == "granted" and lease["holder_kind"] == "server":
+                if self.broker.stops.open_stop(lease_id) is not None:
+                    raise Conflict(f"lease {lease_id}: its server is being stopped already")
                 # its server keeps no GPU given back: the hub stops it, then it is released
                 self.broker.stop_lease(lease_id, text, actor=self.me)
                 self.broker.note_lease(lease_id, "admin-release", text, notify=True, actor=self.me)
@@ -451,8 +457,10 @@ class MeHandler(PanelHandler):
         leases = self.broker.list_leases(user=me)
         jobs_service = self.settings.get("jobs")
         jobs = jobs_service.list(me)[:50] if jobs_service is not None else []
-        held = {s["device"] for lease in leases for s in lease["slots"] if s.get("device")}
-        usage_by_device = {
+        # what each slot's CUDA sees: a MIG instance's own memory (NVML gives
+        # no utilization there), a whole or shared GPU's
+        held = {s["uuid"] for lease in leases for s in lease["slots"] if s.get("uuid")}
+        usage_by_uuid = {
             uuid: views.device_usage(self.broker, uuid, self.log) for uuid in sorted(held)
         }
         rows = await self._month(me)
@@ -464,7 +472,7 @@ class MeHandler(PanelHandler):
             jobs=[self._with_link(j) for j in jobs],
             left=lambda lease: tiles.duration(_left(lease, now)),
             cell=render_cell,
-            usage_by_device=usage_by_device,
+            usage_by_uuid=usage_by_uuid,
             month=rows,
             room=room,
             notices=self.broker.notices(me)[:30],
