@@ -187,7 +187,7 @@ def event_view(row: LeaseEvent) -> dict[str, Any]:
         "reason": row.reason,
         "actor": row.actor,
         "stimulus": row.stimulus,
-        "at": row.at.isoformat().replace("+00:00", "Z"),
+        "at": row.at.isoformat(timespec="microseconds").replace("+00:00", "Z"),
         "detail": row.detail or {},
     }
 

@@ -13,10 +13,14 @@ from .store.models import Allocation, Device, Lease, LeaseState
 
 
 def isoformat(when: dt.datetime | None) -> str | None:
-    """Format an aware UTC datetime as ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (or ``None``)."""
+    """Format an aware UTC datetime as ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (or
+    ``None``); the microseconds are always written, also on a whole second,
+    so the times of one field sort as text."""
     if when is None:
         return None
-    return when.astimezone(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+    return (
+        when.astimezone(dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    )
 
 
 def device_view(device: Device | DeviceRef) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 from jupyterhub.services.auth import HubAuthenticated, UserNotAllowed
 from tornado import web
+from tornado.ioloop import IOLoop
 
 from .. import __version__
 from ..core import Broker, utcnow
@@ -728,7 +729,11 @@ class JobsHandler(_JobHandler):
         body = dict(self._job_body())
         user = body.pop("user")
         groups = await self.settings["groups_of"](user)
-        job = self.jobs.submit(user, body, groups=groups, actor=self.me, admin=self.admin)
+        # the checks as the user run a probe (up to seconds): off the event loop
+        checked = await IOLoop.current().run_in_executor(None, self.jobs.check, user, body)
+        job = self.jobs.submit(
+            user, body, groups=groups, actor=self.me, admin=self.admin, checked=checked
+        )
         self.set_header("Location", f"{self.request.path}/{job['id']}")
         self.write_json(job, status=201)
 

@@ -12,7 +12,13 @@ asks its device backend) through this one protocol:
 * :meth:`Engine.signal` and :meth:`Engine.stop` it;
 * :meth:`Engine.poll` its :class:`Status` (exit code and signal apart, so
   batch jobs can record both);
-* :meth:`Engine.telemetry` of devices (:class:`~gpubroker.devices.base.DeviceUsage`).
+* :meth:`Engine.telemetry` of devices (:class:`~gpubroker.devices.base.DeviceUsage`);
+* optionally ``find(tag, user) -> Handle | None``: what a launch whose
+  :attr:`LaunchSpec.tag` is ``tag`` started as ``user``, also one an
+  earlier broker made (the local, Docker and Slurm engines have it), so a
+  caller that recorded the tag before launching can tell after a crash
+  whether that launch happened, and adopt or end it instead of launching
+  twice.
 
 A node may be one the broker does not run processes on itself (a Slurm
 node); its inventory then comes from the engine, not from a local device
@@ -30,6 +36,7 @@ This module imports nothing heavy (no SQLAlchemy, no NVML, no Docker).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -49,6 +56,10 @@ RunState = Literal["running", "exited", "lost"]
 
 NODE_STATES: tuple[NodeState, ...] = ("up", "drained", "down")
 RUN_STATES: tuple[RunState, ...] = ("running", "exited", "lost")
+
+#: what a :attr:`LaunchSpec.tag` may be (a Docker container name's rule, and
+#: one word of a Slurm comment)
+TAG_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 
 class EngineError(RuntimeError):
@@ -120,10 +131,18 @@ class LaunchSpec:
         home: the user's root directory on the node, decided by the broker
             (never by the user): engines that isolate the file system
             (Docker) mount exactly it; ``None``: none to mount.
+        tag: a name of this launch, unique, which the engine records with
+            what it starts so that ``find(tag, user)`` finds it again, also
+            after a broker restart: the local engine as
+            ``GPUBROKER_LAUNCH_TAG`` in the process's environment, Docker in
+            the container's name (``gpubroker-TAG``), Slurm in the job's
+            comment. 1 to 100 letters, digits, ``.``, ``_`` and ``-``
+            (:data:`TAG_PATTERN`); ``""``: none.
 
     Raises:
-        ValueError: ``argv`` is empty, ``time_limit`` is not positive, or
-            ``env`` has a key or value that is not a string.
+        ValueError: ``argv`` is empty, ``time_limit`` is not positive,
+            ``env`` has a key or value that is not a string, or ``tag`` is
+            not one :data:`TAG_PATTERN` allows.
     """
 
     argv: tuple[str, ...]
@@ -136,11 +155,14 @@ class LaunchSpec:
     stdout: str | None = None
     stderr: str | None = None
     home: str | None = None
+    tag: str = ""
 
     def __post_init__(self) -> None:
         argv = tuple(self.argv)
         if not argv:
             raise ValueError("LaunchSpec.argv must not be empty")
+        if self.tag and not TAG_PATTERN.fullmatch(self.tag):
+            raise ValueError(f"LaunchSpec.tag must match {TAG_PATTERN.pattern}, not {self.tag!r}")
         if self.time_limit is not None and not self.time_limit > 0:
             raise ValueError(f"LaunchSpec.time_limit must be > 0 seconds, not {self.time_limit}")
         env = dict(self.env)

@@ -23,7 +23,10 @@ with the Docker SDK:
   ``PATH`` and ``ENV`` stay, Docker adds ``HOSTNAME`` and, for the device
   request, ``NVIDIA_VISIBLE_DEVICES``, the engine ``GPUBROKER_LOG``.
 
-A container is removed once the broker has read how it ended (its exit code
+A launch with a :attr:`~gpubroker.engines.base.LaunchSpec.tag` names its
+container ``gpubroker-TAG`` (Docker refuses a second container of that
+name), and :meth:`DockerEngine.find` finds it by that name after a broker
+restart. A container is removed once the broker has read how it ended (its exit code
 is also in the job's exit file, which a restarted broker reads). Time limits
 are enforced at :meth:`DockerEngine.poll` (from the container's start time
 and its ``gpubroker.time_limit`` label, so they hold across restarts too).
@@ -208,9 +211,13 @@ class DockerEngine(LoggingConfigurable):
         labels = {"gpubroker.lease": str(spec.lease_id), "gpubroker.user": spec.user}
         if spec.time_limit is not None:
             labels["gpubroker.time_limit"] = repr(float(spec.time_limit))
+        named = {"name": container_name(spec.tag)} if spec.tag else {}
+        if spec.tag:
+            labels["gpubroker.tag"] = spec.tag
         try:
             container = self.client().containers.create(
                 self.image,
+                **named,
                 command=["/bin/sh", "-c", _LOGGED, "gpubroker-log", *spec.argv],
                 environment=env,
                 working_dir=spec.cwd,
@@ -238,6 +245,28 @@ class DockerEngine(LoggingConfigurable):
             spec.lease_id,
             ", ".join(spec.devices) or "no devices",
         )
+        return Handle(self.name, container.id, self.node)
+
+    def find(self, tag: str, user: str) -> Handle | None:
+        """The container of the launch tagged ``tag`` (named
+        ``gpubroker-TAG``) as ``user``, running or ended; ``None`` when
+        Docker has none. One created but never started (the broker stopped
+        between the two) is removed, and ``None`` returned: nothing ran.
+
+        Raises:
+            EngineError: Docker cannot be read, or the container of that
+                name is another user's.
+        """
+        container = self._container(Handle(self.name, container_name(tag), self.node))
+        if container is None:
+            return None
+        owner = container.attrs.get("Config", {}).get("Labels", {}).get("gpubroker.user")
+        if owner != user:
+            raise EngineError(f"container {container_name(tag)} is not one of {user!r}")
+        if container.attrs.get("State", {}).get("Status") == "created":
+            self._remove(container)
+            return None
+        self.log.info("Docker: found container %s of launch %s", container.id[:12], tag)
         return Handle(self.name, container.id, self.node)
 
     def _share_env(self, spec: LaunchSpec) -> tuple[dict[str, str], str]:
@@ -414,6 +443,11 @@ class DockerEngine(LoggingConfigurable):
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def container_name(tag: str) -> str:
+    """The name of the container of the launch tagged ``tag``."""
+    return f"gpubroker-{tag}"
 
 
 def _signal_name(number: int) -> str:

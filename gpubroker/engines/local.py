@@ -23,6 +23,12 @@ one started: it polls such a handle by pid (``os.kill(pid, 0)``): alive is
 went to the old broker). It still signals and stops such a process, but only
 while the pid leads its own process group (as every process this engine
 starts does), which guards against a pid reused by an unrelated process.
+
+A launch with a :attr:`~gpubroker.engines.base.LaunchSpec.tag` gets it in
+its environment (:data:`TAG_VARIABLE`), from its first instruction on;
+:meth:`LocalEngine.find` looks for it in ``/proc`` among the process-group
+leaders of the spec's user, so a broker that crashed between a launch and
+recording its pid finds the process instead of starting a second one.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ log = logging.getLogger(__name__)
 #: ``PATH`` given to a process whose ``spec.env`` has none (Debian's default
 #: for users); never the broker's own ``PATH``
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+#: the environment variable that carries a launch's tag (:meth:`LocalEngine.find`)
+TAG_VARIABLE = "GPUBROKER_LAUNCH_TAG"
 
 #: seconds :meth:`LocalEngine.stop` waits for the process after SIGKILL
 KILL_WAIT = 5.0
@@ -166,6 +175,58 @@ def _group_alive(pgid: int) -> bool:
         if len(fields) > 2 and fields[2] == wanted and fields[0] != b"Z":
             return True
     return False
+
+
+def _tagged(entry: bytes, uid: int) -> int | None:
+    """The pid of the oldest live process-group leader whose real uid is
+    ``uid`` and whose environment has ``entry`` (``NAME=value``); ``None``
+    when none has.
+
+    Raises:
+        EngineError: a candidate's environment cannot be read and none
+            readable has ``entry`` (not known), or ``/proc`` cannot be read.
+    """
+    try:
+        entries = os.listdir("/proc")
+    except OSError as exc:
+        raise EngineError(f"cannot look for a launch in /proc: {exc}") from exc
+    found: list[tuple[int, int]] = []  # (start time in clock ticks, pid)
+    unreadable: list[int] = []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/status", "rb") as status:
+                uids = next((ln for ln in status if ln.startswith(b"Uid:")), b"").split()
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                # "pid (comm) state ppid pgrp ... starttime (field 22)"
+                fields = stat.read().rpartition(b")")[2].split()
+        except OSError:
+            continue  # it just went
+        if len(uids) < 2 or int(uids[1]) != uid or len(fields) < 20:
+            continue
+        if fields[0] == b"Z" or int(fields[2]) != pid:  # a zombie, or not a group leader
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                variables = environ.read().split(b"\0")
+        except PermissionError:
+            unreadable.append(pid)
+            continue
+        except OSError:
+            continue
+        if entry in variables:
+            found.append((int(fields[19]), pid))
+    if found:
+        return min(found)[1]
+    if unreadable:
+        raise EngineError(
+            f"cannot tell whether a launch runs: the environment of pids "
+            f"{', '.join(map(str, unreadable[:5]))} of uid {uid} cannot be read "
+            "(the broker needs CAP_SYS_PTRACE to read /proc/PID/environ)"
+        )
+    return None
 
 
 class LocalEngine:
@@ -295,7 +356,8 @@ class LocalEngine:
         it passes, SIGKILL :attr:`time_limit_grace` seconds later.
         ``spec.devices`` must be devices of this node; the engine does not
         hide the others, ``spec.env`` says which to use
-        (``CUDA_VISIBLE_DEVICES``).
+        (``CUDA_VISIBLE_DEVICES``). A ``spec.tag`` is added to the
+        environment as :data:`TAG_VARIABLE` (:meth:`find`).
 
         Raises:
             EngineError: a device is not on this node; ``spec.user`` does not
@@ -312,6 +374,8 @@ class LocalEngine:
             ) from None
         env = dict(spec.env)
         env.setdefault("PATH", self.default_path)
+        if spec.tag:
+            env[TAG_VARIABLE] = spec.tag
         if account.pw_uid == os.geteuid():
             popen = self._popen_as_self(spec, env)
         elif os.geteuid() == 0:
@@ -450,6 +514,38 @@ class LocalEngine:
             f"cannot launch lease {spec.lease_id} ({spec.argv[0]!r} in {spec.cwd!r}"
             f" as {spec.user!r}): {cause}"
         )
+
+    # --- finding a launch again -----------------------------------------------------
+
+    def find(self, tag: str, user: str) -> Handle | None:
+        """The process launched with ``spec.tag == tag`` as ``user``, by this
+        engine or by an earlier broker's: one this engine remembers (running
+        or ended), else a live process-group leader of ``user``'s uid whose
+        environment holds :data:`TAG_VARIABLE` ``= tag`` (the oldest, if the
+        user made more); ``None`` when there is none (it never started, or
+        it has ended and was not this engine's).
+
+        Raises:
+            EngineError: ``tag`` or ``user`` is not valid, or a candidate's
+                environment cannot be read (the broker lacks the rights to
+                read ``/proc/PID/environ``): whether the launch happened is
+                then not known.
+        """
+        if not tag:
+            raise EngineError("find: no tag")
+        try:
+            uid = pwd.getpwnam(user).pw_uid
+        except KeyError:
+            raise EngineError(f"find: no user {user!r}") from None
+        with self._lock:
+            for pid, proc in self._procs.items():
+                if proc.spec.tag == tag and proc.spec.user == user:
+                    return Handle(engine=self.name, id=str(pid), node=self.node_name)
+        found = _tagged(f"{TAG_VARIABLE}={tag}".encode(), uid)
+        if found is None:
+            return None
+        log.info("found the process of launch %s as %s: pid %d", tag, user, found)
+        return Handle(engine=self.name, id=str(found), node=self.node_name)
 
     # --- time limits ----------------------------------------------------------------
 

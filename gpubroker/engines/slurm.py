@@ -31,6 +31,11 @@ protocol.
   :attr:`~gpubroker.engines.base.Status.devices` once the job runs, and
   Slurm sets the job's ``CUDA_VISIBLE_DEVICES`` (the broker's own is left
   out of the environment).
+* **Finding a launch again** (:meth:`SlurmEngine.find`): a spec's
+  :attr:`~gpubroker.engines.base.LaunchSpec.tag` ends the job's comment
+  (``gpubroker lease N launch TAG``); a broker that crashed between
+  ``sbatch`` and recording the job id finds the job in ``squeue`` by it,
+  instead of submitting a second one.
 * **Status** (:meth:`SlurmEngine.poll`): ``squeue --json --states=all``,
   which keeps a finished job for ``MinJobAge`` seconds (300 by default;
   Slurm 22.05's ``squeue --json`` ignores ``--jobs`` and ``--states`` and
@@ -351,7 +356,8 @@ class SlurmEngine(LoggingConfigurable):
     def sbatch_args(self, spec: LaunchSpec, node: str | None, gpus: int) -> list[str]:
         """The ``sbatch`` arguments of ``spec`` on ``node`` with ``gpus`` GPUs."""
         args = ["sbatch", "--parsable", f"--job-name=gpubroker-lease-{spec.lease_id}"]
-        args += [f"--comment=gpubroker lease {spec.lease_id}", "--no-requeue", "--export=ALL"]
+        comment = f"gpubroker lease {spec.lease_id}" + (f" launch {spec.tag}" if spec.tag else "")
+        args += [f"--comment={comment}", "--no-requeue", "--export=ALL"]
         args += [f"--chdir={spec.cwd}", "--ntasks=1", "--open-mode=append"]
         args += [f"--output={_pattern(spec.stdout)}", f"--error={_pattern(spec.stderr)}"]
         if node is not None:
@@ -408,6 +414,34 @@ class SlurmEngine(LoggingConfigurable):
             gpus,
         )
         return Handle(self.name, job_id, node or "")
+
+    def find(self, tag: str, user: str) -> Handle | None:
+        """The job of the launch tagged ``tag`` as ``user`` (its comment
+        ends ``launch TAG``), pending, running or ended, while ``squeue``
+        lists it (``MinJobAge`` seconds after its end); ``None`` when it
+        lists none. The job counts as this engine's own from now on.
+
+        Raises:
+            EngineError: ``squeue`` failed (not known), or the job of that
+                tag is another user's.
+        """
+        answer = self._json(["squeue", "--json", "--all", "--states=all"])
+        tagged = [
+            job
+            for job in answer.get("jobs") or []
+            if str(job.get("comment") or "").split()[-2:] == ["launch", tag]
+        ]
+        if not tagged:
+            return None
+        job = min(tagged, key=lambda j: int(j.get("job_id") or 0))
+        if str(job.get("user_name") or "") != user:
+            raise EngineError(f"Slurm job {job.get('job_id')} of launch {tag} is not {user!r}'s")
+        view = slurm_json.job_view(job, self.cluster)
+        node = view.node or str(job.get("required_nodes") or "")
+        with self._lock:
+            self._ours.add(view.job_id)
+        self.log.info("Slurm job %s of launch %s found (%s)", view.job_id, tag, view.state)
+        return Handle(self.name, view.job_id, node)
 
     # -- status, signals, stop ----------------------------------------------------
 

@@ -19,6 +19,13 @@ leaves its partial output with the error cell marked); its output is
 cells' output) ``<name>.<job id>.log``. A command job's log is
 ``job-<id>.log`` in its working directory.
 
+A notebook job's ``python``, ``kernel`` and notebook are checked at submit
+with its user's rights and kernels (:mod:`gpubroker.jobs.probe`, run as
+the user), never the broker's. A launch is recorded as an *intent* (a tag
+in the job's handle) before the engine starts it, and the engine records
+the tag with what it starts, so a broker that crashed between the two
+finds and adopts (or stops) that launch instead of starting a second one.
+
 When the process ends, the job's state says how (:func:`gpubroker.model.jobs.outcome`),
 the exit code and the signal are kept apart, and the lease is released.
 Every change is an event in the lease's transition log (``job-started``,
@@ -31,12 +38,15 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import json
 import os
 import pwd
+import secrets
 import signal as signal_module
 import stat
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +64,11 @@ from ..views import isoformat
 
 #: fields of a job request that go to its lease
 LEASE_FIELDS = ("gpus", "mig_profile", "memory_gib", "count", "pool", "group")
+
+#: a job's spec as :meth:`JobService.check` found it: the spec, a note for
+#: the job ("" when none), the language papermill is told ("" when the
+#: notebook says it), and its paths (:meth:`JobService._paths_of`)
+Checked = tuple[model.JobSpec, str, str, dict[str, Path]]
 
 
 class JobService(LoggingConfigurable):
@@ -194,6 +209,35 @@ class JobService(LoggingConfigurable):
 
     # --- commands ---------------------------------------------------------------
 
+    def check(self, user: str, data: dict[str, Any]) -> Checked:
+        """Check a job's spec for ``user`` with their rights (their account,
+        the paths, and for a notebook its kernel and language, by
+        :mod:`gpubroker.jobs.probe` run as them: at most
+        :data:`PROBE_TIMEOUT` seconds). Reads files and runs the probe but
+        no broker state, so it may run on a worker thread.
+
+        Returns:
+            The spec as checked, a note for the job (a dropped ``python``;
+            ``""``: none), the language papermill is told (``""``: the
+            notebook's own), and the job's paths.
+
+        Raises:
+            BadRequest: naming the bad field.
+            Forbidden: ``user`` has no POSIX account on the broker's host, or
+                one below :attr:`min_uid`.
+        """
+        self._check_account(user)
+        try:
+            spec = model.parse_spec(data)
+            paths = self._paths_of(user, spec)
+            return (*self._checked_as_user(user, spec, paths), paths)
+        except model.JobError as err:
+            raise BadRequest(str(err)) from None
+        except (OSError, RuntimeError) as err:  # a name too long, a symlink loop
+            raise BadRequest(
+                f"notebook: cannot use this path: {getattr(err, 'strerror', None) or err}"
+            ) from None
+
     def submit(
         self,
         user: str,
@@ -201,6 +245,7 @@ class JobService(LoggingConfigurable):
         groups: list[str] | None = None,
         actor: str | None = None,
         admin: bool = True,
+        checked: Checked | None = None,
     ) -> dict[str, Any]:
         """Queue a job for ``user``: check its spec, make its lease.
 
@@ -210,6 +255,8 @@ class JobService(LoggingConfigurable):
             groups: the user's hub groups (for group quotas).
             actor: who submits (the user, an admin); default ``user``.
             admin: whether the caller is a broker admin (as for leases).
+            checked: what :meth:`check` gave for ``user`` and ``data``
+                (the API runs it off the event loop); ``None``: checked here.
 
         Raises:
             BadRequest: naming the bad field; nothing is queued.
@@ -218,16 +265,7 @@ class JobService(LoggingConfigurable):
                 lease request (quota, limits).
             Conflict: from the lease request.
         """
-        self._check_account(user)
-        try:
-            spec, note = self._python_here(model.parse_spec(data))
-            paths = self._paths_of(user, spec)
-        except model.JobError as err:
-            raise BadRequest(str(err)) from None
-        except (OSError, RuntimeError) as err:  # a name too long, a symlink loop
-            raise BadRequest(
-                f"notebook: cannot use this path: {getattr(err, 'strerror', None) or err}"
-            ) from None
+        spec, note, language, paths = checked if checked is not None else self.check(user, data)
         lease_args = {k: data[k] for k in LEASE_FIELDS if data.get(k) is not None}
         if not any(k in lease_args for k in ("gpus", "mig_profile", "memory_gib")):
             raise BadRequest("gpus: a job asks for gpus, mig_profile or memory_gib")
@@ -236,6 +274,8 @@ class JobService(LoggingConfigurable):
         # the lease it asks for, and the groups it was charged by, for a requeue
         stored = spec.as_dict() | {"lease": lease_args | {"priority_class": priority_class}}
         stored["groups"] = list(groups) if groups is not None else None
+        if language:  # the notebook has none: papermill is told (--language)
+            stored["language"] = language
         with self.sessions.begin() as session:
             job = repo.add(session, user, spec.kind, stored, now)
             job.reason = note
@@ -294,29 +334,181 @@ class JobService(LoggingConfigurable):
         except Forbidden as err:
             raise EngineError(str(err)) from None
 
-    def _python_here(self, spec: model.JobSpec) -> tuple[model.JobSpec, str]:
-        """``spec`` with its ``python`` kept only where it can be used (the
-        local runner, an executable on this host: a server in a container
-        sends a path of the container), and a note saying when it was not."""
-        python = spec.python
-        if not python:
-            return spec, ""
-        if self.runner != "local":
+    def _checked_as_user(
+        self, user: str, spec: model.JobSpec, paths: dict[str, Path]
+    ) -> tuple[model.JobSpec, str, str]:
+        """Check a notebook job with its user's rights (:mod:`gpubroker.jobs.probe`
+        run as ``user``: the broker may be root, whose own checks would accept
+        what the user cannot use, and show the user what only root sees):
+
+        * ``python``: kept only where it can be used (the local runner, a
+          file ``user`` may execute on this host; a server in a container
+          sends a path of the container); else dropped, with a note saying so;
+        * ``kernel`` (not with the docker runner: the image has its own):
+          one of the kernelspecs ``user``'s ``jupyter_client`` finds (their
+          ``~/.local/share/jupyter/kernels``, ``JUPYTER_PATH``, the
+          environment of :attr:`python`, the system's);
+        * the notebook: readable by ``user`` as JSON, and its metadata (or
+          the request) says which kernel runs it and, when there are
+          parameters to inject, in which language.
+
+        Returns:
+            The spec (``python`` maybe dropped), the note (``""``: none) and
+            the language papermill is to be told (``""``: the notebook's own).
+
+        Raises:
+            JobError: naming ``kernel`` or ``notebook``.
+        """
+        if spec.kind != "notebook":
+            return spec, "", ""
+        python, note = spec.python, ""
+        if python and self.runner != "local":
             note = f"python {python} not used by the {self.runner} runner: the notebook's kernel"
-        elif not (os.path.isfile(python) and os.access(python, os.X_OK)):
-            note = f"python {python} is not on the broker's host: the notebook's kernel runs it"
-        else:
-            return spec, ""
-        return dataclasses.replace(spec, python=""), note[:500]
+            python = ""
+        check_kernel = bool(spec.kernel) and self.runner != "docker"
+        asked = {"python": python, "notebook": str(paths["notebook"]), "kernels": check_kernel}
+        answer = self._probe(user, self._base_env(user, spec.env, self.runner), asked)
+        if answer is None:  # not known: the job's own run will tell
+            if python:
+                note = (
+                    f"python {python} could not be checked as {user}: the notebook's kernel runs it"
+                )
+            return dataclasses.replace(spec, python=""), note[:500], ""
+        if python and answer.get("python") is not True:
+            note = (
+                f"python {python} is not on the broker's host as a program {user} may run: "
+                "the notebook's kernel runs it"
+            )
+            python = ""
+        kernel_language = ""
+        if check_kernel:
+            listed = answer.get("kernels")
+            kernels: dict[str, Any] = listed if isinstance(listed, dict) else {}
+            specs = kernels.get("specs")
+            if isinstance(specs, dict):
+                if spec.kernel not in specs:
+                    there = ", ".join(sorted(map(str, specs))) or "none"
+                    raise model.JobError(
+                        "kernel",
+                        f"no such kernel: {spec.kernel!r} (the kernels {user} has on the "
+                        f"broker's host: {there})"[:1000],
+                    )
+                kernel_language = str(specs[spec.kernel] or "")
+            else:
+                self.log.warning(
+                    "Jobs: cannot list the kernels of %s: %s", user, kernels.get("error")
+                )
+        language = self._language(spec, python, answer.get("notebook"), kernel_language)
+        return dataclasses.replace(spec, python=python), note[:500], language
+
+    @staticmethod
+    def _language(spec: model.JobSpec, python: str, meta: Any, kernel_language: str) -> str:
+        """The language papermill is to be told for a notebook whose
+        metadata (``meta``, from the probe) has none: the named kernel's,
+        or ``python`` for a kernel of the submitting Python; ``""`` when the
+        notebook has one (or it is not known and not needed).
+
+        Raises:
+            JobError: naming ``notebook``: it cannot be read as JSON, or
+                neither it nor the request says which kernel runs it, or
+                which language its parameters are written in.
+        """
+        if not isinstance(meta, dict):
+            return ""
+        if meta.get("error"):
+            raise model.JobError("notebook", f"cannot read it as a notebook: {meta['error']}")
+        if not (spec.kernel or python or meta.get("kernel")):
+            raise model.JobError(
+                "notebook",
+                "its metadata has no kernelspec.name (which kernel runs it): save it "
+                "from a kernel, or name one with kernel (%gpu_submit --kernel NAME)",
+            )
+        if meta.get("language"):
+            return ""
+        language = kernel_language or ("python" if python else "")
+        if not language and spec.params:
+            raise model.JobError(
+                "notebook",
+                "its metadata has no language_info.name (nor kernelspec.language), "
+                "which papermill needs to inject params: save it from a kernel, or name "
+                "a kernel installed here with kernel",
+            )
+        return language
+
+    def _run_as(self, user: str) -> str:
+        """The POSIX account a job of ``user`` runs as."""
+        return pwd.getpwuid(os.getuid()).pw_name if self.run_as_self else user
+
+    def _base_env(self, user: str, own: Mapping[str, str], runner: str) -> dict[str, str]:
+        """A job's environment before its lease's and the broker's variables:
+        ``PATH`` (not with the ``docker`` ``runner``: the image's), ``HOME``
+        (the user's root directory), ``USER``, ``LANG`` and the job's own ``env``."""
+        # a container keeps its image's PATH (the host's means nothing there)
+        path = (
+            {}
+            if runner == "docker"
+            else {"PATH": f"{Path(self.python).parent}:/usr/local/bin:/usr/bin:/bin"}
+        )
+        home = {"HOME": str(self.root_of(user)), "USER": self._run_as(user), "LANG": "C.UTF-8"}
+        return {**path, **home, **own}
+
+    def _probe(
+        self, user: str, env: dict[str, str], asked: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Run :mod:`gpubroker.jobs.probe` as ``user`` (the broker's own
+        account with :attr:`run_as_self`) with :attr:`python` and ``env``,
+        for at most :data:`PROBE_TIMEOUT` seconds; its answer, or ``None``
+        (logged) when it cannot run as the user, fails or answers nothing."""
+        creds: dict[str, Any] = {}
+        account = None if self.run_as_self else _account(user)
+        if account is not None and account.pw_uid != os.geteuid():
+            if os.geteuid() != 0:
+                self.log.warning("Jobs: cannot check as %s: the broker is not root", user)
+                return None
+            creds = {
+                "user": account.pw_uid,
+                "group": account.pw_gid,
+                "extra_groups": os.getgrouplist(account.pw_name, account.pw_gid),
+            }
+        try:
+            proc = subprocess.Popen(
+                [self.python, "-I", str(_PROBE)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd="/",
+                start_new_session=True,
+                **creds,
+            )
+        except (OSError, ValueError, subprocess.SubprocessError) as err:
+            self.log.warning("Jobs: cannot check as %s with %s: %s", user, self.python, err)
+            return None
+        try:
+            out, said = proc.communicate(json.dumps(asked).encode(), timeout=PROBE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal_module.SIGKILL)
+            proc.communicate()
+            self.log.warning("Jobs: the check as %s took over %s s", user, PROBE_TIMEOUT)
+            return None
+        try:
+            answer = json.loads(out) if proc.returncode == 0 else None
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            tail = said.decode("utf-8", "replace").strip()[-300:]
+            self.log.warning(
+                "Jobs: the check as %s failed (exit %s): %s", user, proc.returncode, tail
+            )
+            return None
+        return answer
 
     def _paths_of(self, user: str, spec: model.JobSpec) -> dict[str, Path]:
         if spec.kind == "notebook":
             notebook = self._inside(user, spec.notebook, "notebook")
             if not _is(notebook.is_file, "notebook"):
                 raise model.JobError("notebook", f"no such notebook: {spec.notebook!r}")
-            # a container has its image's kernels, not the host's: checked there
-            if spec.kernel and self.runner != "docker" and spec.kernel not in _kernel_names():
-                raise model.JobError("kernel", f"no such kernel: {spec.kernel!r}")
             cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else notebook.parent
             if not _is(cwd.is_dir, "cwd"):
                 raise model.JobError("cwd", f"no such directory: {spec.cwd!r}")
@@ -355,14 +547,16 @@ class JobService(LoggingConfigurable):
             if state in model.FINAL:
                 return self.get(job_id)
             status = None
-            if state == model.RUNNING and handle is not None:
-                loop = asyncio.get_running_loop()
+            intent = self._intent(job_id) if state == model.QUEUED else None
+            if intent is not None:  # a launch under way when the broker stopped
                 try:
-                    status = await loop.run_in_executor(
-                        None, self._engine(handle.engine).stop, handle, self.stop_grace
-                    )
+                    found = await self._launched(job_id, intent)
                 except EngineError as err:
-                    self.log.warning("Job %s: stopping its process: %s", job_id, err)
+                    self.log.warning("Job %s: finding launch %s: %s", job_id, intent[1], err)
+                    found = None
+                handle = found if isinstance(found, Handle) else None
+            if handle is not None and (state == model.RUNNING or intent is not None):
+                status = await self._stop_quietly(job_id, handle)
             self._finish(job_id, model.CANCELLED, reason, status)
         finally:
             self._cancelling.discard(job_id)
@@ -553,12 +747,68 @@ class JobService(LoggingConfigurable):
         return found
 
     async def _tick_queued(self, job_id: int, lease: dict[str, Any] | None) -> int:
-        if lease is not None and lease["state"] == "granted":
-            spec = self._launch_spec(job_id, lease)
+        """Start a queued job whose lease is granted, or cancel one whose
+        lease ended. A launch is made idempotent across a broker crash by
+        its *intent*, recorded before the engine is called: a job found
+        queued with one was being launched when the broker stopped, so its
+        engine is asked first whether that launch happened
+        (:meth:`_launched`): its process is adopted (or stopped, when the
+        lease ended meanwhile), or its recorded end taken, and it is started
+        only when it never was."""
+        granted = lease is not None and lease["state"] == "granted"
+        ended = lease is None or lease["state"] == "released"
+        intent = self._intent(job_id)
+        if intent is not None and (granted or ended):
             try:
-                self._refuse_account(spec.user)  # queued before min_uid was raised
+                self._engine(intent[0])
+            except EngineError as err:  # its runner is gone from this broker
+                self._finish(job_id, model.FAILED, f"could not start: {err}", None)
+                if granted:
+                    assert lease is not None
+                    self.broker.release_lease(
+                        lease["id"], f"job {job_id} could not start", actor="broker"
+                    )
+                return 1
+            try:
+                found = await self._launched(job_id, intent)
+            except EngineError as err:  # not known now (Docker, Slurm down): next time
+                self.log.warning(
+                    "Job %s: cannot tell whether launch %s happened: %s", job_id, intent[1], err
+                )
+                return 0
+            if isinstance(found, Handle) and granted:
+                self.log.warning(
+                    "Job %s: adopted the process of launch %s (%s %s), started before the "
+                    "broker stopped",
+                    job_id,
+                    intent[1],
+                    found.engine,
+                    found.id,
+                )
+                self._started(job_id, found)
+                return 1
+            if isinstance(found, Handle):  # its lease ended meanwhile: so does it
+                status = await self._stop_quietly(job_id, found)
+                why = (lease or {}).get("release_reason") or "its lease ended"
+                self._finish(job_id, model.CANCELLED, f"cancelled in the queue: {why}", status)
+                return 1
+            if found is not None:  # it ran and ended while the broker was away
+                self.log.warning(
+                    "Job %s: launch %s ended before the broker saw it", job_id, intent[1]
+                )
+                handle = Handle(intent[0], "", "")
+                self._started(job_id, handle)
+                with self.sessions() as session:
+                    watch = _Watch.of(self._get(session, job_id))
+                return await self._tick_running(job_id, lease, handle, watch, found)
+        if granted:
+            assert lease is not None
+            try:
+                self._refuse_account(self._owner_of(job_id))  # queued before min_uid was raised
+                runner, tag = intent or self._intend(job_id)
+                spec = self._launch_spec(job_id, lease, runner, tag)
                 handle = await asyncio.get_running_loop().run_in_executor(
-                    None, self._engine(self.runner).launch, spec
+                    None, self._engine(runner).launch, spec
                 )
             except EngineError as err:
                 self._finish(job_id, model.FAILED, f"could not start: {err}", None)
@@ -567,11 +817,87 @@ class JobService(LoggingConfigurable):
             else:
                 self._started(job_id, handle)
             return 1
-        if lease is None or lease["state"] == "released":
+        if ended:
             why = (lease or {}).get("release_reason") or "its lease ended"
             self._finish(job_id, model.CANCELLED, f"cancelled in the queue: {why}", None)
             return 1
         return 0
+
+    def _owner_of(self, job_id: int) -> str:
+        """The account a job runs as (its user's, or the broker's own)."""
+        return self._run_as(self.owner(job_id))
+
+    def _intent(self, job_id: int) -> tuple[str, str] | None:
+        """The launch intent recorded for a queued job: (runner, tag), or
+        ``None`` when no launch was under way."""
+        with self.sessions() as session:
+            job = self._get(session, job_id)
+            if job.handle_id.startswith(_INTENT):
+                return job.handle_engine, job.handle_id[len(_INTENT) :]
+        return None
+
+    def _intend(self, job_id: int) -> tuple[str, str]:
+        """Record, before anything is launched, that the job is about to be
+        launched by :attr:`runner` with a new tag (committed: it survives a
+        crash during the launch); the run before a requeue's warning and
+        exit files are removed first, so those found later are this
+        launch's. Returns (runner, tag)."""
+        with self.sessions() as session:
+            job = self._get(session, job_id)
+            user, log, restarts = job.user, job.log_path, job.restarts
+        root = self.root_of(user)
+        _unlink(root, _warn_file(log))  # a run before a requeue was warned: not this one
+        _unlink(root, f"{log}.exit")  # nor did this one end
+        tag = f"job{job_id}-{restarts}-{secrets.token_hex(4)}"
+        with self.sessions.begin() as session:
+            job = self._get(session, job_id)
+            job.handle_engine, job.handle_id, job.handle_node = self.runner, _INTENT + tag, ""
+        return self.runner, tag
+
+    async def _launched(self, job_id: int, intent: tuple[str, str]) -> Handle | Status | None:
+        """What became of the launch ``intent`` (runner, tag) of a queued job:
+        the handle of its process where its engine finds it (running, or
+        ended but still known); else, where the job's shell recorded its
+        start beside the log, how it ended (``exited`` with the recorded
+        code, ``lost`` without one); else ``None``: it never started.
+
+        Raises:
+            EngineError: its engine cannot tell now.
+        """
+        runner, tag = intent
+        engine = self._engine(runner)
+        find = getattr(engine, "find", None)
+        if find is None:  # an engine that cannot find launches: as before
+            self.log.warning("Job %s: the %s engine cannot find launch %s", job_id, runner, tag)
+            return None
+        user = self._owner_of(job_id)
+        handle: Handle | None = await asyncio.get_running_loop().run_in_executor(
+            None, find, tag, user
+        )
+        if handle is not None:
+            return handle
+        with self.sessions() as session:
+            log = self._get(session, job_id).log_path
+        record = _exit_record(f"{log}.exit") if log else None
+        if record is None:
+            return None
+        try:
+            return Status("exited", exit_code=int(record))
+        except ValueError:
+            return Status("lost")
+
+    async def _stop_quietly(self, job_id: int, handle: Handle) -> Status | None:
+        """Stop a job's process (SIGTERM, SIGKILL after ``stop_grace``) in a
+        worker thread; its final status, or ``None`` (logged) on an error."""
+        loop = asyncio.get_running_loop()
+        try:
+            status: Status = await loop.run_in_executor(
+                None, self._engine(handle.engine).stop, handle, self.stop_grace
+            )
+        except EngineError as err:
+            self.log.warning("Job %s: stopping its process: %s", job_id, err)
+            return None
+        return status
 
     async def _tick_running(
         self,
@@ -716,25 +1042,17 @@ class JobService(LoggingConfigurable):
             message = f"job {job_id} queued again: {reason}"
             self.broker.note_lease(old, "job-requeued", message, detail)
 
-    def _launch_spec(self, job_id: int, lease: dict[str, Any]) -> LaunchSpec:
+    def _launch_spec(self, job_id: int, lease: dict[str, Any], runner: str, tag: str) -> LaunchSpec:
+        """What the engine of ``runner`` starts for the job on ``lease``,
+        tagged ``tag`` (its launch intent)."""
         with self.sessions() as session:
             job = self._get(session, job_id)
             spec, user, output, log = dict(job.spec), job.user, job.output_path, job.log_path
             restarts = job.restarts
         root = self.root_of(user)
-        run_as = pwd.getpwuid(os.getuid()).pw_name if self.run_as_self else user
-        # a container keeps its image's PATH (the host's means nothing there)
-        path = (
-            {}
-            if self.runner == "docker"
-            else {"PATH": f"{Path(self.python).parent}:/usr/local/bin:/usr/bin:/bin"}
-        )
+        run_as = self._run_as(user)
         env = {
-            **path,
-            "HOME": str(root),
-            "USER": run_as,
-            "LANG": "C.UTF-8",
-            **spec["env"],
+            **self._base_env(user, spec["env"], runner),
             **lease["env"],
             **_pythonpath(spec["env"], lease["env"]),
             "GPUBROKER_JOB_ID": str(job_id),
@@ -745,7 +1063,7 @@ class JobService(LoggingConfigurable):
             notebook = root / spec["notebook"]
             cwd = root / spec["cwd"] if spec["cwd"] else notebook.parent
             python, nbrun = (self.python, str(_NBRUN))
-            if self.runner == "docker":  # the image's Python, the runner mounted
+            if runner == "docker":  # the image's Python, the runner mounted
                 from ..engines.docker import NBRUN_PATH
 
                 python, nbrun = self._engine("docker").python, NBRUN_PATH
@@ -762,8 +1080,10 @@ class JobService(LoggingConfigurable):
             argv += ["--cwd", str(cwd), "-y", yaml.safe_dump(spec["params"], sort_keys=False)]
             if spec["kernel"]:
                 argv += ["-k", spec["kernel"]]
-            elif spec.get("python") and self.runner == "local":  # nbrun makes a kernel of it
+            elif spec.get("python") and runner == "local":  # nbrun makes a kernel of it
                 env["GPUBROKER_KERNEL_PYTHON"] = spec["python"]
+            if spec.get("language"):  # the notebook's metadata has none
+                argv += ["--language", spec["language"]]
         else:
             cwd = root / spec["cwd"] if spec["cwd"] else root
             argv = list(spec["command"])
@@ -772,7 +1092,6 @@ class JobService(LoggingConfigurable):
         env["GPUBROKER_JOB_EXIT_FILE"] = f"{log}.exit"
         env["GPUBROKER_WARN_SIGNAL"] = self.warn_signal.removeprefix("SIG")
         env["GPUBROKER_WARN_FILE"] = _warn_file(log)
-        _unlink(root, _warn_file(log))  # a run before a requeue was warned: not this one
         argv = ["/bin/sh", "-c", _RECORD_EXIT, "gpubroker-job", *argv]
         return LaunchSpec(
             argv=tuple(argv),
@@ -785,6 +1104,7 @@ class JobService(LoggingConfigurable):
             stdout=log,
             stderr=log,
             home=str(root),
+            tag=tag,
         )
 
     def _started(self, job_id: int, handle: Handle) -> None:
@@ -832,12 +1152,23 @@ RUNNERS = ("local", "docker", "slurm")
 #: the notebook jobs' runner script (papermill, interrupted on a warning)
 _NBRUN = Path(__file__).with_name("nbrun.py")
 
+#: the script that checks a notebook job with its user's rights at submit
+_PROBE = Path(__file__).with_name("probe.py")
+
+#: seconds the check as the user may take (Python and jupyter_client start)
+PROBE_TIMEOUT = 20.0
+
+#: what a launch intent's handle id starts with (then its tag)
+_INTENT = "launch:"
+
 _RECORD_EXIT = (
     # the shell outlives the warning signal and SIGTERM (its program gets them
-    # and may take its grace period), records the exit code, and ends as its
-    # program did: by the same signal, or with the same code
+    # and may take its grace period), marks its start with an empty exit file
+    # (a broker that crashed during the launch learns that it ran), records
+    # the exit code, and ends as its program did: by the same signal, or with
+    # the same code
     'trap : "$GPUBROKER_WARN_SIGNAL"; trap : TERM; mkdir -p "$GPUBROKER_CHECKPOINT_DIR"; '
-    '"$@"; code=$?; echo "$code" > "$GPUBROKER_JOB_EXIT_FILE"; '
+    'true > "$GPUBROKER_JOB_EXIT_FILE"; "$@"; code=$?; echo "$code" > "$GPUBROKER_JOB_EXIT_FILE"; '
     'if [ "$code" -gt 128 ] && [ "$code" -le 192 ]; then '
     'trap - TERM "$GPUBROKER_WARN_SIGNAL"; kill -$((code - 128)) $$; fi; exit "$code"'
 )
@@ -848,12 +1179,28 @@ def _recorded(status: Any, job_id: int, sessions: Any) -> Any:
     exit code its shell recorded (unchanged when there is none)."""
     with sessions() as session:
         job = repo.get(session, job_id)
-        path = f"{job.log_path}.exit" if job is not None else ""
+        path = f"{job.log_path}.exit" if job is not None and job.log_path else ""
     try:
-        code = int(Path(path).read_text().strip())
-    except (OSError, ValueError):
+        code = int(_exit_record(path) or "") if path else None
+    except ValueError:
+        code = None
+    if code is None:
         return status
     return dataclasses.replace(status, state="exited", exit_code=code)
+
+
+def _exit_record(path: str) -> str | None:
+    """What a job's shell wrote to its exit file ``path``: ``""`` from its
+    start, the exit code once its program ended; ``None`` when there is no
+    such plain file (a link put there is not followed). At most 64 bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read(64).decode("ascii", "replace").strip()
 
 
 @dataclass(frozen=True)
@@ -933,14 +1280,19 @@ def _unlink(root: Path, path: str) -> None:
 
 
 def _uid_of(user: str) -> int | None:
+    account = _account(user)
+    return None if account is None else account.pw_uid
+
+
+def _account(user: str) -> pwd.struct_passwd | None:
     try:
-        return pwd.getpwnam(user).pw_uid
+        return pwd.getpwnam(user)
     except KeyError:
         return None
 
 
 def _handle(job: Any) -> Handle | None:
-    if not job.handle_id:
+    if not job.handle_id or job.handle_id.startswith(_INTENT):
         return None
     return Handle(job.handle_engine, job.handle_id, job.handle_node)
 
@@ -976,12 +1328,6 @@ def _pythonpath(own: dict[str, str], lease: dict[str, str]) -> dict[str, str]:
     if not (own.get("PYTHONPATH") and lease.get("PYTHONPATH")):
         return {}
     return {"PYTHONPATH": f"{lease['PYTHONPATH']}:{own['PYTHONPATH']}"}
-
-
-def _kernel_names() -> set[str]:
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    return set(KernelSpecManager().find_kernel_specs())
 
 
 def _unusable(err: BaseException) -> str:

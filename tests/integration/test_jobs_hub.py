@@ -91,12 +91,17 @@ def test_bad_job_requests_are_a_400_naming_the_field(hub: RunningHub) -> None:
     token = hub.create_user("badjob")
     home = hub.workdir / "home" / "badjob"
     home.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nbformat.v4.new_notebook(), home / "x.ipynb")
+    nb = nbformat.v4.new_notebook()
+    nbformat.write(nb, home / "bare.ipynb")  # no kernelspec: papermill could not run it
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "P", "language": "python"}
+    nbformat.write(nb, home / "x.ipynb")
     for body, field in [
         ({"notebook": "x.ipynb", "gpus": 99}, "gpus"),
         ({"notebook": "x.ipynb", "gpus": 1, "time": "banana"}, "time"),
         ({"notebook": "x.ipynb", "gpus": 1, "params": ["epochs"]}, "param"),
         ({"notebook": "../x.ipynb", "gpus": 1}, "notebook"),
+        ({"notebook": "bare.ipynb", "gpus": 1}, "notebook"),
+        ({"notebook": "x.ipynb", "gpus": 1, "kernel": "no-such-kernel"}, "kernel"),
         ({"command": "true", "gpus": 1, "bogus": 1}, "bogus"),
     ]:
         r = hub.broker_api("POST", "/jobs", json=body, token=token)

@@ -479,7 +479,8 @@ def test_a_kernel_is_checked_on_the_host_unless_jobs_run_in_containers(
     at submit; a container has its image's kernels, which the broker cannot
     list, so the docker runner leaves the check to papermill there."""
     notebook(home / "ann" / "a.ipynb", ["1"])
-    with pytest.raises(BadRequest, match=r"^kernel: no such kernel: 'image-only'$"):
+    kernels_here = r"\(the kernels ann has on the broker's host: .*python3.*\)$"
+    with pytest.raises(BadRequest, match=rf"^kernel: no such kernel: 'image-only' {kernels_here}"):
         jobs.submit("ann", {"notebook": "a.ipynb", "gpus": 1, "kernel": "image-only"})
     jobs.runner = "docker"
     job = jobs.submit("ann", {"notebook": "a.ipynb", "gpus": 1, "kernel": "image-only"})

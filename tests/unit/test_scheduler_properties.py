@@ -419,14 +419,16 @@ def check_pass(state: SchedulerState, now: dt.datetime, d: Decisions) -> None:
     granted |= {f"group:{pending[g.lease_id].group}" for g in d.grants}  # "group:None": no-op
     assert not over_limit(state, after) & granted, "a grant exceeds a limit"
 
-    # preemptions: of running, untold, preemptible leases past their minimum
+    # preemptions: of running, untold (or withdrawn), preemptible leases past their minimum
     # runtime, borrowed by someone else or of a lower class than a preempting
     # request, for a request now waiting on those devices
     waits = {w.lease_id: w for w in d.waits}
     for p in d.preemptions:
         victim, request = running[p.lease_id], pending[p.for_lease]
         vcls, rcls = classes[victim.priority_class], classes[request.priority_class]
-        assert p.lease_id not in evicted and victim.preempt_deadline is None
+        assert p.lease_id not in evicted
+        # untold, or told for a request that left: withdrawn and told anew
+        assert victim.preempt_deadline is None or p.lease_id in d.withdrawn
         assert vcls.preemptible, f"{p} of a non-preemptible class"
         assert (now - victim.started).total_seconds() >= vcls.min_runtime
         reclaim = victim.lease_id in borrowed and victim.user != request.user
