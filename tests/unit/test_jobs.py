@@ -22,19 +22,6 @@ from ..conftest import make_broker
 from ..nbutil import write_notebook as notebook
 
 
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def jobs(db_url: str, home: Path) -> JobService:
-    broker = make_broker(db_url)
-    service = JobService(broker, broker.engine, run_as_self=True, poll_interval=0.2)
-    service.root_dir_template = str(home / "{username}")
-    return service
-
-
 def run_until_done(jobs: JobService, job_id: int, timeout: float = 120) -> dict:
     async def loop() -> dict:
         for _ in range(int(timeout / 0.2)):

@@ -31,19 +31,6 @@ from ..nbutil import write_notebook as notebook
 from .test_jobs import run_until_done
 
 
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def jobs(db_url: str, home: Path) -> JobService:
-    broker = make_broker(db_url)
-    service = JobService(broker, broker.engine, run_as_self=True, poll_interval=0.2)
-    service.root_dir_template = str(home / "{username}")
-    return service
-
-
 def restarted(db_url: str, jobs: JobService) -> JobService:
     """A new broker and job service on the same database: a new engine,
     which never saw the processes the first one started."""
@@ -64,6 +51,18 @@ def crash_after_launch(jobs: JobService, monkeypatch: pytest.MonkeyPatch) -> Non
         raise Crash(f"the broker stops before recording job {job_id}'s {handle}")
 
     monkeypatch.setattr(jobs, "_started", started)
+
+
+def crashed_launch(jobs: JobService, monkeypatch: pytest.MonkeyPatch) -> int:
+    """One tick that launches the queued job and crashes before recording
+    it (:func:`crash_after_launch`); the pid the first engine started."""
+    crash_after_launch(jobs, monkeypatch)
+    with pytest.raises(Crash):
+        asyncio.run(jobs.tick())
+    engine = jobs.engines["local"]
+    with engine._lock:
+        (pid,) = engine._procs
+    return int(pid)
 
 
 def reap(jobs: JobService) -> None:
@@ -131,12 +130,8 @@ def test_a_launch_that_ended_while_the_broker_was_down_is_not_run_again(
 ) -> None:
     (home / "cy").mkdir(parents=True)
     job = jobs.submit("cy", {"command": "echo run >> runs.txt; exit 4", "gpus": 1})
-    crash_after_launch(jobs, monkeypatch)
-    with pytest.raises(Crash):
-        asyncio.run(jobs.tick())
+    pid = crashed_launch(jobs, monkeypatch)
     engine = jobs.engines["local"]
-    with engine._lock:
-        (pid,) = engine._procs
     engine._procs[pid].popen.wait(timeout=30)  # it ends (and is reaped) meanwhile
     service = restarted(db_url, jobs)
     done = run_until_done(service, job["id"])
@@ -151,12 +146,8 @@ def test_an_orphan_whose_job_or_lease_ended_meanwhile_is_stopped(
 ) -> None:
     (home / "dee").mkdir(parents=True)
     job = jobs.submit("dee", {"command": "echo run >> runs.txt; exec sleep 60", "gpus": 1})
-    crash_after_launch(jobs, monkeypatch)
-    with pytest.raises(Crash):
-        asyncio.run(jobs.tick())
+    pid = crashed_launch(jobs, monkeypatch)
     engine = jobs.engines["local"]
-    with engine._lock:
-        (pid,) = engine._procs
     service = restarted(db_url, jobs)
     service.stop_grace = 2.0
     if how == "cancel":
