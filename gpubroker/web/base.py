@@ -30,6 +30,11 @@ TEMPLATES = Environment(
 )
 TEMPLATES.filters["duration"] = tiles.duration
 
+#: the query argument that carries a form's outcome back to its page
+#: (:meth:`PanelHandler.back`), and how long such a link stays good, days
+DONE = "done"
+DONE_MAX_AGE_DAYS = 1
+
 #: the admin pages, as the navigation lists them: (path, title)
 ADMIN_PAGES = (
     ("overview", "Overview"),
@@ -210,12 +215,42 @@ class PanelHandler(HubOAuthenticated, web.RequestHandler):  # type: ignore[misc]
             raise BadRequest(f"{name}: missing from the form")
         return value.strip()
 
+    def arg(self, name: str, default: Any = None) -> Any:
+        """The query argument ``name``, stripped (``default`` when absent).
+
+        Raises:
+            BadRequest: the argument is given more than once (as the API
+                refuses it: which one would count is not for the server to
+                guess).
+        """
+        values = self.get_query_arguments(name)
+        if len(values) > 1:
+            from ..errors import BadRequest
+
+            raise BadRequest(f"{name}: given {len(values)} times; give it once")
+        return values[0] if values else default
+
     def back(self, path: str, message: str = "") -> None:
         """Redirect (303) to the panel page ``path`` after a form, with a
-        message shown there."""
+        message shown there (:meth:`done`). The message travels in the URL
+        signed with the panel's cookie secret, so a link made elsewhere
+        cannot put words on a panel page."""
         from urllib.parse import urlencode
 
         target = self.url(path)
         if message:
-            target += ("&" if "?" in target else "?") + urlencode({"done": message})
+            signed = self.create_signed_value(DONE, message).decode()
+            target += ("&" if "?" in target else "?") + urlencode({DONE: signed})
         self.redirect(target, status=303)
+
+    def done(self) -> str:
+        """The message :meth:`back` sent with the redirect to this page;
+        ``""`` when there is none, or when it is not signed by this panel
+        or older than :data:`DONE_MAX_AGE_DAYS` (it is then ignored)."""
+        value = self.arg(DONE)
+        if not value:
+            return ""
+        message = web.decode_signed_value(
+            self.settings["cookie_secret"], DONE, value, max_age_days=DONE_MAX_AGE_DAYS
+        )
+        return message.decode("utf-8", "replace") if message else ""

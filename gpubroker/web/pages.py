@@ -92,9 +92,7 @@ class QueueHandler(PanelHandler):
 
     async def get(self) -> None:
         await self.broker.settled()
-        self.render_page(
-            "queue.html", queue=self.broker.queue(), done=self.get_argument("done", ""), live=True
-        )
+        self.render_page("queue.html", queue=self.broker.queue(), done=self.done(), live=True)
 
     def post(self) -> None:
         _action(self, ("cancel",))
@@ -159,11 +157,11 @@ class LeasesHandler(PanelHandler):
 
     async def get(self) -> None:
         await self.broker.settled()
-        user = validation.optional_name_arg(self.get_argument("user", None) or None, "user")
-        state = self.get_argument("state", "active")
+        user = validation.optional_name_arg(self.arg("user", None) or None, "user")
+        state = self.arg("state", "active")
         if state not in LEASE_STATES:
             raise BadRequest(f"state: must be one of {', '.join(LEASE_STATES)}, got {state!r}")
-        kind = self.get_argument("kind", "")
+        kind = self.arg("kind", "")
         if kind not in HOLDER_KINDS:
             raise BadRequest(
                 f"kind: must be one of {', '.join(k for k in HOLDER_KINDS if k)} (or none),"
@@ -187,7 +185,7 @@ class LeasesHandler(PanelHandler):
             filters={"user": user or "", "state": state, "kind": kind},
             states=LEASE_STATES,
             kinds=HOLDER_KINDS,
-            done=self.get_argument("done", ""),
+            done=self.done(),
         )
 
     async def post(self) -> None:
@@ -240,7 +238,7 @@ class DevicesHandler(PanelHandler):
             "devices.html",
             devices=listing["devices"],
             backend=listing["backend"],
-            done=self.get_argument("done", ""),
+            done=self.done(),
         )
 
     def post(self) -> None:
@@ -275,7 +273,7 @@ class QuotasHandler(PanelHandler):
             use=use,
             form_error=error,
             values=values or {},
-            done=self.get_argument("done", ""),
+            done=self.done(),
         )
 
     def post(self) -> None:
@@ -344,7 +342,7 @@ class UsageHandler(PanelHandler):
         from ..usage import query, render
         from ..usage.report import BY, MAX_DAILY_DAYS, ReportError, parse_request
 
-        args = {k: self.get_argument(k, None) or None for k in ("from", "to", "by", "tz")}
+        args = {k: self.arg(k, None) or None for k in ("from", "to", "by", "tz")}
         now = dt.datetime.now(dt.timezone.utc)
         try:
             request = parse_request(args["from"], args["to"], args["by"], args["tz"], "csv", now)
@@ -415,7 +413,7 @@ class AuditHandler(PanelHandler):
         from ..observe import audit
         from ..usage.report import ReportError, parse_time
 
-        filters = {k: self.get_argument(k, "") for k in ("user", "kind", "since", "until")}
+        filters = {k: self.arg(k, "") for k in ("user", "kind", "since", "until")}
         bounds: dict[str, dt.datetime | None] = {}
         error = ""
         for name in ("since", "until"):

@@ -177,7 +177,7 @@ async def test_releasing_an_ended_lease_again_is_a_conflict_that_tells_no_one(
     lease = broker.request_lease("ann", "", gpus=1, holder_kind="external")
     form = {"action": "release", "lease_id": str(lease["id"]), "reason": "maintenance"}
     first = await panel.post("leases", form)
-    assert first.code == 303 and "released" in first.headers["Location"]
+    assert first.code == 303 and "released" in await outcome(panel, first)
     assert len(broker.notices("ann")) == 1
     again = await panel.post("leases", dict(form, reason="again"))
     assert again.code == 409, text(again)
@@ -195,13 +195,21 @@ async def test_releasing_a_server_whose_stop_is_under_way_is_a_conflict(
     lease = broker.request_lease("ann", "", gpus=1)
     form = {"action": "release", "lease_id": str(lease["id"]), "reason": "maintenance"}
     first = await panel.post("leases", form)
-    assert first.code == 303 and "stopping" in first.headers["Location"]
+    assert first.code == 303 and "stopping" in await outcome(panel, first)
     again = await panel.post("leases", form)
     assert again.code == 409 and "being stopped already" in text(again)
     assert asked == [lease["id"]] and len(broker.notices("ann")) == 1
 
 
 # --- what held up, kept -------------------------------------------------------
+
+
+async def outcome(panel: Panel, posted: HTTPResponse) -> str:
+    """The line a form's redirect (303) shows on the page it leads to."""
+    page = await panel.get(posted.headers["Location"].split(BASE, 1)[1])
+    found = re.search(r'<p class="done" role="status">([^<]*)</p>', text(page))
+    assert found, text(page)
+    return found.group(1)
 
 
 def alert(response: HTTPResponse) -> str:
@@ -338,3 +346,46 @@ async def test_the_usage_api_gives_a_user_her_own_rows_in_every_format(
     assert refused.code == 403
     everyone = json.loads(text(await usage("", "root-token")))
     assert {row["key"] for row in everyone["rows"]} == {"ann", "bob"}
+
+
+async def test_a_forms_outcome_shows_only_when_the_panel_signed_it(
+    panel: Panel, broker: Broker
+) -> None:
+    """The line saying what a form did came from the URL as plain text, so
+    a link made anywhere (``leases?done=Your+account+is+locked...``) put
+    its words on an admin's panel page. Now only the panel's own signed
+    outcome shows; anything else is ignored."""
+    lease = broker.request_lease("ann", "", gpus=1, holder_kind="external")
+    form = {"action": "release", "lease_id": str(lease["id"]), "reason": "maintenance"}
+    posted = await panel.post("leases", form)
+    assert posted.code == 303
+    location = posted.headers["Location"]
+    assert f"Lease {lease['id']} of ann released" not in location  # not readable as text
+    shown = await panel.get(location.split(BASE, 1)[1])
+    assert shown.code == 200
+    assert f"Lease {lease['id']} of ann released." in text(shown)
+    forged = "Your GPUs were revoked: log in again at evil.example"
+    for value in (forged, location.split("done=", 1)[1][:-3] + "abc"):
+        page = await panel.get(f"leases?{urlencode({'done': value})}")
+        assert page.code == 200
+        assert 'class="done"' not in text(page) and "evil.example" not in text(page)
+
+
+@pytest.mark.parametrize(
+    ("page", "field"),
+    [
+        ("leases", "state"),
+        ("leases", "user"),
+        ("audit", "kind"),
+        ("usage", "by"),
+        ("queue", "done"),
+    ],
+)
+async def test_a_query_argument_given_twice_is_a_400_naming_it(
+    panel: Panel, page: str, field: str
+) -> None:
+    """The panel took the last of repeated arguments where the API refuses
+    them: the same rule now."""
+    refused = await panel.get(f"{page}?{field}=a&{field}=b")
+    assert refused.code == 400, text(refused)
+    assert alert(refused) == f"{field}: given 2 times; give it once"
