@@ -57,11 +57,11 @@ config on free ports):
   of Slurm's inventory (default 30).
 
 At shutdown (Ctrl-C) the hub stops the servers before the broker
-(:func:`stop_servers_before_services`), so their leases are released then.
+(:func:`gpubroker_spawner.shutdown.stop_servers_before_services`), so their
+leases are released then.
 """
 
 import ast
-import asyncio
 import json
 import os
 import re
@@ -78,6 +78,7 @@ from gpubroker.devices.base import DeviceBackendError
 from gpubroker.devices.fake import MIG_STATE_KEY, fake_uuid, parse_inventory_entry
 from gpubroker.devices.mig import spec_for
 from gpubroker.devices.models import GPUModel
+from gpubroker_spawner.shutdown import stop_servers_before_services
 
 c = get_config()  # noqa: F821 - provided by JupyterHub when it loads this file
 log = get_logger()  # the hub's log when JupyterHub loads this file
@@ -369,41 +370,6 @@ def set_simulated_mig_mode(
     temporary = state_file.with_name(state_file.name + ".tmp")
     temporary.write_text(json.dumps(data, indent=2) + "\n")
     temporary.replace(state_file)
-
-
-def stop_servers_before_services(app: Any) -> None:
-    """At hub shutdown, stop the single-user servers before the managed services.
-
-    JupyterHub's ``cleanup()`` stops managed services first, then (with
-    ``cleanup_servers``) the servers: the broker is gone when the spawners
-    release their leases, each release fails with a warning, and the leases
-    stay open (and charged) until the broker's next start reconciles them.
-    Stopping the servers first releases each lease at its server's stop.
-    Without ``cleanup_servers`` nothing changes: servers keep running and
-    keep their GPUs.
-    """
-    cleanup = app.cleanup
-
-    async def cleanup_servers_first() -> None:
-        if app.cleanup_servers:
-            stops = [
-                asyncio.ensure_future(user.stop(name))
-                for user in list(app.users.values())
-                for name, spawner in list(user.spawners.items())
-                if spawner.active
-            ]
-            if stops:
-                app.log.info(
-                    "Stopping %i single-user servers before the GPU broker, so it releases"
-                    " their GPUs...",
-                    len(stops),
-                )
-            for result in await asyncio.gather(*stops, return_exceptions=True):
-                if isinstance(result, BaseException):
-                    app.log.error("Failed to stop user: %s", result)
-        await cleanup()
-
-    app.cleanup = cleanup_servers_first
 
 
 broker_port = _port("BROKER_PORT", 10101)

@@ -10,13 +10,18 @@ Copy it next to your hub, adjust the marked lines, and read the admin guide
 - the custom scope ``custom:gpubroker:admin`` for the broker's role and for
   your admins;
 - ``LocalGPUSpawner``: one system user per hub user (JupyterHub's
-  LocalProcessSpawner), each server seeing only its leased GPUs.
+  LocalProcessSpawner), each server seeing only its leased GPUs;
+- at hub shutdown, the servers stop before the broker service, so their
+  leases are released then (JupyterHub stops managed services first).
 """
 
 import os
 import sys
 
+from jupyterhub.app import JupyterHub
+
 from gpubroker.api.auth import ADMIN_SCOPE, CUSTOM_SCOPES
+from gpubroker_spawner.shutdown import stop_servers_before_services
 
 c = get_config()  # noqa: F821 - provided by JupyterHub
 
@@ -31,6 +36,9 @@ BROKER_PORT = 10101
 c.JupyterHub.bind_url = "https://0.0.0.0:443"  # CHANGE: behind TLS
 c.JupyterHub.allow_named_servers = True
 c.ConfigurableHTTPProxy.auth_token = os.environ["CONFIGPROXY_AUTH_TOKEN"]
+# at shutdown, stop the servers (releasing their GPUs) before the broker service
+if JupyterHub.initialized():  # loaded by the hub itself
+    stop_servers_before_services(JupyterHub.instance())
 # c.JupyterHub.authenticator_class = "oauthenticator.GenericOAuthenticator"  # CHANGE
 
 # --- the broker service --------------------------------------------------------------

@@ -48,6 +48,27 @@ def test_production_example_loads(monkeypatch) -> None:
     assert "--device-backend=nvml" in command
 
 
+def test_production_example_stops_servers_before_the_broker(monkeypatch) -> None:
+    """Loaded by the hub itself, the production example wraps the hub's
+    cleanup so servers stop (and release their leases) before the managed
+    broker service does (the order itself: test_demo_config)."""
+    from jupyterhub.app import JupyterHub
+
+    class Hub:
+        async def cleanup(self) -> None:
+            pass
+
+    hub = Hub()
+    original = hub.cleanup
+    monkeypatch.setattr(JupyterHub, "initialized", classmethod(lambda cls: True))
+    monkeypatch.setattr(JupyterHub, "instance", classmethod(lambda cls: hub))
+    monkeypatch.setenv("GPUBROKER_API_TOKEN", "x")
+    monkeypatch.setenv("CONFIGPROXY_AUTH_TOKEN", "y")
+    load("jupyterhub_config.py")
+    assert hub.cleanup != original
+    assert hub.cleanup.__qualname__.endswith("cleanup_servers_first")
+
+
 def test_production_example_needs_its_secrets(monkeypatch) -> None:
     monkeypatch.delenv("GPUBROKER_API_TOKEN", raising=False)
     with pytest.raises(KeyError):
