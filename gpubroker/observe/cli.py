@@ -69,6 +69,16 @@ class AuditCommand(StoreCommand):
                 continue
             cause = f" ({entry['cause']})" if entry["cause"] else ""
             sys.stdout.write(
-                f"{entry['at']}  {entry['actor']:<12} {entry['action']}{cause:<14} "
-                f"{entry['target']}: {entry['reason']}\n"
+                f"{entry['at']}  {one_line(entry['actor']):<12} {entry['action']}{cause:<14} "
+                f"{one_line(entry['target'])}: {one_line(entry['reason'])}\n"
             )
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable (newlines, tabs,
+    terminal escapes, Unicode line separators) written as its Python escape
+    (``\\n``, ``\\x1b``), so one entry is one line and a reason cannot
+    forge other lines or move the terminal's cursor; other text is kept."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in text)

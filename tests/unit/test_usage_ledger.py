@@ -352,6 +352,26 @@ def test_report_and_audit_commands_read_the_store(db_url: str, tmp_path: Path) -
     assert done.returncode == 0 and "group:physics" in done.stdout
 
 
+def test_the_audit_command_prints_one_line_per_entry_whatever_the_reason(
+    db_url: str,
+) -> None:
+    """A reason with a newline printed as two lines, the second free text
+    that could pass for another entry; with a terminal escape it could move
+    the cursor. Control characters are now printed escaped."""
+    broker = make_broker(db_url)
+    lease = broker.request_lease("kim", "", 1, holder_kind="external")
+    forged = "maintenance\n2026-12-01T00:00:00  root  quota-set  user:kim: \x1b[2Kok"
+    broker.release_lease(lease["id"], forged, actor="root")
+    done = _cli("audit", f"--db-url={db_url}", "--user=kim")
+    assert done.returncode == 0, done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if "maintenance" in x]
+    assert "maintenance\\n2026-12-01" in line and "\\x1b[2Kok" in line
+    assert "\x1b" not in done.stdout and done.stdout.count("quota-set") == 1
+    as_json = _cli("audit", f"--db-url={db_url}", "--user=kim", "--json")
+    reasons = [json.loads(x)["reason"] for x in as_json.stdout.splitlines()]
+    assert forged in reasons  # JSON keeps the text as it was
+
+
 def test_a_sample_after_a_release_charges_up_to_the_release_only(
     db_url: str, tmp_path: Path, clock: Clock
 ) -> None:
