@@ -87,7 +87,9 @@ class ShareGuard(LoggingConfigurable):
         caps: list[ShareCap] = []
         for lease, device, memory in self.broker.share_caps():
             leases[lease.id] = lease
-            caps.append(ShareCap(lease.id, lease.user, device, memory))
+            caps.append(
+                ShareCap(lease.id, lease.user, device, memory, container=lease.container_id)
+            )
         now = now or dt.datetime.now(dt.timezone.utc)
         actions = self.watchdog.judge(self._samples(caps), caps, self.pid_lease, now)
         for action in actions:

@@ -11,8 +11,10 @@ no process (the uids it compares come from the injectable
   environment or its parents' of the same uid (:func:`lease_of_pid`), and
   only when its uid is the lease holder's, where that is known
   (:attr:`ShareCap.uid`, else the holder's POSIX account,
-  :attr:`ShareWatchdog.check_uid`); processes of no lease are ignored
-  (debug log), those of another uid too (warning log);
+  :attr:`ShareWatchdog.check_uid`), or, for a lease whose server runs in a
+  Docker container (:attr:`ShareCap.container`), only when it runs in that
+  container; processes of no lease are ignored (debug log), those of
+  another uid or container too (warning log);
 - the memory a lease uses on its share's device is the sum of its
   processes' memory there; the lease is *over* when that sum exceeds
   ``cap_mib + tolerance_mib``;
@@ -35,9 +37,10 @@ in the host's PID namespace (not in a container of its own). Attribution
 trusts the processes' environment within one uid: a user can clear
 ``GPUBROKER_LEASE_ID`` in a process they start with a fresh environment,
 or name another of their own leases; a process of another uid that names
-a lease is not that lease's where the holder's uid is known (a holder
-with no POSIX account on the host, e.g. a hub user whose servers run in
-containers as a shared account, is attributed by the environment alone).
+a lease is not that lease's where the holder's uid is known, nor is a
+process outside the container of a lease whose server runs in one (a
+holder with no POSIX account on the host and no container recorded is
+attributed by the environment alone).
 So this stops accidents, not attacks; MPS (:mod:`gpubroker.enforce.mps`)
 is the hard cap. On a real node the broker must run as root (or as the notebook
 users' owner) to read ``/proc/<pid>/environ`` of users' processes and to
@@ -49,6 +52,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import pwd
+import re
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -74,6 +78,11 @@ class ShareCap:
         uid: the POSIX uid its holder's processes run as, where the caller
             knows it; ``None``: the watchdog looks it up
             (:attr:`ShareWatchdog.holder_uid`).
+        container: the Docker container its holder's server runs in (the
+            ID, 12 to 64 hex digits), where it runs in one: then a process
+            is the lease's only inside that container
+            (:attr:`ShareWatchdog.container_of_pid`), and uids are not
+            compared (a container's accounts are not the host's).
     """
 
     lease_id: int
@@ -81,6 +90,7 @@ class ShareCap:
     device_uuid: str
     cap_mib: int
     uid: int | None = None
+    container: str | None = None
 
 
 @dataclass(frozen=True)
@@ -184,9 +194,10 @@ class ShareWatchdog(LoggingConfigurable):
     check_uid = Bool(
         True,
         help="Attribute a process to a share lease only when the process runs as its holder's "
-        "uid (the holder's POSIX account on this host; not checked for a holder without one): "
-        "a process of another user that names the lease in its environment is never warned "
-        "or ended for it.",
+        "uid (the holder's POSIX account on this host; not checked for a holder without one) "
+        "or, for a lease whose server runs in a Docker container, only when it runs in that "
+        "container: a process of another user that names the lease in its environment is "
+        "never warned or ended for it.",
     ).tag(config=True)
 
     def __init__(self, **kwargs: object) -> None:
@@ -195,6 +206,8 @@ class ShareWatchdog(LoggingConfigurable):
         self.uid_of_pid: Callable[[int], int | None] = process_uid
         #: the uid of a holder's processes by user name, ``None`` when unknown
         self.holder_uid: Callable[[str], int | None] = user_uid
+        #: the Docker container of a process (``""``: none), ``None`` when unknown
+        self.container_of_pid: Callable[[int], str | None] = process_container
         #: (lease id, device uuid, pid) -> deadline of its warning (aware UTC)
         self.warned: dict[tuple[int, str, int], dt.datetime] = {}
         #: (lease id, device uuid, pid) of processes a Terminate was issued for
@@ -266,11 +279,16 @@ class ShareWatchdog(LoggingConfigurable):
         self, cap: ShareCap, sample: ProcessSample, holders: dict[int, int | None]
     ) -> bool:
         """Whether ``sample``'s process may be the process of ``cap``'s lease:
-        its uid is the holder's, or either uid is unknown (or
-        :attr:`check_uid` is off). ``holders``: the holders' uids of this
-        judgement by lease id (each looked up once)."""
+        for a lease whose server runs in a container
+        (:attr:`ShareCap.container`), the process runs in that container
+        (or its container cannot be read); else its uid is the holder's, or
+        either uid is unknown (or :attr:`check_uid` is off). ``holders``:
+        the holders' uids of this judgement by lease id (each looked up
+        once)."""
         if not self.check_uid:
             return True
+        if cap.container:
+            return self._in_container(cap, sample)
         if cap.lease_id not in holders:
             holders[cap.lease_id] = cap.uid if cap.uid is not None else self.holder_uid(cap.user)
         expected = holders[cap.lease_id]
@@ -289,6 +307,26 @@ class ShareWatchdog(LoggingConfigurable):
             cap.user,
             expected,
             found,
+        )
+        return False
+
+    def _in_container(self, cap: ShareCap, sample: ProcessSample) -> bool:
+        """Whether ``sample``'s process runs in ``cap``'s container (or its
+        container cannot be read: then the environment alone attributes it)."""
+        assert cap.container
+        found = self.container_of_pid(sample.pid)
+        if found is None or found.startswith(cap.container):
+            return True
+        self.log.warning(
+            "Process %s on %s (%s MiB) names lease %s of %s (container %s) but runs %s;"
+            " not the lease's, ignored",
+            sample.pid,
+            sample.device_uuid,
+            sample.used_memory_mib,
+            cap.lease_id,
+            cap.user,
+            cap.container[:12],
+            f"in container {found[:12]}" if found else "outside any container",
         )
         return False
 
@@ -425,6 +463,27 @@ def process_uid(pid: int) -> int | None:
             except (IndexError, ValueError):
                 return None
     return None
+
+
+#: a Docker container's ID in a line of ``/proc/<pid>/cgroup`` (cgroup v1
+#: ``.../docker/<id>``, v2 ``.../docker-<id>.scope``)
+_DOCKER_CGROUP = re.compile(r"docker[-/]([0-9a-f]{64})(?:\.scope)?$")
+
+
+def process_container(pid: int, proc: str = "/proc") -> str | None:
+    """The Docker container ``pid`` runs in (its 64-hex-digit ID, from
+    ``<proc>/<pid>/cgroup``), ``""`` when it runs in none, or ``None`` when
+    unreadable (gone, no /proc)."""
+    try:
+        with open(f"{proc}/{pid}/cgroup", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        found = _DOCKER_CGROUP.search(line.rpartition(":")[2])
+        if found:
+            return found.group(1)
+    return ""
 
 
 def user_uid(user: str) -> int | None:

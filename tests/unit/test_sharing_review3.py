@@ -214,6 +214,74 @@ def test_the_caps_own_uid_wins_and_unknown_uids_are_not_checked() -> None:
     assert [a.pid for a in actions] == [300]
 
 
+CONTAINER = "a" * 64
+OTHER = "b" * 64
+
+
+def test_a_containers_lease_counts_only_processes_in_that_container() -> None:
+    """A server in a Docker container runs as the image's account (uid 1000
+    for every user), not as its user's account on the broker's host (ann
+    is uid 1001 there): compared by uid, ann's own over-cap process was
+    ignored and her cap never enforced. A lease whose server runs in a
+    container now counts the processes in that container, whatever their
+    uid, and none outside it."""
+    dog = _dog({100: 1000, 200: 1000, 300: 1001}, {"ann": 1001})
+    containers = {100: CONTAINER, 200: OTHER, 300: ""}
+    dog.container_of_pid = containers.get
+    cap = ShareCap(1, "ann", GPU, 1000, container=CONTAINER[:12])
+    lease = {100: 1, 200: 1, 300: 1}.get
+    actions = dog.judge([ProcessSample(GPU, 100, 2000)], [cap], lease, T0)
+    assert [(a.pid, type(a)) for a in actions] == [(100, Overuse)]
+    # another container's process, or a host process (even one of ann's
+    # own uid), naming her lease is not hers
+    dog = _dog({200: 1000, 300: 1001}, {"ann": 1001})
+    dog.container_of_pid = containers.get
+    samples = [ProcessSample(GPU, 200, 5000), ProcessSample(GPU, 300, 5000)]
+    assert dog.judge(samples, [cap], lease, T0) == []
+    # a process whose container cannot be read: the environment alone
+    dog.container_of_pid = {}.get
+    actions = dog.judge([ProcessSample(GPU, 200, 5000)], [cap], lease, T0)
+    assert [a.pid for a in actions] == [200]
+
+
+async def test_the_share_guard_names_the_container_of_a_servers_lease(
+    db_url: str, tmp_path: Path
+) -> None:
+    from gpubroker.share_guard import ShareGuard
+
+    broker = sharing_broker(db_url, tmp_path)
+    lease = broker.request_lease("ann", "", memory_gib=10, pool="shared")
+    other = broker.request_lease("bob", "", memory_gib=10, pool="shared")
+    broker.set_server_url(lease["id"], "http://10.0.0.2:8888", CONTAINER)
+    guard = ShareGuard(broker)
+    seen: list[ShareCap] = []
+
+    def judge(samples: object, caps: list[ShareCap], *args: object) -> list[object]:
+        seen.extend(caps)
+        return []
+
+    guard.watchdog.judge = judge  # type: ignore[method-assign]
+    await guard.check_once()
+    containers = {cap.lease_id: cap.container for cap in seen}
+    assert containers == {lease["id"]: CONTAINER, other["id"]: None}
+
+
+def test_process_container_reads_proc_cgroup(tmp_path: Path) -> None:
+    from gpubroker.enforce.watchdog import process_container
+
+    assert isinstance(process_container(os.getpid()), str)  # "" on a host, else an ID
+    assert process_container(2**22 + 7) is None  # no such process
+    (tmp_path / "1234").mkdir()
+    for line, found in (
+        (f"12:memory:/docker/{CONTAINER}", CONTAINER),
+        (f"0::/system.slice/docker-{CONTAINER}.scope", CONTAINER),
+        ("0::/user.slice/user-1000.slice/session-3.scope", ""),
+        (f"0::/docker/{CONTAINER[:12]}", ""),  # not a full ID
+    ):
+        (tmp_path / "1234" / "cgroup").write_text(f"1:name=systemd:/\n{line}\n")
+        assert process_container(1234, proc=str(tmp_path)) == found, line
+
+
 def test_process_uid_reads_proc() -> None:
     assert process_uid(os.getpid()) == os.getuid()
     done = subprocess.run([sys.executable, "-c", "pass"], check=True)
