@@ -297,17 +297,7 @@ class ShareWatchdog(LoggingConfigurable):
         found = self.uid_of_pid(sample.pid)
         if found is None or found == expected:
             return True
-        self.log.warning(
-            "Process %s on %s (%s MiB) names lease %s of %s (uid %s) but runs as uid %s;"
-            " not the lease's, ignored",
-            sample.pid,
-            sample.device_uuid,
-            sample.used_memory_mib,
-            cap.lease_id,
-            cap.user,
-            expected,
-            found,
-        )
+        self._not_the_leases(cap, sample, f"uid {expected}", f"as uid {found}")
         return False
 
     def _in_container(self, cap: ShareCap, sample: ProcessSample) -> bool:
@@ -317,18 +307,25 @@ class ShareWatchdog(LoggingConfigurable):
         found = self.container_of_pid(sample.pid)
         if found is None or found.startswith(cap.container):
             return True
+        where = f"in container {found[:12]}" if found else "outside any container"
+        self._not_the_leases(cap, sample, f"container {cap.container[:12]}", where)
+        return False
+
+    def _not_the_leases(self, cap: ShareCap, sample: ProcessSample, owner: str, runs: str) -> None:
+        """Log that ``sample``'s process names ``cap``'s lease but is not its
+        holder's (``owner``: the holder's uid or container; ``runs``: how
+        the process runs)."""
         self.log.warning(
-            "Process %s on %s (%s MiB) names lease %s of %s (container %s) but runs %s;"
-            " not the lease's, ignored",
+            "Process %s on %s (%s MiB) names lease %s of %s (%s) but runs %s; not the lease's,"
+            " ignored",
             sample.pid,
             sample.device_uuid,
             sample.used_memory_mib,
             cap.lease_id,
             cap.user,
-            cap.container[:12],
-            f"in container {found[:12]}" if found else "outside any container",
+            owner,
+            runs,
         )
-        return False
 
     def _judge_lease(
         self, cap: ShareCap, procs: list[ProcessSample], now: dt.datetime
