@@ -40,10 +40,14 @@ count. Memory held is reported in the reason, not used to decide.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import json
+import math
+import os
 import re
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +86,23 @@ CLOCK_SKEW = dt.timedelta(seconds=60)
 #: is untrusted)
 MAX_KERNELS_BYTES = 1024 * 1024
 
+#: the allowed values of the culler's number options: (lowest, whether the
+#: lowest itself is allowed, highest or ``None``, what the value is); every
+#: one is finite. A value outside stops the broker at start-up: a negative
+#: ``timeout`` would cull everyone at once, a ``gpu_idle_threshold`` of 0
+#: would count every GPU as used (nothing culled), ``cull_every`` 0 would
+#: spin against the hub, an infinite ``pre_stop_timeout`` would fail every cull
+NUMBER_BOUNDS: dict[str, tuple[float, bool, float | None, str]] = {
+    "timeout": (0, False, None, "seconds above 0"),
+    "cull_every": (0, False, None, "seconds above 0"),
+    "grace": (0, True, None, "seconds, 0 or more"),
+    "max_age": (0, True, None, "seconds, 0 (never) or more"),
+    "gpu_idle_threshold": (0, False, 100, "a percentage above 0 and at most 100"),
+    "busy_gpu_idle_timeout": (0, False, None, "seconds above 0"),
+    "pre_stop_timeout": (0, False, None, "seconds above 0"),
+    "request_timeout": (0, False, None, "seconds above 0"),
+}
+
 
 def kernel_list(data: Any) -> list[dict[str, Any]]:
     """A server's ``/api/kernels`` answer as kernels with checked fields:
@@ -107,15 +128,16 @@ def kernel_list(data: Any) -> list[dict[str, Any]]:
     return kernels
 
 
-def terminal_activity(data: Any) -> dt.datetime | None:
+def terminal_activity(data: Any, until: dt.datetime | None = None) -> dt.datetime | None:
     """The latest ``last_activity`` of a server's ``/api/terminals`` answer
     (aware UTC; jupyter_server_terminals counts a terminal's input and
     output); ``None`` for no terminals, or an answer that is not a list
-    (a server is untrusted)."""
+    (a server is untrusted). Times after ``until`` are left out (a claim
+    of the future hides no other terminal's activity)."""
     if not isinstance(data, list):
         return None
     times = [parse_time(t.get("last_activity")) for t in data[:1000] if isinstance(t, dict)]
-    return max((t for t in times if t), default=None)
+    return max((t for t in times if t and (until is None or t <= until)), default=None)
 
 
 @dataclass(frozen=True)
@@ -177,32 +199,37 @@ def judge(
 
     A busy kernel on an unused GPU is flagged only where the GPU's use is
     known (``gpu_util`` not ``None``): an unknown GPU is never called idle.
+    Its clock (``busy_since_gpu_idle``) ends only on evidence, the GPU seen
+    in use or the kernels read and none busy: a check that could not read
+    the kernels or the GPU (a slow server, an NVML error) neither extends
+    nor restarts it.
+
+    An activity time more than :data:`CLOCK_SKEW` ahead of ``now`` is left
+    out on its own: it hides no other, earlier activity.
     """
     gpu_busy = signals.gpu_util is not None and signals.gpu_util >= threshold
     if gpu_busy:
         track.gpu_active = now
     if signals.busy and signals.gpu_util is not None and not gpu_busy:
         track.busy_since_gpu_idle = track.busy_since_gpu_idle or now
-    else:
+    elif gpu_busy or (signals.kernels is not None and not signals.busy):
         track.busy_since_gpu_idle = None
     marks = [granted_at, track.gpu_active]
     # with kernels known, the hub's activity (which counts any browser traffic,
     # e.g. an open idle tab's keep-alives) is not evidence of use; running
     # code and terminal input or output are
-    user_activity = signals.hub_activity
+    claims = [signals.hub_activity]
     if signals.kernels is not None:
-        known = [t for t in (signals.kernel_activity, signals.terminal_activity) if t]
-        user_activity = max(known, default=None)
-    if user_activity is not None and user_activity <= now + CLOCK_SKEW:
-        # a server may claim the future: beyond a little clock skew it is no evidence
-        marks.append(min(user_activity, now))
+        claims = [signals.kernel_activity, signals.terminal_activity]
+    # a server may claim the future: beyond a little clock skew it is no evidence
+    marks.extend(min(t, now) for t in claims if t is not None and t <= now + CLOCK_SKEW)
     if signals.busy:
         marks.append(now)
     idle = max(0.0, (now - max(marks)).total_seconds())
     gpu = "unknown" if signals.gpu_util is None else f"{signals.gpu_util}%"
     held = f", {signals.gpu_memory_mib / 1024:.1f} GiB held" if signals.gpu_memory_mib else ""
     kernel = "a busy kernel" if signals.busy else "no busy kernel"
-    if signals.busy and track.busy_since_gpu_idle is not None:
+    if signals.busy and track.busy_since_gpu_idle is not None and signals.gpu_util is not None:
         gpu_idle = (now - max(track.busy_since_gpu_idle, track.gpu_active)).total_seconds()
         if gpu_idle >= busy_gpu_idle_timeout:
             reason = f"kernel busy but GPU idle {gpu_idle / 60:.0f} min (GPU {gpu}{held})"
@@ -216,24 +243,27 @@ class Culler(LoggingConfigurable):
     follow jupyterhub-idle-culler where they mean the same."""
 
     enabled = Bool(True, help="Run the culler in the broker.").tag(config=True)
-    timeout = Float(3600, help="Seconds of idleness after which a lease is warned.").tag(
+    timeout = Float(3600, help="Seconds of idleness after which a lease is warned (above 0).").tag(
         config=True
     )
-    cull_every = Float(60, help="Seconds between checks (idle-culler's --cull-every).").tag(
-        config=True
-    )
-    grace = Float(600, help="Seconds between the warning and the cull; activity withdraws it.").tag(
-        config=True
-    )
-    max_age = Float(0, help="Seconds after which a lease is culled even if active (0: never).").tag(
-        config=True
-    )
+    cull_every = Float(
+        60, help="Seconds between checks, above 0 (idle-culler's --cull-every)."
+    ).tag(config=True)
+    grace = Float(
+        600, help="Seconds between the warning and the cull (0 or more); activity withdraws it."
+    ).tag(config=True)
+    max_age = Float(
+        0, help="Seconds after which a lease is culled even if active (0: never; not negative)."
+    ).tag(config=True)
     gpu_idle_threshold = Float(
-        5, help="GPU utilization (percent) below which the GPU counts as unused."
+        5,
+        help="GPU utilization (percent, above 0 and at most 100) below which the "
+        "GPU counts as unused.",
     ).tag(config=True)
     busy_gpu_idle_timeout = Float(
         4 * 3600,
-        help="Seconds a kernel may stay busy while its GPU is unused before admins are told.",
+        help="Seconds (above 0) a kernel may stay busy while its GPU is unused "
+        "before admins are told.",
     ).tag(config=True)
     cull_busy_gpu_idle = Bool(
         False, help="Also cull leases whose kernel is busy but GPU idle past that limit."
@@ -255,18 +285,23 @@ class Culler(LoggingConfigurable):
     ).tag(config=True)
     pre_stop_hook = List(
         Unicode(),
-        help="Command (absolute path) run on the broker's host before a cull. Its "
+        help="Command run on the broker's host before a cull; its first item an "
+        "absolute path (a bare name is refused at start-up). Its "
         "environment holds exactly GPUBROKER_USER, GPUBROKER_SERVER_NAME, "
         "GPUBROKER_LEASE_ID, GPUBROKER_SERVER_URL (the server's own URL: its "
         "contents API can save work) and GPUBROKER_SERVER_TOKEN (a token of the "
         "server's user that reaches only that server, revoked when the hook "
         "ends); no PATH, and never the broker's own token.",
     ).tag(config=True)
-    pre_stop_timeout = Float(60, help="Seconds the pre-stop hook may run.").tag(config=True)
+    pre_stop_timeout = Float(60, help="Seconds (above 0) the pre-stop hook may run.").tag(
+        config=True
+    )
     dry_run = Bool(False, help="Only report (log and notices) what would be culled.").tag(
         config=True
     )
-    request_timeout = Float(10, help="Seconds for reading a server's kernels.").tag(config=True)
+    request_timeout = Float(10, help="Seconds (above 0) for reading a server's kernels.").tag(
+        config=True
+    )
     concurrency = Integer(
         8,
         min=1,
@@ -280,6 +315,33 @@ class Culler(LoggingConfigurable):
         "user, limited to that one server) lives at most; it is revoked right "
         "after use, this bounds it if the revocation fails.",
     ).tag(config=True)
+
+    @validate(*NUMBER_BOUNDS)
+    def _valid_number(self, proposal: Any) -> float:
+        """Every number option is finite and in its range
+        (:data:`NUMBER_BOUNDS`), or the broker does not start."""
+        name, value = proposal["trait"].name, proposal["value"]
+        low, low_ok, high, what = NUMBER_BOUNDS[name]
+        if (
+            not math.isfinite(value)
+            or value < low
+            or (value == low and not low_ok)
+            or (high is not None and value > high)
+        ):
+            raise TraitError(f"Culler.{name}: {value!r} is not allowed; give {what}")
+        return float(value)
+
+    @validate("pre_stop_hook")
+    def _valid_hook(self, proposal: Any) -> list[str]:
+        """The hook's command is an absolute path: it runs without ``PATH``,
+        so a bare name would fail at every cull, and be found only then."""
+        command = list(proposal["value"])
+        if command and not os.path.isabs(command[0]):
+            raise TraitError(
+                f"Culler.pre_stop_hook: {command[0]!r} is not an absolute path "
+                "(the hook runs without PATH)"
+            )
+        return command
 
     @validate("exempt_server_names")
     def _valid_patterns(self, proposal: Any) -> list[str]:
@@ -336,7 +398,7 @@ class Culler(LoggingConfigurable):
 
         async def read(lease: LeaseRef, server: dict[str, Any]) -> Signals:
             async with limit:
-                return await self._signals(lease, server)
+                return await self._signals(lease, server, now)
 
         seen = await asyncio.gather(*(read(*pair) for pair in judged), return_exceptions=True)
 
@@ -359,11 +421,16 @@ class Culler(LoggingConfigurable):
         # is gone, starts afresh if it is judged again (never a stale warning)
         live = {lease.id for lease, _ in judged}
         self.tracks = {k: v for k, v in self.tracks.items() if k in live}
+        self._save()
+        return culled
+
+    def _save(self) -> None:
+        """Store the tracks if they changed since they were last stored
+        (after each check, and at once after a notice or a cull)."""
         now_stored = {k: self._stored_track(v) for k, v in self.tracks.items()}
         if now_stored != self._stored:
             save_tracks(self.broker.session_factory, now_stored)
             self._stored = now_stored
-        return culled
 
     def _stored_track(self, track: Track) -> dict[str, Any]:
         """``track`` as stored. A dry run's warnings were never sent, so they
@@ -382,21 +449,34 @@ class Culler(LoggingConfigurable):
         name = lease.server_name
         return bool(name) and any(re.fullmatch(p, name) for p in self.exempt_server_names)
 
-    async def _signals(self, lease: LeaseRef, server: dict[str, Any]) -> Signals:
-        kernels, terminals = await self._kernels(lease)
-        utils, memory = [], 0
+    async def _signals(
+        self, lease: LeaseRef, server: dict[str, Any], now: dt.datetime | None = None
+    ) -> Signals:
+        """What one check sees of ``lease``. The GPU's use is known only if
+        every slot's is, or one slot is seen in use: an unreadable device
+        next to an idle one is not an idle GPU. A kernel's activity more than
+        :data:`CLOCK_SKEW` after ``now`` is left out, so it hides no other
+        kernel's."""
+        now = now or utcnow()
+        kernels, terminals = await self._kernels(lease, now + CLOCK_SKEW)
+        utils, memory, unknown = [], 0, False
         for slot in lease.slots:
             util, used = self._slot_usage(lease, slot)
             memory += used
-            if util is not None:
+            if util is None:
+                unknown = True
+            else:
                 utils.append(util)
+        gpu_util = max(utils) if utils else None
+        if unknown and gpu_util is not None and gpu_util < self.gpu_idle_threshold:
+            gpu_util = None  # an unread device may be the one in use
         activity = [parse_time(k.get("last_activity")) for k in kernels or []]
         return Signals(
             hub_activity=parse_time(server.get("last_activity")),
-            kernel_activity=max((t for t in activity if t), default=None),
+            kernel_activity=max((t for t in activity if t and t <= now + CLOCK_SKEW), default=None),
             kernels=None if kernels is None else len(kernels),
             busy=any(k.get("execution_state") == "busy" for k in kernels or []),
-            gpu_util=max(utils) if utils else None,
+            gpu_util=gpu_util,
             gpu_memory_mib=memory,
             terminal_activity=terminals,
         )
@@ -427,7 +507,7 @@ class Culler(LoggingConfigurable):
         return util, usage.memory_used_mib
 
     async def _kernels(
-        self, lease: LeaseRef
+        self, lease: LeaseRef, until: dt.datetime | None = None
     ) -> tuple[list[dict[str, Any]] | None, dt.datetime | None]:
         """The server's kernels and its terminals' latest activity, read
         directly (not through the proxy) with a token of the server's own
@@ -436,7 +516,7 @@ class Culler(LoggingConfigurable):
         broker's own token is never sent to a user's server: its owner
         could record it. Kernels ``None``: the server could not be read;
         terminals ``None`` also when they cannot be read (a server without
-        terminals answers 404)."""
+        terminals answers 404). Terminal times after ``until`` are left out."""
         if not lease.server_url:
             return None, None
         base = lease.server_url.rstrip("/")
@@ -449,7 +529,7 @@ class Culler(LoggingConfigurable):
                     kernels = kernel_list(await self._read(client, f"{base}/api/kernels", token))
                     try:
                         terminals = terminal_activity(
-                            await self._read(client, f"{base}/api/terminals", token)
+                            await self._read(client, f"{base}/api/terminals", token), until
                         )
                     except Exception as err:
                         self.log.debug("No terminals of %s: %s", lease.user, err)
@@ -494,21 +574,30 @@ class Culler(LoggingConfigurable):
         too_old = self.max_age > 0 and (now - lease.granted_at).total_seconds() >= self.max_age
         if too_old:
             verdict = Verdict(verdict.idle, f"older than max_age ({self.max_age:g} s)", True)
+        # each notice is recorded before the track says it was given (a
+        # notice the store refused is tried again at the next check: no cull
+        # without a warning the user got), and the track is stored right
+        # after it (a broker stopped later in this check, e.g. while another
+        # lease's pre-stop hook runs, neither warns twice nor forgets a deadline)
         if signals.busy and not verdict.cull and "GPU idle" in verdict.reason and not track.flagged:
-            track.flagged = True
             self.broker.add_notice(lease, "busy-gpu-idle", verdict.reason)
+            track.flagged = True
+            self._save()
         if not verdict.cull:
             if track.warned_until is not None:
-                track.warned_until = None
                 if not self.dry_run:
                     message = f"active again: {verdict.reason}"
                     self.broker.add_notice(lease, "cull-withdrawn", message)
+                track.warned_until = None
+                self._save()
             return False
         if track.warned_until is None:
-            track.warned_until = now + dt.timedelta(seconds=self.grace)
+            deadline = now + dt.timedelta(seconds=self.grace)
             if not self.dry_run:  # a dry run tells admins (its report), not users
                 message = f"{verdict.reason}; will be culled unless used"
-                self.broker.add_notice(lease, "cull-warning", message, track.warned_until)
+                self.broker.add_notice(lease, "cull-warning", message, deadline)
+            track.warned_until = deadline
+            self._save()
             return False
         if now < track.warned_until:
             return False
@@ -535,6 +624,7 @@ class Culler(LoggingConfigurable):
         track.culled = True
         self.broker.add_notice(lease, "culled", why, detail={"idle_seconds": round(idle, 3)})
         self.broker.stop_lease(lease.id, why, cause="cull")
+        self._save()  # a restarted broker does not cull (and notify) it again
         self.log.warning("Culled lease %s of %s: %s", lease.id, lease.user, why)
         return True
 
@@ -564,7 +654,12 @@ class Culler(LoggingConfigurable):
             "GPUBROKER_SERVER_TOKEN": token,
         }
         try:
-            proc = await asyncio.create_subprocess_exec(*self.pre_stop_hook, env=env)
+            # its own process group: past pre_stop_timeout the whole hook is
+            # killed, with what it started (a script's programs), not only
+            # its first process
+            proc = await asyncio.create_subprocess_exec(
+                *self.pre_stop_hook, env=env, start_new_session=True
+            )
         except OSError as err:  # a broken hook command does not keep GPUs held
             self.log.error("Pre-stop hook for lease %s cannot start: %s", lease.id, err)
             return
@@ -572,7 +667,8 @@ class Culler(LoggingConfigurable):
             code = await asyncio.wait_for(proc.wait(), self.pre_stop_timeout)
             self.log.info("Pre-stop hook for lease %s exited %s", lease.id, code)
         except asyncio.TimeoutError:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
             self.log.warning("Pre-stop hook for lease %s timed out; culling anyway", lease.id)
 
