@@ -157,13 +157,14 @@ def render_form(
     summary = devices.get("summary", {})
     backend = devices.get("backend", {})
     free, total = summary.get("free", 0), summary.get("total", 0)
+    one_node = _free_on_one_node(devices.get("devices"), free)
     disabled, preselected = count_choices(limit, default, quota, selected)
     choices = []
     for n in range(limit + 1):
         label = "No GPU" if n == 0 else f"{n} x GPU"
         if n in disabled:
             label += " (over your quota)"
-        elif n > free:
+        elif n > one_node:  # a request's GPUs are all on one node
             label += " (will queue)"
         attrs = " selected" if n == preselected else ""
         attrs += " disabled" if n in disabled else ""
@@ -283,14 +284,40 @@ def device_gib(pools: list[dict[str, Any]], devices: list[dict[str, Any]]) -> fl
     return max(sizes) if sizes else DEFAULT_DEVICE_GIB
 
 
+def _free_on_one_node(devices: Any, free: int) -> int:
+    """The most free whole GPUs on one node of ``GET /devices``'s
+    ``devices`` (free, present, in an exclusive pool); ``free`` (the
+    summary's count) when the list says nothing of nodes."""
+    if not isinstance(devices, list) or not all(
+        isinstance(d, dict) and "state" in d and "node" in d for d in devices
+    ):
+        return int(free)
+    on_node: dict[str, int] = {}
+    for d in devices:
+        if (
+            d.get("state") == "free"
+            and d.get("present", True)
+            and d.get("pool_mode")
+            in (
+                None,
+                "exclusive",
+            )
+        ):
+            node = str(d.get("node", ""))
+            on_node[node] = on_node.get(node, 0) + 1
+    return max(on_node.values(), default=0)
+
+
 def _availability(request: dict[str, Any], pools: list[dict[str, Any]]) -> str:
     kind = _profiles.request_kind(request)
     if kind == "none":
         return "starts at once"
     free = [p.get("free") or {} for p in pools]
     if kind == "gpus":
+        # its GPUs must all be on one node: free GPUs spread over nodes queue
         count = sum(int(f.get("gpus", 0)) for f in free)
-        return f"{count} free now" if count >= request["gpus"] else "will queue"
+        one_node = max((int(f.get("gpus_one_node", f.get("gpus", 0))) for f in free), default=0)
+        return f"{count} free now" if one_node >= request["gpus"] else "will queue"
     if kind == "mig":
         count = sum(int((f.get("mig") or {}).get(request["mig_profile"], 0)) for f in free)
         return f"{count} free now" if count else "will queue"

@@ -334,9 +334,15 @@ class Admission:
                 taken -= held_weight(replacing)
             if taken + gpus > q.limit + 1e-9:
                 raise Forbidden(
-                    f"quota: {kind} {name} holds or waits for {taken:.3g} GPUs; {gpus:.3g} more "
-                    f"would exceed the {kind} limit of {q.limit:.3g} GPUs"
+                    f"quota: {kind} {name} holds or waits for {_units(taken)} GPUs; "
+                    f"{_units(gpus)} more would exceed the {kind} limit of {_units(q.limit)} GPUs"
                 )
+
+
+def _units(value: float) -> str:
+    """Device units for a message: to three decimals, never in exponent
+    notation (``1000``, not ``1e+03``; ``0.429`` for 3/7)."""
+    return f"{round(value, 3):.12g}"
 
 
 def held_weight(lease: Lease) -> float:

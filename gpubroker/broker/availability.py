@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -77,7 +78,8 @@ class Availability:
             ``name``, ``mode``, ``purpose``, ``description``, ``devices``
             (count), ``models`` (NVML names), ``mig_weights`` (MIG profile
             to device units charged) and ``free``, which holds
-            ``gpus`` (whole devices free now), ``mig`` (profile to
+            ``gpus`` (whole devices free now), ``gpus_one_node`` (the most
+            of them on one node: the largest request granted now), ``mig`` (profile to
             instances creatable now), ``share_gib`` (largest share grantable
             now) and ``shares_total_gib``. ``quota`` is ``None`` or a dict
             with ``user``, ``limit``, ``guaranteed``, ``held``, ``pending``
@@ -96,10 +98,19 @@ class Availability:
             slots = [s for s in state.slots if s.pool == spec.name]
             if not slots and spec.name != self.pools.default_pool:
                 continue
-            free: dict[str, Any] = {"gpus": 0, "mig": {}, "share_gib": 0.0, "shares_total_gib": 0.0}
+            free: dict[str, Any] = {
+                "gpus": 0,
+                "gpus_one_node": 0,
+                "mig": {},
+                "share_gib": 0.0,
+                "shares_total_gib": 0.0,
+            }
             entry_weights: dict[str, float] = {}
             if spec.mode == "exclusive":
-                free["gpus"] = sum(1 for s in slots if not s.drained and s.uuid not in held)
+                on_node = Counter(s.node for s in slots if not s.drained and s.uuid not in held)
+                free["gpus"] = sum(on_node.values())
+                # a request's devices are all on one node (the scheduler's rule)
+                free["gpus_one_node"] = max(on_node.values(), default=0)
             elif spec.mode == "mig":
                 offered = sorted(
                     {p for s in slots if (m := mig.spec_for(s.model)) for p in m.profiles}

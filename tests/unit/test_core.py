@@ -222,6 +222,20 @@ def test_limit_refuses_at_once_with_403_naming_the_quota(db_url: str) -> None:
     assert [x["id"] for x in broker.list_leases(user="ann")] == [first["id"]]
 
 
+def test_quota_refusals_never_write_units_in_exponent_notation() -> None:
+    """``{:.3g}`` wrote a limit of 1,000 GPUs as ``1e+03`` and 1,500 as ``1.5e+03``."""
+    from gpubroker.broker.admission import _units
+
+    assert [_units(x) for x in (1000.0, 1500.0, 12.345, 3 / 7, 2.0, 0.0)] == [
+        "1000",
+        "1500",
+        "12.345",
+        "0.429",
+        "2",
+        "0",
+    ]
+
+
 def test_pending_requests_count_against_the_limit(db_url: str) -> None:
     broker = quota_broker(db_url, user_quotas={"ann": {"limit": 2}})
     broker.request_lease("bob", "", 8)

@@ -187,6 +187,7 @@ def test_availability_per_pool(broker: Broker) -> None:
     pools = {p["name"]: p for p in broker.availability("ann")["pools"]}
     assert set(pools) == {"mig", "shared", "default"}
     assert pools["default"]["free"]["gpus"] == 4
+    assert pools["default"]["free"]["gpus_one_node"] == 4  # one node here
     assert pools["mig"]["free"]["mig"]["7g.80gb"] == 1
     assert pools["mig"]["free"]["mig"]["1g.10gb"] == 7 + 4
     assert pools["shared"]["free"]["share_gib"] == pytest.approx(81559 / 1024 - 2)

@@ -502,6 +502,46 @@ def test_form_shows_availability_quota_and_greys_out_what_the_quota_forbids() ->
     assert "Simulated GPUs" in page
 
 
+def test_gpus_free_on_different_nodes_do_not_make_a_request_free_now() -> None:
+    """Three free H100s, but no two on one node: a 2-GPU profile said
+    "3 free now" and then queued (a request's GPUs are all on one node)."""
+    profiles = make_spawner(
+        gpu_profiles=[
+            {"display_name": "Two", "request": {"gpus": 2}},
+            {"display_name": "One", "request": {"gpus": 1}},
+        ]
+    ).gpu_profiles
+    quota = {**POOLS["quota"], "limit": None, "remaining": None}
+    spread = {**POOLS["pools"][0], "free": {"gpus": 3, "gpus_one_node": 1}}
+    page = form.render_profiles(profiles, {"pools": [spread], "quota": quota}, DEVICES)
+    assert "(will queue)" in choice_html(page, "two")
+    assert "(3 free now)" in choice_html(page, "one")
+    together = {**POOLS["pools"][0], "free": {"gpus": 3, "gpus_one_node": 2}}
+    page = form.render_profiles(profiles, {"pools": [together], "quota": quota}, DEVICES)
+    assert "(3 free now)" in choice_html(page, "two")
+
+
+def test_the_gpu_count_menu_counts_free_gpus_on_one_node() -> None:
+    def device(node: str, state: str, mode: str = "exclusive") -> dict[str, Any]:
+        return {"name": "H100", "node": node, "state": state, "pool_mode": mode, "present": True}
+
+    devices = {
+        "summary": {"free": 4, "total": 6},
+        "backend": {"simulated": False},
+        "devices": [
+            device("a", "free"),
+            device("a", "leased"),
+            device("b", "free"),
+            device("b", "free"),
+            device("c", "free", "timeslice"),  # not a whole GPU to lease
+            device("c", "free"),
+        ],
+    }
+    html = form.render_form(3, devices)
+    options = re.findall(r"<option[^>]*>([^<]*)</option>", html)
+    assert options == ["No GPU", "1 x GPU", "2 x GPU", "3 x GPU (will queue)"]
+
+
 def test_a_disabled_default_is_not_preselected() -> None:
     profiles = make_spawner(
         gpu_profiles=[
