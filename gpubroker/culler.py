@@ -281,7 +281,8 @@ class Culler(LoggingConfigurable):
     exempt_priority_classes = List(
         Unicode(),
         ["batch-urgent", "batch", "preemptible"],
-        help="Priority classes never culled (batch work is governed by its time limit).",
+        help="Priority classes never culled (batch work is governed by its time limit). "
+        "A name that is no class in force is reported as a warning when the culler starts.",
     ).tag(config=True)
     pre_stop_hook = List(
         Unicode(),
@@ -672,8 +673,27 @@ class Culler(LoggingConfigurable):
             await proc.wait()
             self.log.warning("Pre-stop hook for lease %s timed out; culling anyway", lease.id)
 
+    def unknown_exempt_classes(self) -> list[str]:
+        """The configured ``exempt_priority_classes`` that name no priority
+        class in force (a typo such as ``bach`` exempts nothing, and its
+        leases are culled); empty while the list is the default, whose
+        classes an installation may have replaced on purpose."""
+        if self.exempt_priority_classes == self.trait_defaults("exempt_priority_classes"):
+            return []
+        known = set(self.broker.priority_classes())
+        return [c for c in self.exempt_priority_classes if c not in known]
+
     async def run(self) -> None:
-        """Check every ``cull_every`` seconds until cancelled."""
+        """Check every ``cull_every`` seconds until cancelled (first saying,
+        as a warning, which exempt classes name no class in force)."""
+        unknown = self.unknown_exempt_classes()
+        if unknown:
+            self.log.warning(
+                "Culler.exempt_priority_classes: %s name no priority class (classes: %s);"
+                " they exempt nothing",
+                ", ".join(unknown),
+                ", ".join(self.broker.priority_classes()),
+            )
         while True:
             await asyncio.sleep(self.cull_every)
             try:

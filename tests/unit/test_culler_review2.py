@@ -220,3 +220,22 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+async def test_an_exempt_class_that_is_no_class_is_reported_at_start(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo in ``exempt_priority_classes`` (``bach``) exempted nothing, and
+    nothing said so: the batch leases it meant were culled."""
+    default = Culler(broker, None)  # type: ignore[arg-type]
+    assert default.unknown_exempt_classes() == []
+    typo = Culler(broker, None, exempt_priority_classes=["bach", "batch"])  # type: ignore[arg-type]
+    assert typo.unknown_exempt_classes() == ["bach"]
+    typo.cull_every = 3600
+    with caplog.at_level("WARNING"):
+        task = asyncio.ensure_future(typo.run())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert "exempt_priority_classes: bach name no priority class" in caplog.text
