@@ -24,7 +24,7 @@ from .broker.docker_servers import DockerServers
 from .broker.passloop import PassLoop
 from .broker.slurm_servers import SlurmServers
 from .core import Broker, utcnow
-from .culler import Culler
+from .culler import Culler, parse_time
 from .devices import load_backend
 from .engines.base import EngineError, Node
 from .engines.docker import DockerEngine
@@ -360,14 +360,16 @@ class BrokerService:
         :class:`~gpubroker.broker.slurm_servers.SlurmServers`)."""
         as_of: dt.datetime = utcnow()
         try:
-            servers = await self.hub.active_servers()
+            models, _ = await self.hub.active_server_models()
         except Exception:
             # Docker and Slurm know, whatever the hub's state
             await self.docker_servers.reconcile()
             await self.slurm_servers.reconcile()
             raise
+        servers = set(models)
+        started = {key: parse_time(model.get("started")) for key, model in models.items()}
         followed = self.slurm_servers.followed() | self.docker_servers.followed()
-        released = self.broker.reconcile(servers, as_of, followed)
+        released = self.broker.reconcile(servers, as_of, followed, started)
         released += await self.docker_servers.reconcile(servers, as_of)
         return released + await self.slurm_servers.reconcile(servers, as_of)
 

@@ -6,7 +6,7 @@ and where a server listens. A part of the broker
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from ..commands import command
@@ -15,13 +15,17 @@ from ..passes import PREPARING, QUEUED, QUEUED_MESSAGE, set_wait
 from ..store.models import ACTIVE_STATES, HolderKind, Lease, LeaseState
 from ..store.repository import Repository
 from ..usage.intervals import CAUSE_ACTORS
-from ..views import lease_view, summary
+from ..views import isoformat, lease_view, summary
 from .admission import Admission
 from .runner import CommandRunner, lease_or_404
 from .scheduling import Scheduling
 from .sharing import SharingOps
 from .stops import ServerStops
 from .world import World
+
+#: how much later than a lease's request its server's start may be dated
+#: and still be that lease's server (clocks of the hub and the broker)
+STARTED_SLACK = dt.timedelta(seconds=60)
 
 
 class Leases:
@@ -352,8 +356,10 @@ class Leases:
         servers: Iterable[tuple[str, str]],
         as_of: dt.datetime,
         followed: Collection[int] = (),
+        started: Mapping[tuple[str, str], dt.datetime | None] | None = None,
     ) -> list[int]:
-        """Release server leases whose hub server no longer exists.
+        """Release server leases whose hub server no longer exists, or is a
+        newer server of the same name.
 
         Args:
             servers: (user, server name) of every server the hub lists as
@@ -365,21 +371,38 @@ class Leases:
                 still run and hold the devices after the hub lost the server
                 (a stop that failed); the engine's reconciliation ends them
                 (:class:`~gpubroker.broker.slurm_servers.SlurmServers`).
+            started: when each listed server was started (the hub's
+                ``started``, aware UTC), where known. JupyterHub sets it
+                before the spawner starts, so a server's own lease is
+                requested after it; a lease requested more than
+                :data:`STARTED_SLACK` before its server started belongs to
+                an earlier server of that name (its release failed, e.g.
+                while the broker was down, and the user started the server
+                again, perhaps without GPUs) and is released.
 
         Returns:
             ids of the leases released.
         """
         alive = set(servers)
         skip = set(followed)
+        since = started or {}
 
         def gone(lease: Lease) -> str | None:
             if lease.holder_kind != HolderKind.server.value or lease.created >= as_of:
                 return None
             if lease.id in skip:
                 return None
-            if (lease.user, lease.server_name) in alive:
-                return None
-            return f"reconcile: server {lease.user}/{lease.server_name} is gone from the hub"
+            name = f"{lease.user}/{lease.server_name}"
+            key = (lease.user, lease.server_name)
+            if key not in alive:
+                return f"reconcile: server {name} is gone from the hub"
+            newer = since.get(key)
+            if newer is not None and newer > lease.created + STARTED_SLACK:
+                return (
+                    f"reconcile: server {name} was started again at {isoformat(newer)},"
+                    " after this lease was requested; it is not this lease's server"
+                )
+            return None
 
         return self._reconcile_release(gone, "server gone")
 

@@ -128,6 +128,34 @@ def test_reconcile_releases_leases_of_servers_gone_and_spares_the_rest(broker: B
     assert broker.get_lease(external["id"])["state"] == "granted"
 
 
+def test_reconcile_releases_a_lease_whose_server_was_started_again_without_it(
+    broker: Broker,
+) -> None:
+    """ann's server died while the broker was down (its release failed), and
+    she started it again without GPUs: the hub lists ``ann/`` as running, so
+    the old lease kept its GPU for as long as the new server ran. The hub's
+    ``started`` (set before the spawner requests its lease) tells the two
+    servers apart."""
+    old = broker.request_lease("ann", "", 1)
+    mine = broker.request_lease("bob", "", 1)
+    created = dt.datetime.fromisoformat(old["created"].replace("Z", "+00:00"))
+    later = utcnow() + dt.timedelta(minutes=10)
+    started = {
+        ("ann", ""): created + dt.timedelta(minutes=5),  # a newer server
+        ("bob", ""): created - dt.timedelta(seconds=2),  # its own: started, then leased
+    }
+    servers = {("ann", ""), ("bob", "")}
+    assert broker.reconcile(servers, later, started=started) == [old["id"]]
+    reason = broker.get_lease(old["id"])["release_reason"]
+    assert reason.startswith("reconcile: server ann/ was started again at ")
+    assert broker.get_lease(mine["id"])["state"] == "granted"
+    # within the clocks' slack, or with no start time, the server is the lease's
+    again = broker.request_lease("ann", "", 1)
+    near = dt.datetime.fromisoformat(again["created"].replace("Z", "+00:00"))
+    started = {("ann", ""): near + dt.timedelta(seconds=30), ("bob", ""): None}
+    assert broker.reconcile(servers, later, started=started) == []
+
+
 def test_reconcile_spares_leases_newer_than_the_hub_listing(broker: Broker) -> None:
     before = utcnow() - dt.timedelta(seconds=5)
     fresh = broker.request_lease("ann", "", 1)
