@@ -14,6 +14,7 @@ most ``access:servers!server=USER/NAME`` (see :meth:`HubClient.server_token`).
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import re
@@ -105,15 +106,42 @@ class HubClient(LoggingConfigurable):
             return True
         return server_name in (model.get("servers") or {})
 
-    async def stop_server(self, user: str, server_name: str) -> None:
-        """Ask the hub to stop ``user``'s server ``server_name`` (needs ``delete:servers``)."""
+    async def stop_server(
+        self, user: str, server_name: str, started_by: dt.datetime | None = None
+    ) -> bool:
+        """Ask the hub to stop ``user``'s server ``server_name`` (needs
+        ``delete:servers``).
+
+        Args:
+            started_by: aware UTC; when given, the server is stopped only if
+                the hub lists it as started no later than this (``started``,
+                which JupyterHub sets before its spawner runs): a server of
+                that name started later is another one (the user started it
+                again), and is left alone.
+
+        Returns:
+            whether the stop was asked for (``False``: not listed, or a newer
+            server).
+
+        Raises:
+            tornado.httpclient.HTTPClientError: the hub answered with an error.
+        """
         user_path = quote(user, safe="")
+        if started_by is not None:
+            model = await self._fetch("GET", f"/users/{user_path}")
+            server = (model.get("servers") or {}).get(server_name)
+            if not isinstance(server, dict):
+                return False
+            started = _utc(server.get("started"))
+            if started is not None and started > started_by:
+                return False
         path = (
             f"/users/{user_path}/servers/{quote(server_name, safe='')}"
             if server_name
             else (f"/users/{user_path}/server")
         )
         await self._fetch("DELETE", path)
+        return True
 
     @contextlib.asynccontextmanager
     async def server_token(
@@ -203,6 +231,18 @@ class HubClient(LoggingConfigurable):
         (the default server's name is ``""``)."""
         servers, _ = await self.active_server_models(page_size)
         return set(servers)
+
+
+def _utc(value: Any) -> dt.datetime | None:
+    """A hub time (ISO 8601, ``Z`` or naive meaning UTC) as aware UTC, or
+    ``None`` when absent or not a time."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when.replace(tzinfo=dt.timezone.utc) if when.tzinfo is None else when
 
 
 def _max_lifetime(err: HTTPClientError) -> int | None:

@@ -21,6 +21,7 @@ from tornado.httpserver import HTTPServer
 from .api.app import make_app
 from .broker.actuator import Actuator
 from .broker.docker_servers import DockerServers
+from .broker.leases import STARTED_SLACK
 from .broker.passloop import PassLoop
 from .broker.slurm_servers import SlurmServers
 from .core import Broker, utcnow
@@ -171,9 +172,24 @@ class BrokerService:
         task.add_done_callback(self._tasks.discard)
 
     async def _stop_server(self, lease: dict[str, Any]) -> None:
-        """Stop the hub server of an evicted lease (its reason is on the lease)."""
+        """Stop the hub server of an evicted lease (its reason is on the
+        lease), unless the hub's server of that name was started after the
+        lease was requested (with :data:`~gpubroker.broker.leases.STARTED_SLACK`):
+        that is a newer server (the user started it again, e.g. while the
+        broker was down), not the lease's; reconciliation releases the lease."""
+        created = parse_time(lease.get("created"))
+        started_by = created + STARTED_SLACK if created is not None else None
         try:
-            await self.hub.stop_server(lease["user"], lease["server_name"])
+            stopped = await self.hub.stop_server(lease["user"], lease["server_name"], started_by)
+            if not stopped:
+                self.log.warning(
+                    "Not stopping server %s/%s for lease %s: the hub lists no server of"
+                    " that name started before the lease",
+                    lease["user"],
+                    lease["server_name"],
+                    lease["id"],
+                )
+                return
             self.log.warning(
                 "Stopped server %s/%s: %s",
                 lease["user"],
