@@ -20,7 +20,6 @@ from typing import Any
 import yaml
 from jupyterhub.services.auth import HubAuthenticated, UserNotAllowed
 from tornado import web
-from tornado.ioloop import IOLoop
 
 from .. import __version__
 from ..core import Broker, utcnow
@@ -729,8 +728,9 @@ class JobsHandler(_JobHandler):
         body = dict(self._job_body())
         user = body.pop("user")
         groups = await self.settings["groups_of"](user)
-        # the checks as the user run a probe (up to seconds): off the event loop
-        checked = await IOLoop.current().run_in_executor(None, self.jobs.check, user, body)
+        # the checks as the user run a probe (up to seconds): off the event
+        # loop, on the job service's own workers (the user's probe may be slow)
+        checked = await self.jobs.check_off_loop(user, body)
         job = self.jobs.submit(
             user, body, groups=groups, actor=self.me, admin=self.admin, checked=checked
         )

@@ -35,6 +35,7 @@ Every change is an event in the lease's transition log (``job-started``,
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime as dt
@@ -42,10 +43,14 @@ import json
 import os
 import pwd
 import secrets
+import select
+import selectors
 import signal as signal_module
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +62,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..broker.rebind import Rebinder
 from ..engines.base import EngineError, Handle, LaunchSpec, Status
-from ..errors import BadRequest, BrokerError, Forbidden, NotFound
+from ..errors import BadRequest, BrokerError, Conflict, Forbidden, NotFound
 from ..model import jobs as model
 from ..store import jobs_repo as repo
 from ..views import isoformat
@@ -170,6 +175,15 @@ class JobService(LoggingConfigurable):
         self.rebinder = Rebinder(broker, self.log)
         self.sessions = broker.session_factory
         self._cancelling: set[int] = set()
+        #: the checks as users (:meth:`check_off_loop`) run on workers of their
+        #: own: a user's slow probes never hold the loop's default workers,
+        #: which carry the broker's side effects (launches, stops, MIG)
+        self._checks = concurrent.futures.ThreadPoolExecutor(
+            CHECK_WORKERS, thread_name_prefix="gpubroker-job-check"
+        )
+        #: checks in flight per user, under ``_checking_lock``
+        self._checking: dict[str, int] = {}
+        self._checking_lock = threading.Lock()
         #: jobs the supervisor is acting on (across its awaits)
         self._busy: set[int] = set()
 
@@ -237,6 +251,35 @@ class JobService(LoggingConfigurable):
             raise BadRequest(
                 f"notebook: cannot use this path: {getattr(err, 'strerror', None) or err}"
             ) from None
+
+    async def check_off_loop(self, user: str, data: dict[str, Any]) -> Checked:
+        """:meth:`check` on the job service's own :data:`CHECK_WORKERS`
+        workers, never the event loop's default ones (the broker's side
+        effects run there, and a check may take :data:`PROBE_TIMEOUT`
+        seconds: its probe is the user's), and at most
+        :data:`MAX_CHECKS_PER_USER` of one user at a time (counted until
+        each check ends, even when its caller left).
+
+        Raises:
+            Conflict: ``user`` has that many checks under way.
+            BadRequest, Forbidden: as :meth:`check`.
+        """
+        with self._checking_lock:
+            if self._checking.get(user, 0) >= MAX_CHECKS_PER_USER:
+                raise Conflict(
+                    f"user: {MAX_CHECKS_PER_USER} jobs of {user!r} are being checked; "
+                    "submit again when one is done"
+                )
+            self._checking[user] = self._checking.get(user, 0) + 1
+        future = self._checks.submit(self.check, user, data)
+        future.add_done_callback(lambda _: self._checked(user))
+        return await asyncio.wrap_future(future)
+
+    def _checked(self, user: str) -> None:
+        with self._checking_lock:
+            left = self._checking.pop(user, 1) - 1
+            if left:
+                self._checking[user] = left
 
     def submit(
         self,
@@ -458,7 +501,14 @@ class JobService(LoggingConfigurable):
         """Run :mod:`gpubroker.jobs.probe` as ``user`` (the broker's own
         account with :attr:`run_as_self`) with :attr:`python` and ``env``,
         for at most :data:`PROBE_TIMEOUT` seconds; its answer, or ``None``
-        (logged) when it cannot run as the user, fails or answers nothing."""
+        (logged) when it cannot run as the user, fails or answers nothing.
+
+        Its output is the user's (it says what her notebook and kernelspecs
+        say, and her ``env`` reaches it, ``LD_PRELOAD`` included): at most
+        :data:`PROBE_MAX_OUTPUT` bytes of its standard output are read, and
+        the last :data:`PROBE_STDERR_TAIL` of its standard error; a longer
+        answer is no answer and the probe is killed (trust rule: a user
+        cannot fill the broker's memory)."""
         creds: dict[str, Any] = {}
         account = None if self.run_as_self else _account(user)
         if account is not None and account.pw_uid != os.geteuid():
@@ -485,12 +535,23 @@ class JobService(LoggingConfigurable):
             self.log.warning("Jobs: cannot check as %s with %s: %s", user, self.python, err)
             return None
         try:
-            out, said = proc.communicate(json.dumps(asked).encode(), timeout=PROBE_TIMEOUT)
-        except subprocess.TimeoutExpired:
+            out, said = _communicate_bounded(
+                proc, json.dumps(asked).encode(), PROBE_TIMEOUT, PROBE_MAX_OUTPUT
+            )
+        except (subprocess.TimeoutExpired, _TooLong) as err:
             with contextlib.suppress(OSError):
                 os.killpg(proc.pid, signal_module.SIGKILL)
-            proc.communicate()
-            self.log.warning("Jobs: the check as %s took over %s s", user, PROBE_TIMEOUT)
+            # not communicate(): a process that left the group may hold the pipes
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                with contextlib.suppress(OSError):
+                    pipe.close()  # type: ignore[union-attr]
+            proc.wait()
+            why = (
+                f"took over {PROBE_TIMEOUT} s"
+                if isinstance(err, subprocess.TimeoutExpired)
+                else f"answered over {PROBE_MAX_OUTPUT} bytes"
+            )
+            self.log.warning("Jobs: the check as %s %s", user, why)
             return None
         try:
             answer = json.loads(out) if proc.returncode == 0 else None
@@ -1158,6 +1219,19 @@ _PROBE = Path(__file__).with_name("probe.py")
 #: seconds the check as the user may take (Python and jupyter_client start)
 PROBE_TIMEOUT = 20.0
 
+#: most bytes of the probe's standard output the broker reads (it is the
+#: user's: a longer answer is none)
+PROBE_MAX_OUTPUT = 1 << 20
+
+#: bytes kept of the end of the probe's standard error (for the log)
+PROBE_STDERR_TAIL = 4096
+
+#: workers of the checks as users (:meth:`JobService.check_off_loop`)
+CHECK_WORKERS = 4
+
+#: most checks of one user's jobs under way at once (more: 409)
+MAX_CHECKS_PER_USER = 2
+
 #: what a launch intent's handle id starts with (then its tag)
 _INTENT = "launch:"
 
@@ -1172,6 +1246,64 @@ _RECORD_EXIT = (
     'if [ "$code" -gt 128 ] && [ "$code" -le 192 ]; then '
     'trap - TERM "$GPUBROKER_WARN_SIGNAL"; kill -$((code - 128)) $$; fi; exit "$code"'
 )
+
+
+class _TooLong(Exception):
+    """A process wrote more than it may to its standard output."""
+
+
+def _communicate_bounded(
+    proc: subprocess.Popen[bytes], data: bytes, timeout: float, limit: int
+) -> tuple[bytes, bytes]:
+    """``proc.communicate(data, timeout)`` that keeps at most ``limit`` bytes
+    of standard output and the last :data:`PROBE_STDERR_TAIL` bytes of
+    standard error: what a process run as a user writes is hers, and may be
+    endless (the caller kills ``proc`` on an error).
+
+    Raises:
+        subprocess.TimeoutExpired: ``timeout`` seconds passed first.
+        _TooLong: the standard output passed ``limit`` bytes.
+    """
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    deadline = time.monotonic() + timeout
+    out, err = bytearray(), bytearray()
+    pending = memoryview(data)
+    with selectors.DefaultSelector() as selector:
+        if pending:
+            selector.register(proc.stdin, selectors.EVENT_WRITE)
+        else:
+            proc.stdin.close()
+        selector.register(proc.stdout, selectors.EVENT_READ, out)
+        selector.register(proc.stderr, selectors.EVENT_READ, err)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, timeout)
+            for key, _ in selector.select(left):
+                if key.fileobj is proc.stdin:
+                    try:  # at most PIPE_BUF bytes: a write select allows never blocks
+                        pending = pending[os.write(key.fd, pending[: select.PIPE_BUF]) :]
+                    except BrokenPipeError:
+                        pending = pending[:0]
+                    if not pending:
+                        selector.unregister(proc.stdin)
+                        proc.stdin.close()
+                    continue
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                key.data.extend(chunk)
+                if len(out) > limit:
+                    raise _TooLong(f"over {limit} bytes")
+                del err[:-PROBE_STDERR_TAIL]
+    proc.stdout.close()
+    proc.stderr.close()
+    try:
+        proc.wait(max(deadline - time.monotonic(), 0.01))
+    except subprocess.TimeoutExpired:
+        raise subprocess.TimeoutExpired(proc.args, timeout) from None
+    return bytes(out), bytes(err)
 
 
 def _recorded(status: Any, job_id: int, sessions: Any) -> Any:
