@@ -103,7 +103,8 @@ class JobService(LoggingConfigurable):
         help="Jobs never run as a POSIX account whose uid is below this (root and the "
         "system accounts, as login.defs' UID_MIN): a hub user named 'root' or 'daemon' "
         "is refused at submit (403), whatever the runner. Not checked with run_as_self "
-        "(jobs then run as the broker's own account). 0 turns the check off.",
+        "(jobs then run as the broker's own account). Nor does a job run as the broker's "
+        "own account otherwise. 0 turns both checks off.",
     ).tag(config=True)
 
     runner = Unicode(
@@ -368,6 +369,14 @@ class JobService(LoggingConfigurable):
             raise Forbidden(
                 f"user: jobs do not run as {user!r} (uid {uid}): accounts below "
                 f"JobService.min_uid ({self.min_uid}) are root and system accounts"
+            )
+        if uid == os.geteuid() and self.min_uid > 0:
+            # a broker run as an ordinary account (uid >= min_uid): a hub user
+            # named like it would get the broker's rights (its database, its
+            # token in /proc/PID/environ); run_as_self is the way to mean that
+            raise Forbidden(
+                f"user: jobs do not run as {user!r} (uid {uid}): it is the broker's own "
+                "account (JobService.run_as_self runs every job as it, for demos)"
             )
 
     def _refuse_account(self, user: str) -> None:

@@ -446,6 +446,31 @@ def test_jobs_never_run_as_root_or_a_system_account(jobs: JobService, home: Path
     assert (home / "root" / "uid.txt").read_text().strip() == str(pwd.getpwnam("root").pw_uid)
 
 
+def test_jobs_never_run_as_the_brokers_own_account(
+    jobs: JobService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broker run as an ordinary account (here: as if ``nobody``, uid
+    65534, were the broker's) would start the job of a hub user named like
+    that account as itself, with the broker's database and token. Refused,
+    unless ``run_as_self`` (which means exactly that) or ``min_uid = 0``."""
+    import os
+    import pwd
+
+    from gpubroker.errors import Forbidden
+
+    try:
+        nobody = pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        pytest.skip("needs the account 'nobody'")
+    if nobody < 1000:
+        pytest.skip("needs 'nobody' with a uid of at least 1000")
+    jobs.run_as_self = False
+    monkeypatch.setattr(os, "geteuid", lambda: nobody)
+    with pytest.raises(Forbidden, match=r"^user: jobs do not run as 'nobody' .*broker's own"):
+        jobs.submit("nobody", {"command": "id -u", "gpus": 1})
+    assert jobs.list(None) == [] and jobs.broker.list_leases() == []
+
+
 def test_a_job_queued_before_min_uid_was_raised_does_not_start(
     jobs: JobService, home: Path
 ) -> None:
