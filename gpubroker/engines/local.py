@@ -22,10 +22,13 @@ one started: it polls such a handle by pid (``os.kill(pid, 0)``): alive is
 ``running``, gone is ``lost`` (how it ended is not known; the exit status
 went to the old broker). It still signals and stops such a process, but only
 while the pid leads its own process group (as every process this engine
-starts does), which guards against a pid reused by an unrelated process.
+starts does) and its environment has :data:`TAG_VARIABLE` (which every
+launch has): a pid reused by an unrelated process (after a reboot, say) is
+``lost`` and never signalled.
 
-A launch with a :attr:`~gpubroker.engines.base.LaunchSpec.tag` gets it in
-its environment (:data:`TAG_VARIABLE`), from its first instruction on;
+Every launch gets a tag in its environment (:data:`TAG_VARIABLE`), from
+its first instruction on: the
+:attr:`~gpubroker.engines.base.LaunchSpec.tag`, or one of its own;
 :meth:`LocalEngine.find` looks for it in ``/proc`` among the process-group
 leaders of the spec's user, so a broker that crashed between a launch and
 recording its pid finds the process instead of starting a second one.
@@ -38,6 +41,7 @@ import dataclasses
 import logging
 import os
 import pwd
+import secrets
 import select
 import signal as signal_module
 import socket
@@ -175,6 +179,19 @@ def _group_alive(pgid: int) -> bool:
         if len(fields) > 2 and fields[2] == wanted and fields[0] != b"Z":
             return True
     return False
+
+
+def _launched_here(pid: int) -> bool | None:
+    """Whether ``pid``'s environment holds :data:`TAG_VARIABLE` (which every
+    launch of this engine sets); ``None`` when it cannot be read (gone, or
+    the broker may not read it: then nothing is concluded)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            variables = environ.read().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{TAG_VARIABLE}=".encode()
+    return any(v.startswith(prefix) for v in variables)
 
 
 def _tagged(entry: bytes, uid: int) -> int | None:
@@ -374,8 +391,10 @@ class LocalEngine:
             ) from None
         env = dict(spec.env)
         env.setdefault("PATH", self.default_path)
-        if spec.tag:
-            env[TAG_VARIABLE] = spec.tag
+        # every launch carries a tag (one of its own when the caller gave
+        # none): a restarted engine adopts only processes that carry one
+        # (:func:`_launched_here`), never another process given a reused pid
+        env[TAG_VARIABLE] = spec.tag or f"untagged-{secrets.token_hex(8)}"
         if account.pw_uid == os.geteuid():
             popen = self._popen_as_self(spec, env)
         elif os.geteuid() == 0:
@@ -597,7 +616,8 @@ class LocalEngine:
         with self._lock:
             proc = self._procs.get(pid)
             if proc is None:
-                return Status(state="running" if _pid_alive(pid) else "lost")
+                ours = _pid_alive(pid) and _launched_here(pid) is not False
+                return Status(state="running" if ours else "lost")
             code = proc.popen.poll()
             if code is None:
                 return Status(state="running", started=proc.started, timed_out=proc.timed_out)
@@ -727,8 +747,11 @@ class LocalEngine:
 
     @staticmethod
     def _adoptable(pid: int, handle: Handle) -> bool:
-        """For a pid this engine did not start: ``False`` when it is gone; ``True``
-        when it leads its own process group (as every launched process does).
+        """For a pid this engine did not start: ``False`` when it is gone, or
+        when its environment has no :data:`TAG_VARIABLE` (every launch has
+        one: this is another process given the pid of a launch that ended,
+        e.g. after a reboot, and it is never signalled); ``True`` when it
+        leads its own process group (as every launched process does).
 
         Raises:
             EngineError: it exists but is not a process-group leader.
@@ -744,6 +767,14 @@ class LocalEngine:
                 f"unknown handle {handle}: pid {pid} is not a process-group leader,"
                 " so not a process this engine started"
             )
+        if _launched_here(pid) is False:
+            log.warning(
+                "pid %d of %s carries no %s: not a launch of this engine (its pid was reused)",
+                pid,
+                handle,
+                TAG_VARIABLE,
+            )
+            return False
         return True
 
     @staticmethod

@@ -11,6 +11,7 @@ import os
 import pwd
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -259,6 +260,7 @@ def test_environment_is_exactly_the_specs(
     status = wait_exited(engine, handle)
     assert status.exit_code == 0
     seen = dict(line.split("=", 1) for line in out.read_text().splitlines())
+    assert seen.pop("GPUBROKER_LAUNCH_TAG").startswith("untagged-")  # every launch's tag
     assert seen == {**env, "PATH": DEFAULT_PATH}
     assert "GPUBROKER_TEST_LEAK_MARKER" not in seen
     assert not set(seen) - set(env) - {"PATH"}
@@ -313,6 +315,39 @@ def test_unknown_handle_after_a_restart_is_polled_by_pid(
     assert new.poll(handle) == Status(state="lost")
     assert new.stop(handle, grace=0) == Status(state="lost")
     new.signal(handle, signal.SIGTERM)  # gone: does nothing
+
+
+def test_a_restarted_engine_never_signals_a_process_that_reused_a_launchs_pid(
+    backend: FakeDeviceBackend, tmp_path: Path
+) -> None:
+    """After a reboot (or a long outage) a job's stored pid may belong to
+    another process, e.g. a daemon that leads its own process group. It
+    counted as the job ``running``, and a cancel or time limit sent SIGTERM
+    and SIGKILL to its group, as root. A process without the launch tag
+    every launch carries is no launch of this engine: ``lost``, untouched."""
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"],
+        start_new_session=True,  # leads its own process group, as a daemon does
+        env={k: v for k, v in os.environ.items() if not k.startswith("GPUBROKER_")},
+    )
+    try:
+        engine = LocalEngine(backend)
+        handle = Handle(engine="local", id=str(stranger.pid), node="node-a")
+        assert engine.poll(handle) == Status(state="lost")
+        assert engine.stop(handle, grace=0) == Status(state="lost")
+        engine.signal(handle, signal.SIGKILL)
+        assert stranger.poll() is None  # never signalled
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_every_launch_carries_a_tag(engine: LocalEngine, launch: Launch, tmp_path: Path) -> None:
+    out = tmp_path / "tag"
+    code = f"import os; open({str(out)!r}, 'w').write(os.environ['GPUBROKER_LAUNCH_TAG'])"
+    handle = launch(engine, spec(code, tmp_path))
+    wait_exited(engine, handle)
+    assert out.read_text().startswith("untagged-")
 
 
 def test_a_restarted_engine_can_stop_an_old_process(
@@ -450,6 +485,7 @@ def test_launch_as_another_user(
         assert out.stat().st_uid == nobody.pw_uid  # opened as the user
         seen = dict(line.split("=", 1) for line in (home / "err.txt").read_text().splitlines())
         seen.pop("PWD", None)  # sh's own
+        assert seen.pop("GPUBROKER_LAUNCH_TAG").startswith("untagged-")
         assert seen == {**env, "PATH": DEFAULT_PATH}
 
         # the user's rights decide: nobody may not enter root's tmp_path
