@@ -287,9 +287,11 @@ def device_gib(pools: list[dict[str, Any]], devices: list[dict[str, Any]]) -> fl
 def _free_on_one_node(devices: Any, free: int) -> int:
     """The most free whole GPUs on one node of ``GET /devices``'s
     ``devices`` (free, present, in an exclusive pool); ``free`` (the
-    summary's count) when the list says nothing of nodes."""
-    if not isinstance(devices, list) or not all(
-        isinstance(d, dict) and "state" in d and "node" in d for d in devices
+    summary's count) when the list is empty or says nothing of nodes."""
+    if (
+        not isinstance(devices, list)
+        or not devices
+        or not all(isinstance(d, dict) and "state" in d and "node" in d for d in devices)
     ):
         return int(free)
     on_node: dict[str, int] = {}
