@@ -948,7 +948,7 @@ class JobService(LoggingConfigurable):
             return handle
         with self.sessions() as session:
             log = self._get(session, job_id).log_path
-        record = _exit_record(f"{log}.exit") if log else None
+        record = _exit_record(f"{log}.exit", _uid_of(user)) if log else None
         if record is None:
             return None
         try:
@@ -1003,7 +1003,7 @@ class JobService(LoggingConfigurable):
             self._finish(job_id, ended, f"its lease ended: {why}", status)
             return 1
         if status.state == "lost":
-            status = _recorded(status, job_id, self.sessions)
+            status = _recorded(status, job_id, self.sessions, _uid_of(self._owner_of(job_id)))
         lost = status.state == "lost"
         state_now = model.outcome(status.exit_code, status.signal, status.timed_out, lost)
         preempted = lease is not None and lease["state"] == "granted" and lease.get("preemption")
@@ -1315,14 +1315,15 @@ def _communicate_bounded(
     return bytes(out), bytes(err)
 
 
-def _recorded(status: Any, job_id: int, sessions: Any) -> Any:
+def _recorded(status: Any, job_id: int, sessions: Any, owner: int | None) -> Any:
     """The status of a process a restarted broker lost sight of, from the
-    exit code its shell recorded (unchanged when there is none)."""
+    exit code its shell recorded (unchanged when there is none; ``owner``:
+    the uid the job ran as, :func:`_exit_record`)."""
     with sessions() as session:
         job = repo.get(session, job_id)
         path = f"{job.log_path}.exit" if job is not None and job.log_path else ""
     try:
-        code = int(_exit_record(path) or "") if path else None
+        code = int(_exit_record(path, owner) or "") if path else None
     except ValueError:
         code = None
     if code is None:
@@ -1330,16 +1331,23 @@ def _recorded(status: Any, job_id: int, sessions: Any) -> Any:
     return dataclasses.replace(status, state="exited", exit_code=code)
 
 
-def _exit_record(path: str) -> str | None:
+def _exit_record(path: str, owner: int | None) -> str | None:
     """What a job's shell wrote to its exit file ``path``: ``""`` from its
     start, the exit code once its program ended; ``None`` when there is no
-    such plain file (a link put there is not followed). At most 64 bytes."""
+    such plain file of ``owner`` (the uid the job ran as, whose shell made
+    it; ``None``: no such account, nothing is read). A link put there is
+    not followed, and a file of another owner is not read: the path is in
+    the user's directory, and a link to a directory on the way could lead
+    the broker (maybe root) to someone else's file. At most 64 bytes."""
+    if owner is None:
+        return None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != owner:
             return None
         return f.read(64).decode("ascii", "replace").strip()
 

@@ -140,6 +140,23 @@ def test_a_launch_that_ended_while_the_broker_was_down_is_not_run_again(
     assert service.broker.get_lease(done["lease_id"])["state"] == "released"
 
 
+def test_an_exit_record_is_read_only_from_a_file_of_the_jobs_account(tmp_path: Path) -> None:
+    """The exit file lies in the user's directory: a link to a directory on
+    the way led the broker (root) to any file, whose first bytes, if a
+    number, became her job's exit code. Only a file of the account the job
+    ran as is read now (its shell made it)."""
+    from gpubroker.jobs.service import _exit_record
+
+    record = tmp_path / "job.log.exit"
+    record.write_text("7\n")
+    me = os.geteuid()
+    assert _exit_record(str(record), me) == "7"
+    assert _exit_record(str(record), me + 1) is None  # not the job's account's file
+    assert _exit_record(str(record), None) is None  # no account: nothing read
+    (tmp_path / "link").symlink_to(record)
+    assert _exit_record(str(tmp_path / "link"), me) is None  # a link at the end
+
+
 @pytest.mark.parametrize("how", ["lease-ended", "cancel"])
 def test_an_orphan_whose_job_or_lease_ended_meanwhile_is_stopped(
     db_url: str, jobs: JobService, home: Path, monkeypatch: pytest.MonkeyPatch, how: str
