@@ -58,25 +58,9 @@ from traitlets.config import LoggingConfigurable
 
 from .core import Broker, utcnow
 from .enforce.watchdog import lease_of_pid
-from .hub import HubClient
+from .hub import HubClient, parse_time
 from .model.holdings import HeldSlot, LeaseRef
 from .store.culler_repo import load_tracks, save_tracks
-
-
-def parse_time(value: Any) -> dt.datetime | None:
-    """An ISO 8601 time as aware UTC; naive means UTC; ``None``, a value
-    that is not a string (servers are read as untrusted) or a bad string →
-    ``None``."""
-    if not value or not isinstance(value, str) or len(value) > 64:
-        return None
-    try:
-        when = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.timezone.utc)
-    return when.astimezone(dt.timezone.utc)
-
 
 #: how far ahead of the broker's clock a server's activity time may be and
 #: still count (as now); later claims are not evidence of use

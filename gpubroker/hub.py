@@ -132,7 +132,7 @@ class HubClient(LoggingConfigurable):
             server = (model.get("servers") or {}).get(server_name)
             if not isinstance(server, dict):
                 return False
-            started = _utc(server.get("started"))
+            started = parse_time(server.get("started"))
             if started is not None and started > started_by:
                 return False
         path = (
@@ -233,16 +233,19 @@ class HubClient(LoggingConfigurable):
         return set(servers)
 
 
-def _utc(value: Any) -> dt.datetime | None:
-    """A hub time (ISO 8601, ``Z`` or naive meaning UTC) as aware UTC, or
-    ``None`` when absent or not a time."""
-    if not isinstance(value, str) or len(value) > 64:
+def parse_time(value: Any) -> dt.datetime | None:
+    """An ISO 8601 time as aware UTC; naive means UTC; ``None``, a value
+    that is not a string (servers are read as untrusted) or a bad string →
+    ``None``."""
+    if not value or not isinstance(value, str) or len(value) > 64:
         return None
     try:
         when = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         return None
-    return when.replace(tzinfo=dt.timezone.utc) if when.tzinfo is None else when
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return when.astimezone(dt.timezone.utc)
 
 
 def _max_lifetime(err: HTTPClientError) -> int | None:

@@ -25,11 +25,11 @@ from .broker.leases import STARTED_SLACK
 from .broker.passloop import PassLoop
 from .broker.slurm_servers import SlurmServers
 from .core import Broker, utcnow
-from .culler import Culler, parse_time
+from .culler import Culler
 from .devices import load_backend
 from .engines.base import EngineError, Node
 from .engines.docker import DockerEngine
-from .hub import HubClient
+from .hub import HubClient, parse_time
 from .jobs.service import JobService
 from .observe.metrics import BrokerMetrics
 from .share_guard import ShareGuard
