@@ -313,6 +313,7 @@ class BrokerService:
             task.cancel()
         if self.broker.actuator is not None:
             self.broker.actuator.cancel()
+        self.jobs.close()
         if self.exit_code == LOST_LOCK:
             # another broker may be the writer now: write nothing more
             self.log.warning("Not writing the last usage records: the database lock is lost")

@@ -770,7 +770,7 @@ class JobLogsHandler(_JobHandler):
         wait = validation.wait_seconds(self.get_argument("wait", None), 60.0)
         deadline = asyncio.get_running_loop().time() + wait
         while True:
-            logs = self.jobs.logs(job_id, offset)
+            logs = await self.jobs.logs_off_loop(job_id, offset)
             done = logs["state"] not in ("queued", "running")
             if logs["text"] or done or asyncio.get_running_loop().time() >= deadline:
                 self.write_json(logs)

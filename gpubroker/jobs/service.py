@@ -62,7 +62,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..broker.rebind import Rebinder
 from ..engines.base import EngineError, Handle, LaunchSpec, Status
-from ..errors import BadRequest, BrokerError, Conflict, Forbidden, NotFound
+from ..errors import BadRequest, BrokerError, Conflict, Forbidden, NotFound, Unavailable
 from ..model import jobs as model
 from ..store import jobs_repo as repo
 from ..views import isoformat
@@ -181,6 +181,11 @@ class JobService(LoggingConfigurable):
         #: which carry the broker's side effects (launches, stops, MIG)
         self._checks = concurrent.futures.ThreadPoolExecutor(
             CHECK_WORKERS, thread_name_prefix="gpubroker-job-check"
+        )
+        #: reads of job logs (:meth:`logs_off_loop`): a log is in the user's
+        #: directory, which may be on a slow or hung network file system
+        self._log_reads = concurrent.futures.ThreadPoolExecutor(
+            LOG_READ_WORKERS, thread_name_prefix="gpubroker-job-log"
         )
         #: checks in flight per user, under ``_checking_lock``
         self._checking: dict[str, int] = {}
@@ -655,16 +660,52 @@ class JobService(LoggingConfigurable):
     def logs(self, job_id: int, offset: int = 0, limit: int = 1 << 20) -> dict[str, Any]:
         """The job's log from byte ``offset``: ``{"text", "offset" (the
         next), "state"}``; at most ``limit`` bytes, ending at a whole UTF-8
-        character (a character cut by the limit comes with the next read)."""
+        character (a character cut by the limit comes with the next read).
+        Reads the file in the caller's thread: the API uses
+        :meth:`logs_off_loop`. Raises NotFound."""
+        path, state, user = self._log_of(job_id)
+        return _log_view(self._read_log(path, user, offset, limit) if path else b"", offset, state)
+
+    async def logs_off_loop(
+        self, job_id: int, offset: int = 0, limit: int = 1 << 20
+    ) -> dict[str, Any]:
+        """:meth:`logs`, with the file read on the job service's own
+        :data:`LOG_READ_WORKERS` workers, never on the event loop (the log is
+        in the user's directory: a hung network file system would stop the
+        broker) and never on the loop's default workers.
+
+        Raises:
+            NotFound: no such job.
+            Unavailable: the read took longer than :data:`LOG_READ_TIMEOUT`
+                seconds (it goes on in its worker; the broker answers 503).
+        """
+        path, state, user = self._log_of(job_id)
+        if not path:
+            return _log_view(b"", offset, state)
+        future = self._log_reads.submit(self._read_log, path, user, offset, limit)
+        try:
+            data = await asyncio.wait_for(asyncio.wrap_future(future), LOG_READ_TIMEOUT)
+        except TimeoutError:
+            self.log.warning(
+                "Reading job %s's log %s took over %ss", job_id, path, LOG_READ_TIMEOUT
+            )
+            raise Unavailable(
+                f"job {job_id}: its log could not be read within {LOG_READ_TIMEOUT:g} s"
+                " (its file system may be slow); try again later"
+            ) from None
+        return _log_view(data, offset, state)
+
+    def _log_of(self, job_id: int) -> tuple[str | None, str, str]:
+        """The job's (log path, state, user). Raises NotFound."""
         with self.sessions() as session:
             job = self._get(session, job_id)
-            path, state, user = job.log_path, job.state, job.user
-        text = _whole_chars(self._read_log(path, user, offset, limit) if path else b"")
-        return {
-            "text": text.decode("utf-8", "replace"),
-            "offset": offset + len(text),
-            "state": state,
-        }
+            return job.log_path, job.state, job.user
+
+    def close(self) -> None:
+        """Stop the job service's workers (checks as users, log reads):
+        those not started are dropped, running ones are not waited for."""
+        self._checks.shutdown(wait=False, cancel_futures=True)
+        self._log_reads.shutdown(wait=False, cancel_futures=True)
 
     def _read_log(self, path: str, user: str, offset: int, limit: int) -> bytes:
         """The log's bytes, read without following a link at its end and only
@@ -1241,6 +1282,12 @@ CHECK_WORKERS = 4
 #: most checks of one user's jobs under way at once (more: 409)
 MAX_CHECKS_PER_USER = 2
 
+#: workers of the job log reads (:meth:`JobService.logs_off_loop`)
+LOG_READ_WORKERS = 2
+
+#: seconds a job log read may take before the API answers 503
+LOG_READ_TIMEOUT = 10.0
+
 #: what a launch intent's handle id starts with (then its tag)
 _INTENT = "launch:"
 
@@ -1454,6 +1501,14 @@ def _describe(state: str, status: Any) -> str:
     if status.signal is not None:
         return f"ended by signal {status.signal}"
     return f"exit code {status.exit_code}"
+
+
+def _log_view(data: bytes, offset: int, state: str) -> dict[str, Any]:
+    """What :meth:`JobService.logs` answers for ``data`` read at byte
+    ``offset``: the text up to its last whole UTF-8 character, the offset
+    of the next read, and the job's state."""
+    text = _whole_chars(data)
+    return {"text": text.decode("utf-8", "replace"), "offset": offset + len(text), "state": state}
 
 
 def _whole_chars(data: bytes) -> bytes:
