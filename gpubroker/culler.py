@@ -60,7 +60,7 @@ from .core import Broker, utcnow
 from .enforce.watchdog import lease_of_pid
 from .hub import HubClient, parse_time
 from .model.holdings import HeldSlot, LeaseRef
-from .store.culler_repo import load_tracks, save_tracks
+from .store.culler_repo import FIELDS, load_tracks, save_tracks
 
 #: how far ahead of the broker's clock a server's activity time may be and
 #: still count (as now); later claims are not evidence of use
@@ -158,6 +158,10 @@ class Track:
     warned_until: dt.datetime | None = None
     flagged: bool = False
     culled: bool = False
+    #: whether a check of this broker has read the server's kernels (not
+    #: stored): then a check that cannot read them is no evidence of use,
+    #: and the server's hub activity does not withdraw a warning
+    kernels_seen: bool = False
 
 
 @dataclass(frozen=True)
@@ -421,7 +425,7 @@ class Culler(LoggingConfigurable):
         """``track`` as stored. A dry run's warnings were never sent, so they
         are not stored: a broker restarted without ``dry_run`` warns the
         user before any cull."""
-        fields = dataclasses.asdict(track)
+        fields = {k: v for k, v in dataclasses.asdict(track).items() if k in FIELDS}
         if self.dry_run:
             fields["warned_until"] = None
         return fields
@@ -568,8 +572,15 @@ class Culler(LoggingConfigurable):
             self.broker.add_notice(lease, "busy-gpu-idle", verdict.reason)
             track.flagged = True
             self._save()
+        track.kernels_seen = track.kernels_seen or signals.kernels is not None
         if not verdict.cull:
             if track.warned_until is not None:
+                if signals.kernels is None and track.kernels_seen and track.gpu_active != now:
+                    # the kernels could not be read this time (a slow or
+                    # restarting server): the hub's activity, which an open
+                    # idle tab keeps fresh, is no reason to withdraw a
+                    # warning given on the kernels' word; the deadline holds
+                    return False
                 if not self.dry_run:
                     message = f"active again: {verdict.reason}"
                     self.broker.add_notice(lease, "cull-withdrawn", message)
@@ -606,9 +617,12 @@ class Culler(LoggingConfigurable):
         if not any(held.id == lease.id for held in self.broker.server_leases()):
             self.log.info("Lease %s of %s ended while its pre-stop hook ran", lease.id, lease.user)
             return False
-        track.culled = True
+        # the notice first, as for a warning: a notice the store refused
+        # leaves the lease not culled until the next check, which judges it
+        # again and culls it with its reason
         self.broker.add_notice(lease, "culled", why, detail={"idle_seconds": round(idle, 3)})
         self.broker.stop_lease(lease.id, why, cause="cull")
+        track.culled = True
         self._save()  # a restarted broker does not cull (and notify) it again
         self.log.warning("Culled lease %s of %s: %s", lease.id, lease.user, why)
         return True

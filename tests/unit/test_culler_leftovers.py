@@ -1,0 +1,84 @@
+"""Culler leftovers of earlier reviews: a cull whose notice failed keeps its
+reason and is carried out at a later check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpubroker.core import Broker
+from gpubroker.culler import Culler
+
+from .test_culler_checks import MIN, idle_server, kinds
+
+
+async def test_a_cull_whose_notice_failed_is_done_again_with_its_reason(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub, lease, start = idle_server(broker)
+    culler = Culler(broker, hub)  # type: ignore[arg-type]
+    real = broker.add_notice
+    failures = [RuntimeError("database is locked")]
+
+    def add_notice(*args: Any, **kwargs: Any) -> None:
+        if args[1] == "culled" and failures:
+            raise failures.pop()  # the store failed once, when the cull was recorded
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(broker, "add_notice", add_notice)
+    await culler.check_once(start)
+    await culler.check_once(start + 61 * MIN)  # warned
+    assert await culler.check_once(start + 72 * MIN) == []  # the cull's notice fails
+    assert broker.get_lease(lease["id"])["state"] == "granted"
+    assert kinds(broker, lease["id"]) == ["cull-warning"]
+    # the next check culls it, and the user is told why (not a bare "culled")
+    assert await culler.check_once(start + 73 * MIN) == [lease["id"]]
+    assert kinds(broker, lease["id"]) == ["cull-warning", "culled"]
+    (culled,) = [n for n in broker.notices(None) if n["kind"] == "culled"]
+    assert culled["message"].startswith("culled: idle ")
+    stop = [e for e in broker.lease_events(lease["id"]) if e["to"] in ("stopping", "released")]
+    assert stop and all(e["reason"].startswith("culled: idle ") for e in stop)
+
+
+def _kernels(culler: Culler, answers: list[Any]) -> None:
+    """The server's kernels as ``culler`` reads them: the next of
+    ``answers`` at each check (``None``: the server could not be read)."""
+
+    async def read(lease: Any, until: Any = None) -> tuple[Any, None]:
+        return answers.pop(0), None
+
+    culler._kernels = read  # type: ignore[method-assign]
+
+
+async def test_an_unreadable_check_does_not_withdraw_a_warning_given_on_the_kernels_word(
+    broker: Broker,
+) -> None:
+    hub, lease, start = idle_server(broker)
+    culler = Culler(broker, hub)  # type: ignore[arg-type]
+    idle = [{"execution_state": "idle", "last_activity": (start - 10 * MIN).isoformat()}]
+    _kernels(culler, [idle, idle, None, idle])
+    await culler.check_once(start)
+    await culler.check_once(start + 61 * MIN)
+    assert kinds(broker, lease["id"]) == ["cull-warning"]
+    # the server cannot be read once; an open idle tab keeps the hub's activity fresh
+    hub.servers[("ann", "")] = {"last_activity": (start + 65 * MIN).isoformat()}
+    assert await culler.check_once(start + 66 * MIN) == []
+    assert kinds(broker, lease["id"]) == ["cull-warning"]  # not withdrawn
+    # read again and still idle: culled at the warning's own deadline
+    assert await culler.check_once(start + 71 * MIN + 1 * MIN // 60) == [lease["id"]]
+
+
+async def test_hub_activity_withdraws_a_warning_where_kernels_were_never_read(
+    broker: Broker,
+) -> None:
+    # a server whose kernels the culler cannot read at all (no Jupyter
+    # server API): the hub's activity is its only evidence, both ways
+    hub, lease, start = idle_server(broker)
+    culler = Culler(broker, hub)  # type: ignore[arg-type]
+    _kernels(culler, [None, None, None])
+    await culler.check_once(start)
+    await culler.check_once(start + 61 * MIN)
+    hub.servers[("ann", "")] = {"last_activity": (start + 65 * MIN).isoformat()}
+    assert await culler.check_once(start + 66 * MIN) == []
+    assert kinds(broker, lease["id"]) == ["cull-warning", "cull-withdrawn"]
