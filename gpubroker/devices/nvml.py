@@ -19,7 +19,9 @@ word.
 
 from __future__ import annotations
 
+import ctypes
 import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -191,9 +193,19 @@ class NVMLDeviceBackend(DeviceBackend):
         the previous sample of it; ``None`` for a GPU, at the first sample,
         or where GPM is not supported. A read within :data:`GPM_MIN_WINDOW`
         seconds of the last sample (another caller's) gets the last figure,
-        so callers do not shorten each other's window."""
+        so callers do not shorten each other's window. Thread-safe: the
+        samples are taken and freed under :data:`_GPM_LOCK`."""
         if not uuid.startswith("MIG-"):
             return None
+        # usage() runs on the event loop (culler, share guard) and in worker
+        # threads (usage ledger, panel) at once: two readers of one MIG device
+        # must not both free its previous sample (nvmlGpmSampleFree twice is a
+        # double free in the C library) nor lose each other's new one
+        with _GPM_LOCK:
+            return self._engine_activity_locked(uuid, handle)
+
+    def _engine_activity_locked(self, uuid: str, handle: Any) -> float | None:
+        """:meth:`_engine_activity` with :data:`_GPM_LOCK` held."""
         now = time.monotonic()
         previous = self._gpm_samples.get(uuid)
         if previous is not None and now - previous[1] < GPM_MIN_WINDOW:
@@ -354,18 +366,23 @@ class NVMLDeviceBackend(DeviceBackend):
         c_placement.size = placement.size
         try:
             gpu_instance = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(
-                handle, info.id, c_placement
+                handle, info.id, _PlacementPointer(c_placement)
             )
         except pynvml.NVMLError as err:
             raise self._create_error(
                 prefix, err, parent_uuid, spec, profile_name, placement
             ) from err
+        compute_instance = None
         try:
             compute_instance = _create_full_compute_instance(gpu_instance, int(info.sliceCount))
             gi_id = int(pynvml.nvmlGpuInstanceGetInfo(gpu_instance).id)
             ci_id = int(pynvml.nvmlComputeInstanceGetInfo(compute_instance).id)
         except (pynvml.NVMLError, DeviceBackendError) as err:
             try:
+                # nvmlGpuInstanceDestroy refuses (NVML_ERROR_IN_USE) while the GPU
+                # instance still has a compute instance: destroy that one first
+                if compute_instance is not None:
+                    pynvml.nvmlComputeInstanceDestroy(compute_instance)
                 pynvml.nvmlGpuInstanceDestroy(gpu_instance)
             except pynvml.NVMLError as undo:
                 self.log.error(
@@ -549,9 +566,10 @@ class NVMLDeviceBackend(DeviceBackend):
         the first call does anything."""
         if not self._initialised:
             return
-        for sample, _taken, _value in self._gpm_samples.values():
-            _free(sample)
-        self._gpm_samples.clear()
+        with _GPM_LOCK:
+            for sample, _taken, _value in self._gpm_samples.values():
+                _free(sample)
+            self._gpm_samples.clear()
         self._initialised = False
         try:
             pynvml.nvmlShutdown()
@@ -572,6 +590,10 @@ def _mig_enabled(handle: Any) -> bool:
 #: the last figure instead of taking a new sample
 GPM_MIN_WINDOW = 1.0
 
+#: guards every backend's GPM samples (``_gpm_samples``): taken, compared and
+#: freed by one reader at a time
+_GPM_LOCK = threading.Lock()
+
 
 def _free(sample: Any) -> None:
     with suppress(pynvml.NVMLError):
@@ -579,7 +601,13 @@ def _free(sample: Any) -> None:
 
 
 def _gpm_utilization(first: Any, second: Any) -> float | None:
-    """``NVML_GPM_METRIC_GRAPHICS_UTIL`` between two GPM samples, 0..1."""
+    """``NVML_GPM_METRIC_GRAPHICS_UTIL`` between two GPM samples, 0..1.
+
+    NVML reports the metric in percent (0.0-100.0). ``nvmlGpmMetricsGet`` can
+    succeed as a whole while one metric fails: per ``nvmlGpmMetric_t``, its
+    ``value`` is valid only when its own ``nvmlReturn`` is ``NVML_SUCCESS``;
+    otherwise (and on any NVML error) the figure is unknown: ``None``.
+    """
     try:
         query = pynvml.c_nvmlGpmMetricsGet_t()
         query.version = pynvml.NVML_GPM_METRICS_GET_VERSION
@@ -587,7 +615,11 @@ def _gpm_utilization(first: Any, second: Any) -> float | None:
         query.sample1, query.sample2 = first, second
         query.metrics[0].metricId = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
         pynvml.nvmlGpmMetricsGet(query)
-        value = float(query.metrics[0].value) / 100.0
+        metric = query.metrics[0]
+        # the real struct always has nvmlReturn; a stand-in without it means success
+        if getattr(metric, "nvmlReturn", pynvml.NVML_SUCCESS) != pynvml.NVML_SUCCESS:
+            return None
+        value = float(metric.value) / 100.0
     except pynvml.NVMLError:
         return None
     return min(max(value, 0.0), 1.0)
@@ -611,14 +643,51 @@ def _processes(handle: Any) -> tuple[ProcessInfo, ...]:
     Device Queries); without MPS, or where the driver lacks that call, the
     second list is empty. A PID in both is listed once, from the first.
     """
-    found = list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    found = _process_list(handle, mps=False)
     with suppress(pynvml.NVMLError):  # no MPS clients (not supported, old driver)
-        found += pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)
+        found += _process_list(handle, mps=True)
     seen: dict[int, ProcessInfo] = {}
     for p in found:
         pid = int(p.pid)
         seen.setdefault(pid, ProcessInfo(pid=pid, used_memory_mib=(p.usedGpuMemory or 0) // _MIB))
     return tuple(seen.values())
+
+
+def _process_list(handle: Any, mps: bool) -> list[Any]:
+    """``nvmlDevice[MPS]ComputeRunningProcesses``, on drivers without ``_v3`` too.
+
+    pynvml's unversioned call uses the ``_v3`` C function; where the driver
+    is older and lacks it, pynvml raises ``NVMLLibraryMismatchError``, which
+    is *not* an ``NVMLError``, and asks for a versioned call: the ``_v2``
+    one (same fields the backend reads: ``pid``, ``usedGpuMemory``) is
+    used then.
+
+    Raises:
+        pynvml.NVMLError: the query failed (``_v2`` included).
+    """
+    name = "nvmlDevice" + ("GetMPSComputeRunningProcesses" if mps else "GetComputeRunningProcesses")
+    try:
+        return list(getattr(pynvml, name)(handle))
+    except pynvml.NVMLLibraryMismatchError:
+        return list(getattr(pynvml, f"{name}_v2")(handle))
+
+
+class _PlacementPointer(ctypes._Pointer):  # type: ignore[type-arg]
+    """A pointer to a ``nvmlGpuInstancePlacement_t``.
+
+    ``nvmlDeviceCreateGpuInstanceWithPlacement`` takes ``const
+    nvmlGpuInstancePlacement_t *placement`` (NVML API reference, Multi
+    Instance GPU Management), and pynvml hands its ``placement`` argument to
+    ctypes unchanged with no declared argument types: a structure given there
+    would be passed *by value* and read by the driver as an address (a
+    segmentation fault of the broker). A pointer is passed as an address;
+    ``start``/``size`` read through it, so it still looks like the placement.
+    """
+
+    _type_ = pynvml.c_nvmlGpuInstancePlacement_t
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.contents, name)
 
 
 # --- MIG helpers ---------------------------------------------------------------------
