@@ -449,8 +449,10 @@ class Culler(LoggingConfigurable):
         now = now or utcnow()
         kernels, terminals = await self._kernels(lease, now + CLOCK_SKEW)
         utils, memory, unknown = [], 0, False
-        for slot in lease.slots:
-            util, used = self._slot_usage(lease, slot)
+        # NVML off the event loop: a call can block for seconds (persistence
+        # mode off) or longer (a GPU fallen off the bus)
+        read = await asyncio.to_thread(lambda: [self._slot_usage(lease, s) for s in lease.slots])
+        for util, used in read:
             memory += used
             if util is None:
                 unknown = True

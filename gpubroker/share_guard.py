@@ -91,7 +91,10 @@ class ShareGuard(LoggingConfigurable):
                 ShareCap(lease.id, lease.user, device, memory, container=lease.container_id)
             )
         now = now or dt.datetime.now(dt.timezone.utc)
-        actions = self.watchdog.judge(self._samples(caps), caps, self.pid_lease, now)
+        # NVML off the event loop: a call can block for seconds (persistence
+        # mode off) or longer (a GPU fallen off the bus)
+        samples = await asyncio.to_thread(self._samples, caps)
+        actions = self.watchdog.judge(samples, caps, self.pid_lease, now)
         for action in actions:
             try:
                 await self._act(action, leases[action.lease_id])

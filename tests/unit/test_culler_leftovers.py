@@ -1,8 +1,13 @@
 """Culler leftovers of earlier reviews: a cull whose notice failed keeps its
-reason and is carried out at a later check."""
+reason and is carried out at a later check; an unreadable check withdraws no
+warning given on the kernels' word; NVML is read off the event loop (the
+culler and the share guard)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,3 +87,66 @@ async def test_hub_activity_withdraws_a_warning_where_kernels_were_never_read(
     hub.servers[("ann", "")] = {"last_activity": (start + 65 * MIN).isoformat()}
     assert await culler.check_once(start + 66 * MIN) == []
     assert kinds(broker, lease["id"]) == ["cull-warning", "cull-withdrawn"]
+
+
+async def _loop_runs_while(call: Any, release: Any) -> int:
+    """Await ``call`` while a ticker runs; ``release`` the blocked read once
+    the ticker has ticked a few times (it can only if the read is off the
+    loop). Returns the ticks."""
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            if ticks == 5:
+                release.set()
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(ticker())
+    try:
+        await asyncio.wait_for(call, 20)
+    finally:
+        task.cancel()
+        release.set()
+    return ticks
+
+
+async def test_the_culler_reads_nvml_off_the_event_loop(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an NVML call can block for seconds (persistence mode off) or longer (a
+    # GPU fallen off the bus): on the loop it would stop the whole broker
+    lease = broker.request_lease("ann", "", gpus=1)
+    (ref,) = [x for x in broker.server_leases() if x.id == lease["id"]]
+    release = threading.Event()
+    real = broker.backend.usage
+
+    def blocking(uuid: str) -> Any:
+        assert release.wait(10), "the read blocked the event loop"
+        return real(uuid)
+
+    monkeypatch.setattr(broker.backend, "usage", blocking)
+    culler = Culler(broker, None)  # type: ignore[arg-type]
+    assert await _loop_runs_while(culler._signals(ref, {}), release) >= 5
+
+
+async def test_the_share_guard_reads_nvml_off_the_event_loop(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpubroker.share_guard import ShareGuard
+
+    from .test_sharing_core import sharing_broker
+
+    broker = sharing_broker(db_url, tmp_path)
+    broker.request_lease("ann", "", memory_gib=10, pool="shared")
+    release = threading.Event()
+    real = broker.backend.usage
+
+    def blocking(uuid: str) -> Any:
+        assert release.wait(10), "the read blocked the event loop"
+        return real(uuid)
+
+    monkeypatch.setattr(broker.backend, "usage", blocking)
+    guard = ShareGuard(broker)
+    assert await _loop_runs_while(guard.check_once(), release) >= 5
