@@ -299,7 +299,7 @@ class UpgradeDBCommand(_Command):
     description = "Migrate the store (GPUBrokerApp.db_url) to the newest schema."
 
     def start(self) -> None:
-        from .store.db import make_engine, upgrade
+        from .store.db import UnknownSchema, make_engine, upgrade
         from .store.lock import DatabaseLocked, WriterLock
 
         engine = make_engine(self.broker_app.db_url)
@@ -311,6 +311,9 @@ class UpgradeDBCommand(_Command):
             self.exit(2)
         try:
             upgrade(self.broker_app.db_url)
+        except UnknownSchema as err:
+            self.log.critical("Not upgrading: %s", err)
+            self.exit(2)
         finally:
             lock.release()
             engine.dispose()
@@ -331,12 +334,13 @@ class ServeCommand(_Command):
 
     def start(self) -> None:
         from .service import BrokerService
+        from .store.db import UnknownSchema
         from .store.lock import DatabaseLocked, DatabaseUnavailable
 
         service = BrokerService(app=self.broker_app, log=self.broker_app.log)
         try:
             asyncio.run(service.run())
-        except (DatabaseLocked, DatabaseUnavailable) as err:
+        except (DatabaseLocked, DatabaseUnavailable, UnknownSchema) as err:
             self.broker_app.log.critical("Not starting: %s", err)
             self.exit(2)
         if service.exit_code:

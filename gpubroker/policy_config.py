@@ -19,6 +19,9 @@ from .scheduler import DEFAULT_CLASSES, Policy, PriorityClass, Quota
 
 _CLASS_KEYS = {"name", "rank", "preempting", "preemptible", "min_runtime", "grace"}
 
+#: longest priority class name, characters (``leases.priority_class``)
+MAX_CLASS_NAME = 64
+
 
 def _quota(where: str, value: Any) -> Quota:
     """``{"guaranteed": GPUs, "limit": GPUs | None}`` -> :class:`Quota`.
@@ -147,6 +150,13 @@ class SchedulingPolicy(LoggingConfigurable):
             name = item["name"]
             if not isinstance(name, str) or not name:
                 raise TraitError(f"priority_classes: name must be a non-empty string, got {name!r}")
+            if len(name) > MAX_CLASS_NAME or "\x00" in name:
+                # the store keeps it in 64 characters (leases, usage intervals):
+                # PostgreSQL refuses a longer one at the first request of the class
+                raise TraitError(
+                    f"priority_classes: name must be at most {MAX_CLASS_NAME} characters"
+                    f" without NUL, got {name[:80]!r} ({len(name)} characters)"
+                )
             if name in classes:
                 raise TraitError(f"priority_classes: class {name!r} is defined twice")
             rank = item["rank"]

@@ -42,13 +42,18 @@ def record(
     stimulus: str = "",
     reason: str = "",
 ) -> None:
-    """Append one admin action (in the caller's transaction)."""
+    """Append one admin action (in the caller's transaction).
+
+    ``actor`` is cut to 255 characters (a hub name has at most that many)
+    and ``reason`` to 4000; ``target`` is kept whole, so that the
+    ``user`` filter of :func:`entries` finds it.
+    """
     session_of(session).add(
         AuditEntry(
             at=at,
             actor=actor[:255],
             action=action,
-            target=target[:255],
+            target=target,
             reason=reason[:4000],
             stimulus=stimulus,
             detail=detail or None,

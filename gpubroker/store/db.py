@@ -19,9 +19,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util.exc import CommandError
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -104,14 +106,42 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
+class UnknownSchema(RuntimeError):
+    """The database is at a schema revision this version of gpubroker does
+    not ship (written by a newer gpubroker); the message says what to do."""
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     """Upgrade the database at ``url`` to ``revision`` (default: newest).
 
     Raises:
+        UnknownSchema: the database is at a revision this gpubroker does not
+            know (a newer release migrated it; nothing was changed).
         sqlalchemy.exc.SQLAlchemyError: the database cannot be reached or migrated.
     """
     create_private_sqlite(url)
-    command.upgrade(alembic_config(url), revision)
+    cfg = alembic_config(url)
+    engine = make_engine(url, poolclass=NullPool)
+    try:
+        at = current_revision(engine)
+    finally:
+        engine.dispose()
+    if at is not None and not _known(cfg, at):
+        raise UnknownSchema(
+            f"the database {shown_url(url)} is at schema revision {at!r}, which this "
+            f"gpubroker (newest revision {head_revision()!r}) does not know: a newer "
+            "gpubroker migrated it. Run that release again, or take the schema down "
+            "with it to this release's newest revision first (see the admin guide)"
+        )
+    command.upgrade(cfg, revision)
+
+
+def _known(cfg: Config, revision: str) -> bool:
+    """Whether ``revision`` is one of the packaged migrations."""
+    try:
+        return ScriptDirectory.from_config(cfg).get_revision(revision) is not None
+    except CommandError:
+        return False
 
 
 def current_revision(engine: Engine) -> str | None:

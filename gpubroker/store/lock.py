@@ -153,7 +153,10 @@ class WriterLock:
                     "SELECT a.application_name, a.client_addr, a.pid FROM pg_locks l "
                     "JOIN pg_stat_activity a ON a.pid = l.pid "
                     "WHERE l.locktype = 'advisory' AND l.granted "
-                    "AND l.classid = :hi AND l.objid = :lo"
+                    "AND l.classid = :hi AND l.objid = :lo AND l.objsubid = 1 "
+                    # advisory locks belong to one database: not another's broker
+                    "AND l.database = (SELECT oid FROM pg_database "
+                    "WHERE datname = current_database())"
                 ),
                 {"hi": ADVISORY_KEY >> 32, "lo": ADVISORY_KEY & 0xFFFF_FFFF},
             ).first()

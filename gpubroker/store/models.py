@@ -399,8 +399,10 @@ class AuditEntry(Base):
 
     ``action``: ``quota-set``, ``quota-deleted``, ``device-drained``,
     ``device-undrained``, ``device-mig``, ``lease-preempted``. ``target``:
-    ``user:NAME``, ``group:NAME`` or a device UUID. ``detail``: the values
-    set. ``reason``: the admin's words, where the action takes them.
+    ``user:NAME``, ``group:NAME`` or a device UUID, of any length (a name
+    has up to 255 characters, its prefix comes on top; revision 0015).
+    ``detail``: the values set. ``reason``: the admin's words, where the
+    action takes them.
     """
 
     __tablename__ = "audit_entries"
@@ -409,7 +411,7 @@ class AuditEntry(Base):
     at: Mapped[dt.datetime] = mapped_column(UTCDateTime, index=True)
     actor: Mapped[str] = mapped_column(String(255))
     action: Mapped[str] = mapped_column(String(32))
-    target: Mapped[str] = mapped_column(String(255))
+    target: Mapped[str] = mapped_column(Text)
     reason: Mapped[str] = mapped_column(Text, default="")
     stimulus: Mapped[str] = mapped_column(String(64), default="")
     detail: Mapped[dict[str, object] | None] = mapped_column(JSON, nullable=True)
