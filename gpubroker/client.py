@@ -60,14 +60,26 @@ class BrokerClient:
             body=json.dumps(body) if body is not None else None,
             allow_nonstandard_methods=True,
             request_timeout=timeout or self.timeout,
+            # a redirect is an error: Tornado would send the token on with it
+            follow_redirects=False,
         )
         try:
             response = await AsyncHTTPClient().fetch(request)
         except HTTPClientError as err:
-            raise BrokerClientError(err.code, _message(err)) from err
+            if 300 <= err.code < 400 and err.response is not None:
+                where = err.response.headers.get("Location", "elsewhere")
+                raise BrokerClientError(
+                    err.code, f"{url} redirects to {where}: is the broker's URL right?"
+                ) from err
+            raise BrokerClientError(err.code, _message(err, url)) from err
         except OSError as err:
             raise BrokerClientError(599, f"broker unreachable at {self.url}: {err}") from err
-        return json.loads(response.body)
+        try:
+            return json.loads(response.body or b"null")
+        except ValueError:
+            raise BrokerClientError(
+                502, f"{url} did not answer JSON: is the broker's URL right?"
+            ) from None
 
     async def health(self) -> dict[str, Any]:
         """``GET /health``."""
@@ -221,9 +233,21 @@ def api_base(url: str | None, token: str | None) -> tuple[str, str]:
     return base, secret
 
 
-def _message(err: HTTPClientError) -> str:
+def _message(err: HTTPClientError, url: str) -> str:
     body = err.response.body if err.response is not None else b""
+    return error_text(body, err.code, url) if body else str(err)
+
+
+def error_text(body: bytes, status: int, url: str) -> str:
+    """The message of an error answer's ``body``: the broker's
+    (``{"message": …}``); for an HTML page (the hub's or a proxy's, not the
+    broker's) a sentence naming ``status`` and ``url``; else the text's
+    first 500 characters."""
     try:
         return str(json.loads(body)["message"])
     except (ValueError, KeyError, TypeError):
-        return body.decode("utf-8", "replace")[:500] or str(err)
+        pass
+    text = body.decode("utf-8", "replace").strip()
+    if text.startswith("<"):
+        return f"HTTP {status} from {url}: a web page, not the broker's answer"
+    return text[:500] or f"HTTP {status} from {url}"

@@ -5,13 +5,31 @@ client) and scripts. Standard library only.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from .client import BrokerClientError, api_base
+from .client import BrokerClientError, api_base, error_text
+
+#: seconds a submission may take beyond the client's timeout: the broker
+#: checks a job as its user first, for up to 20 s (``PROBE_TIMEOUT`` of
+#: :mod:`gpubroker.jobs.service`), possibly after another check of theirs
+SUBMIT_EXTRA_TIMEOUT = 45.0
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Follows no redirect: urllib would send the token (an ordinary header)
+    on to wherever the answer points, another host included; a redirect
+    here means a wrong URL (the hub's login page, a missing slash)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 class SyncBrokerClient:
@@ -39,22 +57,52 @@ class SyncBrokerClient:
     ) -> Any:
         """One call; the decoded JSON answer.
 
+        Args:
+            timeout: seconds for this call (default: the client's).
+
         Raises:
-            BrokerClientError: an error answer (its status and message), or
-                599 when the broker cannot be reached.
+            BrokerClientError: an error answer (its status and message); a
+                redirect (3xx: not followed, so the token goes nowhere
+                else); 502 for an answer that is not JSON; 599 when no URL
+                is set, the broker cannot be reached, or does not answer
+                within the timeout.
         """
+        if not self.url.startswith(("http://", "https://")):
+            raise BrokerClientError(
+                599,
+                f"no broker URL (GPUBROKER_URL is {self.url.removesuffix('/api/v1')!r}): "
+                "set it to the broker's address, e.g. "
+                "http://127.0.0.1:8000/services/gpubroker/",
+            )
         url = self.url + path + (f"?{urlencode(params)}" if params else "")
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(url, data=data, method=method)
         request.add_header("Authorization", f"token {self.token}")
         request.add_header("Content-Type", "application/json")
+        seconds = timeout or self.timeout
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                return json.loads(response.read() or b"null")
+            with _OPENER.open(request, timeout=seconds) as response:
+                raw = response.read()
         except urllib.error.HTTPError as err:
-            raise BrokerClientError(err.code, _message(err.read())) from err
-        except OSError as err:
+            with err:  # its connection
+                if 300 <= err.code < 400:
+                    where = err.headers.get("Location", "elsewhere")
+                    message = f"{url} redirects to {where}: is GPUBROKER_URL the broker's URL?"
+                else:
+                    message = error_text(err.read(), err.code, url)
+            raise BrokerClientError(err.code, message) from err
+        except (OSError, http.client.HTTPException) as err:
+            if isinstance(getattr(err, "reason", err), TimeoutError):
+                raise BrokerClientError(
+                    599, f"no answer from the broker at {self.url} within {seconds:g} s"
+                ) from err
             raise BrokerClientError(599, f"broker unreachable at {self.url}: {err}") from err
+        try:
+            return json.loads(raw or b"null")
+        except ValueError:
+            raise BrokerClientError(
+                502, f"{url} did not answer JSON: is GPUBROKER_URL the broker's URL?"
+            ) from None
 
     def lease(self, lease_id: int) -> dict[str, Any]:
         """``GET /leases/{id}``."""
@@ -73,8 +121,10 @@ class SyncBrokerClient:
         return list(self.call("GET", "/notices")["notices"])
 
     def submit_job(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``POST /jobs``."""
-        return dict(self.call("POST", "/jobs", body))
+        """``POST /jobs``, waiting :data:`SUBMIT_EXTRA_TIMEOUT` seconds more
+        than other calls (the broker checks the job first)."""
+        seconds = self.timeout + SUBMIT_EXTRA_TIMEOUT
+        return dict(self.call("POST", "/jobs", body, timeout=seconds))
 
     def jobs(self) -> list[Any]:
         """``GET /jobs``: the caller's jobs, newest first."""
@@ -109,10 +159,3 @@ def job_body(what: dict[str, Any], **options: Any) -> dict[str, Any]:
     ``0`` is sent, so the broker names its limit)."""
     given = {key: value for key, value in options.items() if value is not None and value != ""}
     return dict(what) | given
-
-
-def _message(body: bytes) -> str:
-    try:
-        return str(json.loads(body)["message"])
-    except (ValueError, KeyError, TypeError):
-        return body.decode("utf-8", "replace")[:500]

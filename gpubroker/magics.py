@@ -19,11 +19,17 @@ kernel's Python (``sys.executable``), not only the name in the notebook's
 metadata; ``--kernel NAME`` names another. A notebook with cells run here
 that are not in its saved file gets a warning: the job runs the saved file.
 
+A relative NOTEBOOK is one in this kernel's directory. Run as a job
+(``$GPUBROKER_JOB_ID`` set), a notebook's own ``%gpu_submit`` and
+``%%gpu_job`` cells submit nothing and return ``None``.
+
 They call the broker over HTTP with the server's own token
 (``$JUPYTERHUB_API_TOKEN``: the user's rights only) through
-:class:`~gpubroker.client_sync.SyncBrokerClient`. Arguments are parsed with
-IPython's ``magic_arguments``; a usage error raises ``UsageError``. Tables
-are shown as HTML in notebooks and as text in terminals.
+:class:`~gpubroker.client_sync.SyncBrokerClient`. Arguments are declared
+with IPython's ``magic_arguments`` and split as a POSIX shell does (quotes
+are removed); a usage error, and any error of the broker's call, raises
+``UsageError``. Tables are shown as HTML in notebooks and as text in
+terminals.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from .client import BrokerClientError
@@ -114,6 +120,60 @@ def _slot_rows(slots: list[dict[str, Any]], devices: list[dict[str, Any]]) -> li
     return rows
 
 
+def _parse(magic: Any, line: str) -> Any:
+    """``line`` parsed by ``magic``'s arguments, split as a POSIX shell does
+    (``"my notebook.ipynb"``, ``--param 'msg=hello world'``: the quotes
+    go; IPython's own ``parse_argstring`` keeps them).
+
+    Raises:
+        UsageError: unbalanced quotes, or arguments the magic does not take.
+    """
+    try:
+        argv = shlex.split(line)
+    except ValueError as err:
+        raise UsageError(f"%{magic.__name__}: {err} in {line!r}") from None
+    return magic.parser.parse_args(argv)
+
+
+def _in_job(name: str) -> bool:
+    """Whether this kernel runs inside a batch job (``$GPUBROKER_JOB_ID``):
+    then the notebook being run holds its own ``%gpu_submit`` cell, which
+    says so and submits nothing (it would submit the job again)."""
+    job_id = os.environ.get("GPUBROKER_JOB_ID")
+    if job_id:
+        print(f"{name}: not submitted: this kernel runs as job {job_id} already")
+    return bool(job_id)
+
+
+def _job_path(notebook: str) -> str:
+    """``notebook`` as the broker reads it (relative to the home directory,
+    the job's root): a relative name is one in this kernel's directory, as
+    Python's ``open()`` reads it; an absolute (or ``~``) path inside the
+    home directory is made relative to it. A name is left as given where
+    this kernel's directory, or the path, is outside the home directory."""
+    path = os.path.expanduser(notebook)
+    if not os.path.isabs(path):
+        here = _relative_cwd()
+        if here is None:
+            return notebook
+        return os.path.normpath(os.path.join(here, path))
+    home = os.path.realpath(os.path.expanduser("~"))
+    real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    return os.path.relpath(real, home) if real.startswith(home + os.sep) else path
+
+
+def _session_notebook() -> str | None:
+    """This kernel's notebook (``$JPY_SESSION_NAME``) as an absolute path, or
+    ``None``. Jupyter Server sets it to the file's absolute path when the
+    client names the session (JupyterLab, Notebook 7), else to the API path,
+    relative to the server's root: taken as relative to the home directory,
+    which is the single-user server's root as the spawner starts it."""
+    name = os.environ.get("JPY_SESSION_NAME")
+    if not name:
+        return None
+    return name if os.path.isabs(name) else os.path.join(os.path.expanduser("~"), name)
+
+
 def _one_resource(name: str, args: Any) -> None:
     """Raises ``UsageError`` unless exactly one of --gpus, --mig, --memory is given."""
     chosen = [n for n in ("gpus", "mig", "memory") if getattr(args, n) is not None]
@@ -143,7 +203,8 @@ def unsaved_cells(shell: Any, notebook: str) -> int:
     sources = {c.source.strip() for c in saved.cells if c.cell_type == "code"}
     history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", [])
     ran = {str(x).strip() for x in history[1:]}
-    ran = {x for x in ran if x and not x.startswith("%")}
+    # the cell that submits is not the job's business (the job skips it)
+    ran = {x for x in ran if x and not x.startswith("%") and "gpu_submit" not in x}
     return len(ran - sources)
 
 
@@ -202,16 +263,26 @@ class GPUMagics(Magics):
     )
     @argument("--yes", action="store_true", help="with --release: do not ask first")
     @line_magic
-    def gpu_submit(self, line: str) -> dict[str, Any]:
-        """Run a notebook as a batch job on GPUs of its own."""
-        args = parse_argstring(self.gpu_submit, line)
-        notebook = args.notebook or os.environ.get("JPY_SESSION_NAME")
+    def gpu_submit(self, line: str) -> dict[str, Any] | None:
+        """Run a notebook as a batch job on GPUs of its own (give exactly one
+        of --gpus, --mig and --memory). A relative NOTEBOOK is one in this
+        kernel's directory. Inside a job it submits nothing (returns None)."""
+        args = _parse(self.gpu_submit, line)
+        if _in_job("%gpu_submit"):
+            return None
+        notebook = args.notebook or _session_notebook()
         if not notebook:
             raise UsageError("%gpu_submit: name the notebook (this kernel's is not known)")
+        if not args.notebook and not os.path.isfile(notebook):
+            # the kernel's environment names the file it was started for
+            raise UsageError(
+                f"%gpu_submit: this kernel's notebook {notebook} is not there (renamed or "
+                "moved since the kernel started?): name it, e.g. %gpu_submit train.ipynb"
+            )
         _one_resource("%gpu_submit", args)
-        release = self._release_lease(args)
         self._warn_unsaved(notebook)
-        what = {"notebook": notebook, "params": list(args.param)}
+        release = self._release_lease(args)
+        what = {"notebook": _job_path(notebook), "params": list(args.param)}
         if not args.kernel:
             what["python"] = sys.executable
         job = self._submit("%gpu_submit", args, what, kernel=args.kernel)
@@ -223,10 +294,13 @@ class GPUMagics(Magics):
     @magic_arguments()
     @_resources
     @cell_magic
-    def gpu_job(self, line: str, cell: str) -> dict[str, Any]:
+    def gpu_job(self, line: str, cell: str) -> dict[str, Any] | None:
         """``%%gpu_job --gpus 1 --time 1h``: run the cell's code as a script
-        job, with this kernel's Python, in this kernel's directory."""
-        args = parse_argstring(self.gpu_job, line)
+        job, with this kernel's Python, in this kernel's directory (inside a
+        job: nothing is submitted, and it returns None)."""
+        args = _parse(self.gpu_job, line)
+        if _in_job("%%gpu_job"):
+            return None
         if not cell.strip():
             raise UsageError("%%gpu_job: the cell is empty")
         what = {"command": [sys.executable, "-c", cell], "cwd": _relative_cwd()}
@@ -269,7 +343,8 @@ class GPUMagics(Magics):
     def _warn_unsaved(self, notebook: str) -> None:
         """Warn when code run in this kernel is missing from the saved notebook
         (the job runs the file as last saved)."""
-        if notebook != os.environ.get("JPY_SESSION_NAME"):
+        session = _session_notebook()
+        if not session or _job_path(notebook) != _job_path(session):
             return  # another notebook: this kernel's history says nothing of it
         missing = unsaved_cells(self.shell, notebook)
         if missing:
@@ -300,7 +375,7 @@ class GPUMagics(Magics):
     @line_magic
     def gpu_logs(self, line: str) -> None:
         """``%gpu_logs ID [--follow]``: the job's log."""
-        args = parse_argstring(self.gpu_logs, line)
+        args = _parse(self.gpu_logs, line)
         offset = 0
         while True:
             logs = self._call("job_logs", args.job, offset, 10.0 if args.follow else 0)
@@ -317,7 +392,7 @@ class GPUMagics(Magics):
     @line_magic
     def gpu_cancel(self, line: str) -> dict[str, Any]:
         """``%gpu_cancel ID``: cancel a queued or running job."""
-        args = parse_argstring(self.gpu_cancel, line)
+        args = _parse(self.gpu_cancel, line)
         job = self._call("cancel_job", args.job)
         print(f"job {job['id']} {job['state']}")
         return dict(job)

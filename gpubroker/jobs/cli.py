@@ -152,6 +152,15 @@ class LogsCommand(_JobsCall):
     flags = {"follow": ({"LogsCommand": {"follow": True}}, "Keep printing while the job runs.")}
 
     def start(self) -> None:
+        """Print the log; Ctrl-C stops following (exit status 130, no
+        traceback; the job goes on)."""
+        try:
+            self._print_log()
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            self.exit(130)
+
+    def _print_log(self) -> None:
         job_id, offset = self.job_id(), 0
         while True:
             wait = 10.0 if self.follow else 0.0
