@@ -11,13 +11,15 @@ protocol.
   node, its state (drained or down nodes take no new work, with Slurm's
   reason) and its GPUs from GRES (``gpu:h100:4``); each GPU gets a stable
   ``GPU-`` UUID made from the cluster, node and index (Slurm knows no NVML
-  UUIDs). ``squeue --json`` says which GPU indices every running job holds:
-  those of jobs this engine did not launch are *outside* the broker (a
-  job someone ran with ``sbatch`` directly), so the broker never grants them.
+  UUIDs). ``squeue --json`` says which GPU indices every job that has not
+  ended holds (running, suspended, completing, being set up): those of
+  jobs this engine did not launch are *outside* the broker (a job someone
+  ran with ``sbatch`` directly), so the broker never grants them.
 * **Launch** (:meth:`SlurmEngine.launch`): ``sbatch --parsable
-  --nodelist=NODE --gres=gpu:N`` of a batch script read from standard
-  input, with the partition, account, QOS and extra arguments configured,
-  ``--time`` from the spec's time limit (rounded up to whole minutes, Slurm's
+  --nodelist=NODE --gres=gpu:TYPE:N`` (the GRES type of the leased GPUs,
+  so a node with several types binds the leased one) of a batch script
+  read from standard input, with the partition, account, QOS and extra
+  arguments configured, ``--time`` from the spec's time limit (rounded up to whole minutes, Slurm's
   unit) and ``--no-requeue`` (the broker requeues its jobs itself). The job
   gets exactly the spec's environment (the trust rule: the user's, never
   the broker's), set by ``export`` lines at the top of the batch script;
@@ -35,12 +37,20 @@ protocol.
   :attr:`~gpubroker.engines.base.LaunchSpec.tag` ends the job's comment
   (``gpubroker lease N launch TAG``); a broker that crashed between
   ``sbatch`` and recording the job id finds the job in ``squeue`` by it,
-  instead of submitting a second one.
+  instead of submitting a second one; so does a launch whose ``sbatch``
+  ran past ``command_timeout`` (slurmctld may have queued it all the same).
+  Only the user's own jobs count (a comment is public and its owner may
+  rewrite it).
 * **Status** (:meth:`SlurmEngine.poll`): ``squeue --json --states=all``,
   which keeps a finished job for ``MinJobAge`` seconds (300 by default;
   Slurm 22.05's ``squeue --json`` ignores ``--jobs`` and ``--states`` and
   lists every job, so the engine picks the job by id itself);
-  once it is gone, ``sacct`` where accounting runs; otherwise ``lost``. A
+  once it is gone, ``sacct`` where accounting runs; otherwise ``lost``
+  (also where ``sacct`` still says it runs: a runaway record slurmctld no
+  longer knows). Only Slurm's final states are an end; every other one,
+  known or not, is a job Slurm still holds; a final state that Slurm
+  forced (``NODE_FAIL``, ``PREEMPTED``, ...) is never a success
+  (:func:`gpubroker.engines.slurm_json.final_status`). A
   command that fails or times out raises :class:`EngineError`: the state is
   *unknown*, and callers retry later; nothing is ended on it. So is an
   answer with ``errors`` (Slurm 22.05's ``squeue --json`` and ``sinfo
@@ -80,9 +90,6 @@ from .base import EngineError, Handle, LaunchSpec, Node, Status
 #: environment variables Slurm sets for a job itself from its binding: the
 #: broker's values (UUIDs of its own choosing) are left out
 SLURM_SET = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
-
-#: job states in which a job holds its GPUs
-_HOLDING = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "SIGNALING", "STAGE_OUT"})
 
 #: seconds between looks while :meth:`SlurmEngine.stop` waits
 _STOP_POLL = 0.5
@@ -159,6 +166,8 @@ class SlurmEngine(LoggingConfigurable):
         self._servers: set[str] = set()
         #: (node, index) of each device UUID of the last inventory
         self._where: dict[str, tuple[str, int]] = {}
+        #: the GRES type (``h100``; ``""`` for none) of each device UUID
+        self._types: dict[str, str] = {}
         #: each node's address (Slurm's NodeAddr) of the last inventory
         self._addresses: dict[str, str] = {}
 
@@ -195,8 +204,9 @@ class SlurmEngine(LoggingConfigurable):
         """Run a Slurm command and return its standard output.
 
         Raises:
-            EngineError: it could not run, timed out or exited non-zero
-                (the message names the command and Slurm's words).
+            EngineError: it could not run, timed out (:class:`_TimedOut`:
+                what it asked may have been done) or exited non-zero (the
+                message names the command and Slurm's words).
         """
         full = [self._command(argv[0]), *argv[1:]]
         try:
@@ -210,7 +220,7 @@ class SlurmEngine(LoggingConfigurable):
                 check=False,
             )
         except subprocess.TimeoutExpired as err:
-            raise EngineError(f"{argv[0]} took over {self.command_timeout:g}s") from err
+            raise _TimedOut(f"{argv[0]} took over {self.command_timeout:g}s") from err
         except OSError as err:
             raise EngineError(f"{argv[0]} could not run: {err.strerror or err}") from err
         if done.returncode != 0:
@@ -245,10 +255,12 @@ class SlurmEngine(LoggingConfigurable):
             EngineError: either command failed (the inventory is unknown).
         """
         info = self._json(["sinfo", "--json"])
-        jobs = self._json(["squeue", "--json", "--all", "--states=RUNNING,COMPLETING,SUSPENDED"])
+        # no --states: a job being set up (CONFIGURING) holds its GPUs too
+        jobs = self._json(["squeue", "--json", "--all"])
         outside = self._outside(jobs.get("jobs") or [])
         seen: dict[str, Node] = {}
         where: dict[str, tuple[str, int]] = {}
+        types: dict[str, str] = {}
         addresses: dict[str, str] = {}
         for raw in info.get("nodes") or []:
             name = str(raw.get("name") or "")
@@ -257,9 +269,11 @@ class SlurmEngine(LoggingConfigurable):
             node = self._node(raw, outside.get(name, {}))
             seen[name] = node
             where.update({d.uuid: (name, d.index) for d in node.devices})
+            types.update({d.uuid: _gres_type(d.name) for d in node.devices})
             addresses[name] = str(raw.get("address") or raw.get("hostname") or name)
         with self._lock:
             self._where = where
+            self._types = types
             self._addresses = addresses
         return sorted(seen.values(), key=lambda n: n.name)
 
@@ -293,7 +307,9 @@ class SlurmEngine(LoggingConfigurable):
         for job in jobs:
             job_id = str(job.get("job_id"))
             # Slurm 22.05's squeue --json ignores --states and --jobs: filter here
-            if job_id in ours or str(job.get("job_state") or "").upper() not in _HOLDING:
+            # a job that has not ended holds the GPUs Slurm allocated it
+            # (running, suspended, completing, being set up); pending: none
+            if job_id in ours or not slurm_json.is_active(str(job.get("job_state") or "")):
                 continue
             what = f"Slurm job {job_id} of {job.get('user_name') or '?'}"
             for node, indices in slurm_json.job_gpus(job).items():
@@ -335,14 +351,19 @@ class SlurmEngine(LoggingConfigurable):
 
     # -- launch ------------------------------------------------------------------
 
-    def _placement(self, devices: Sequence[str]) -> tuple[str, int]:
-        """The node and GPU count of ``devices`` (UUIDs of one node)."""
+    def _placement(self, devices: Sequence[str]) -> tuple[str, dict[str, int]]:
+        """The node of ``devices`` (UUIDs of one node) and how many of them
+        are of each GRES type (``{"h100": 2}``; ``""``: GPUs without one).
+
+        Raises:
+            EngineError: a device is on no node, or they are on several.
+        """
         with self._lock:
-            where = dict(self._where)
+            where, types = dict(self._where), dict(self._types)
         if any(uuid not in where for uuid in devices):
             self.nodes()
             with self._lock:
-                where = dict(self._where)
+                where, types = dict(self._where), dict(self._types)
         unknown = [u for u in devices if u not in where]
         if unknown:
             raise EngineError(f"devices not on any Slurm node: {', '.join(unknown)}")
@@ -351,10 +372,23 @@ class SlurmEngine(LoggingConfigurable):
             raise EngineError(
                 f"devices on several nodes ({', '.join(sorted(nodes))}): one job, one node"
             )
-        return nodes.pop(), len(devices)
+        counts: dict[str, int] = {}
+        for uuid in devices:
+            counts[types.get(uuid, "")] = counts.get(types.get(uuid, ""), 0) + 1
+        return nodes.pop(), counts
 
-    def sbatch_args(self, spec: LaunchSpec, node: str | None, gpus: int) -> list[str]:
-        """The ``sbatch`` arguments of ``spec`` on ``node`` with ``gpus`` GPUs."""
+    def sbatch_args(
+        self,
+        spec: LaunchSpec,
+        node: str | None,
+        gpus: int,
+        types: Mapping[str, int] | None = None,
+    ) -> list[str]:
+        """The ``sbatch`` arguments of ``spec`` on ``node`` with ``gpus``
+        GPUs; ``types``, where given, says how many of them are of each GRES
+        type (``{"h100": 2}``), so that ``--gres`` names them
+        (``gpu:h100:2``) and Slurm binds GPUs of the leased type on a node
+        with several (``""``: no type)."""
         args = ["sbatch", "--parsable", f"--job-name=gpubroker-lease-{spec.lease_id}"]
         comment = f"gpubroker lease {spec.lease_id}" + (f" launch {spec.tag}" if spec.tag else "")
         args += [f"--comment={comment}", "--no-requeue", "--export=ALL"]
@@ -363,7 +397,7 @@ class SlurmEngine(LoggingConfigurable):
         if node is not None:
             args.append(f"--nodelist={node}")
         if gpus:
-            args.append(f"--gres=gpu:{gpus}")
+            args.append(f"--gres={_gres(gpus, types)}")
         if spec.time_limit is not None:
             args.append(f"--time={max(1, math.ceil(spec.time_limit / 60))}")
         args += [f"--partition={self.partition}"] if self.partition else []
@@ -390,17 +424,39 @@ class SlurmEngine(LoggingConfigurable):
         Returns:
             the job's handle (id: the Slurm job id; node: the node asked for).
 
+        ``sbatch`` that runs past ``command_timeout`` may have been queued
+        all the same (slurmctld answered late): a spec with a
+        :attr:`~gpubroker.engines.base.LaunchSpec.tag` is then looked for
+        (:meth:`find`), and the job found is this launch.
+
         Raises:
             EngineError: the devices are not on one node of the cluster, the
                 user is unknown (or another user while the broker is not
-                root), or ``sbatch`` refused (its message).
+                root), ``sbatch`` refused (its message), or it timed out
+                and no job of the spec's tag is found (or ``squeue`` fails).
         """
-        node, gpus = self._placement(spec.devices) if spec.devices else (None, 0)
+        node, types = self._placement(spec.devices) if spec.devices else (None, {})
+        gpus = sum(types.values())
         # with --gres Slurm sets the device variables from its binding;
         # without, the spec's (a server without GPUs: none visible) stay
         env = {k: v for k, v in spec.env.items() if not gpus or k not in SLURM_SET}
         script = _script(spec, env)
-        out = self._run(self.sbatch_args(spec, node, gpus), stdin=script, env=self._submit_env())
+        argv = self.sbatch_args(spec, node, gpus, types)
+        try:
+            out = self._run(argv, stdin=script, env=self._submit_env())
+        except _TimedOut:
+            # slurmctld may have queued the job before sbatch was killed:
+            # a job of this launch's tag is this launch, not a failure
+            found = self.find(spec.tag, spec.user) if spec.tag else None
+            if found is None:
+                raise
+            self.log.warning(
+                "sbatch of lease %s took over %gs, but Slurm queued its job %s",
+                spec.lease_id,
+                self.command_timeout,
+                found.id,
+            )
+            return Handle(self.name, found.id, found.node or node or "")
         job_id = out.strip().split(";")[0]
         if not job_id.isdigit():
             raise EngineError(f"sbatch answered no job id: {out.strip()[:200]!r}")
@@ -421,9 +477,12 @@ class SlurmEngine(LoggingConfigurable):
         lists it (``MinJobAge`` seconds after its end); ``None`` when it
         lists none. The job counts as this engine's own from now on.
 
+        Jobs of other users whose comment carries the tag (a job's owner
+        may rewrite its comment) are not this launch.
+
         Raises:
-            EngineError: ``squeue`` failed (not known), or the job of that
-                tag is another user's.
+            EngineError: ``squeue`` failed (not known), or the only jobs of
+                that tag are other users'.
         """
         answer = self._json(["squeue", "--json", "--all", "--states=all"])
         tagged = [
@@ -433,9 +492,13 @@ class SlurmEngine(LoggingConfigurable):
         ]
         if not tagged:
             return None
-        job = min(tagged, key=lambda j: int(j.get("job_id") or 0))
-        if str(job.get("user_name") or "") != user:
+        # a comment is public and its job's owner may rewrite it: another
+        # user's job that carries the tag is not this launch
+        mine = [job for job in tagged if str(job.get("user_name") or "") == user]
+        if not mine:
+            job = min(tagged, key=lambda j: int(j.get("job_id") or 0))
             raise EngineError(f"Slurm job {job.get('job_id')} of launch {tag} is not {user!r}'s")
+        job = min(mine, key=lambda j: int(j.get("job_id") or 0))
         view = slurm_json.job_view(job, self.cluster)
         node = view.node or str(job.get("required_nodes") or "")
         with self._lock:
@@ -456,15 +519,18 @@ class SlurmEngine(LoggingConfigurable):
                 self._ours.add(handle.id)
         return handle.id
 
-    def poll(self, handle: Handle) -> Status:
+    def poll(self, handle: Handle, claim: bool = True) -> Status:
         """The job's status: from ``squeue``; once it is gone from there,
-        from ``sacct``; ``lost`` when neither knows it.
+        from ``sacct``; ``lost`` when neither knows it. With ``claim`` the
+        job counts as this engine's own from now on (a batch job a
+        restarted broker polls is one it launched before).
 
         Raises:
             EngineError: not a Slurm handle, or ``squeue`` failed (unknown).
         """
-        view = self.describe(handle)
-        return view.status if view is not None else self._accounted(handle.id)
+        job_id = self._check(handle, claim)
+        view = self._views({job_id}).get(job_id)
+        return view.status if view is not None else self._accounted(job_id)
 
     def poll_many(self, handles: Iterable[Handle], claim: bool = True) -> dict[str, Status]:
         """The status of each job of ``handles``, by job id, from one
@@ -489,11 +555,14 @@ class SlurmEngine(LoggingConfigurable):
         """What ``squeue`` says of the job: state, reason, node, the port
         its server reported and its status; ``None`` when ``squeue`` no
         longer lists it (ended more than ``MinJobAge`` ago, or never was).
+        Describing a job does not make it this engine's own (nor do
+        :meth:`signal` and :meth:`stop`): a server's job that a stop failed
+        to end counts as outside once :meth:`adopt` no longer names it.
 
         Raises:
             EngineError: not a Slurm handle, or ``squeue`` failed (unknown).
         """
-        job_id = self._check(handle)
+        job_id = self._check(handle, claim=False)
         return self._views({job_id}).get(job_id)
 
     def _views(self, job_ids: set[str]) -> dict[str, slurm_json.JobView]:
@@ -508,7 +577,12 @@ class SlurmEngine(LoggingConfigurable):
         }
 
     def _accounted(self, job_id: str) -> Status:
-        """The final status ``sacct`` records; ``lost`` without accounting."""
+        """The final status ``sacct`` records of a job ``squeue`` (which
+        answered) no longer lists; ``lost`` without accounting, or where
+        ``sacct`` still says it pends or runs: slurmctld, which runs every
+        job, knows it no more, so that record is a "runaway" one whose end
+        slurmdbd never got (``sacctmgr show runawayjobs``), not a job that
+        still holds its GPUs."""
         try:
             out = self._run(
                 ["sacct", "-n", "-P", "-X", f"--jobs={job_id}", "-o", "State,ExitCode,Start,End"],
@@ -520,6 +594,13 @@ class SlurmEngine(LoggingConfigurable):
         status = slurm_json.sacct_status(out)
         if status is None:
             return Status("lost")
+        if status.running:
+            self.log.warning(
+                "Slurm job %s: sacct says it still runs, but slurmctld no longer lists it "
+                "(a runaway job record?): taken as lost",
+                job_id,
+            )
+            return Status("lost")
         return status
 
     def signal(self, handle: Handle, signum: int) -> None:
@@ -530,7 +611,7 @@ class SlurmEngine(LoggingConfigurable):
             EngineError: not a Slurm handle, or ``scancel`` failed for
                 another reason than the job having ended.
         """
-        job_id = self._check(handle)
+        job_id = self._check(handle, claim=False)
         try:
             self._run(["scancel", "--full", f"--signal={int(signum)}", job_id])
         except EngineError as err:
@@ -540,9 +621,10 @@ class SlurmEngine(LoggingConfigurable):
     def stop(self, handle: Handle, grace: float) -> Status:
         """SIGTERM to every process of the job, ``grace`` seconds, then
         ``scancel`` (Slurm kills what is left after its ``KillWait``); waits
-        up to :data:`KILL_WAIT` seconds more for the job to end. A job still
-        pending has no processes (``scancel --signal`` refuses it): it is
-        cancelled at once.
+        up to :data:`KILL_WAIT` seconds more for the job to end. A job whose
+        batch script has not started (pending, held, requeued, being set
+        up) has no processes, and ``scancel --signal`` on it hangs until
+        the command's timeout on 22.05: it is cancelled at once.
 
         Raises:
             EngineError: not a Slurm handle, or Slurm could not be asked.
@@ -551,7 +633,7 @@ class SlurmEngine(LoggingConfigurable):
         status = view.status if view is not None else self._accounted(handle.id)
         if not status.running:
             return status
-        if view is None or view.state != "PENDING":
+        if view is None or view.state in slurm_json.STARTED_JOB_STATES:
             self.signal(handle, 15)
             status = self._wait(handle, grace)
         if status.running:
@@ -565,11 +647,32 @@ class SlurmEngine(LoggingConfigurable):
 
     def _wait(self, handle: Handle, seconds: float) -> Status:
         deadline = time.monotonic() + seconds
-        status = self.poll(handle)
+        status = self.poll(handle, claim=False)
         while status.running and time.monotonic() < deadline:
             time.sleep(_STOP_POLL)
-            status = self.poll(handle)
+            status = self.poll(handle, claim=False)
         return status
+
+
+class _TimedOut(EngineError):
+    """A Slurm command ran past ``command_timeout`` and was killed: what it
+    asked slurmctld may have been done all the same."""
+
+
+def _gres_type(name: str) -> str:
+    """The GRES type of a device named ``Slurm gpu:TYPE`` (``""``: none)."""
+    return name.partition(":")[2]
+
+
+def _gres(gpus: int, types: Mapping[str, int] | None) -> str:
+    """``--gres``'s value for ``gpus`` GPUs, typed where ``types`` (GPUs
+    per GRES type, adding up to ``gpus``) names types: ``gpu:h100:2``,
+    ``gpu:a100:1,gpu:h100:1``; ``gpu:N`` without types."""
+    if not types or sum(types.values()) != gpus or set(types) == {""}:
+        return f"gpu:{gpus}"
+    return ",".join(
+        f"gpu:{kind}:{count}" if kind else f"gpu:{count}" for kind, count in sorted(types.items())
+    )
 
 
 def _pattern(path: str | None) -> str:

@@ -25,27 +25,50 @@ from typing import Any
 
 from .base import NodeState, Status
 
-#: job states in which a job holds (or is about to hold) its allocation
-ACTIVE_JOB_STATES = frozenset(
+#: job states that are an end (Slurm's base states other than pending,
+#: running and suspended, and a federation's revoked sibling); every other
+#: state, known or not (``PENDING``, ``RESV_DEL_HOLD``, ``SPECIAL_EXIT``,
+#: ``REQUEUE_HOLD``, ``CONFIGURING``, ``COMPLETING``, ...), is a job still in
+#: Slurm's hands: it holds or may yet hold its allocation
+FINAL_JOB_STATES = frozenset(
     {
-        "PENDING",
-        "CONFIGURING",
-        "RUNNING",
-        "COMPLETING",
-        "SUSPENDED",
-        "REQUEUED",
-        "REQUEUE_FED",
-        "REQUEUE_HOLD",
-        "RESIZING",
-        "SIGNALING",
-        "STAGE_OUT",
-        "STOPPED",
+        "COMPLETED",
+        "CANCELLED",
+        "FAILED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+        "REVOKED",
     }
 )
 
+#: job states in which a job's batch script has started (its processes run,
+#: are stopped or are being ended); a job in any other state that is no end
+#: has no processes to signal
+STARTED_JOB_STATES = frozenset(
+    {"RUNNING", "SUSPENDED", "STOPPED", "SIGNALING", "COMPLETING", "STAGE_OUT", "RESIZING"}
+)
+
+#: final states of a job Slurm ended before its own end: a status that
+#: reads as a success (``NODE_FAIL 0:0``, ``PREEMPTED 0:0``) is not one
+_KILLED = frozenset({"NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "REVOKED"})
+
+
+def is_active(state: str) -> bool:
+    """Whether a job in Slurm state ``state`` (``squeue``'s or ``sacct``'s
+    first word) has not ended: every state but those of
+    :data:`FINAL_JOB_STATES`, unknown ones too (never taken for an end)."""
+    return state.strip().upper() not in FINAL_JOB_STATES
+
+
 #: node states and flags in which a node takes no new work, and which of
-#: the two it is (drained: runs what it has; down: runs nothing)
-_DOWN = frozenset({"DOWN", "FAIL", "FAILING", "NOT_RESPONDING", "POWERED_DOWN", "UNKNOWN"})
+#: the two it is (drained: runs what it has; down: runs nothing). Not
+#: ``POWERED_DOWN``: power saving turns idle nodes off, and Slurm powers one
+#: up for the next job sent to it
+_DOWN = frozenset({"DOWN", "FAIL", "FAILING", "NOT_RESPONDING", "UNKNOWN"})
 _DRAINED = frozenset(
     {"DRAIN", "DRAINED", "DRAINING", "MAINTENANCE", "RESERVED", "REBOOT_REQUESTED", "FUTURE"}
 )
@@ -222,21 +245,46 @@ def wait_status(raw: int) -> tuple[int | None, int | None]:
 
 def job_status(job: Mapping[str, Any]) -> Status:
     """A :class:`~gpubroker.engines.base.Status` of one job of ``squeue
-    --json``: pending or running is ``running`` (it holds or is about to
-    hold its allocation); any final state is ``exited`` with its exit code
-    or signal (``TIMEOUT`` also ``timed_out``; ``CANCELLED`` without a
-    signal in its status counts as SIGTERM, what ``scancel`` sends)."""
+    --json``: a job in any state that is no end (:func:`is_active`:
+    pending, running, held, being set up, or a state not known here) is
+    ``running`` (it holds or may yet hold its allocation); a final state is
+    ``exited`` with its exit code or signal, as :func:`final_status` reads
+    it."""
     state = str(job.get("job_state") or "").upper()
     started = _utc(job.get("start_time"))
-    if state in ACTIVE_JOB_STATES:
+    if is_active(state):
         return Status("running", started=started)
     code, signum = wait_status(int(job.get("exit_code") or 0))
-    if state == "CANCELLED" and signum is None and code == 0:
+    return final_status(state, code, signum, started, _utc(job.get("end_time")))
+
+
+def final_status(
+    state: str,
+    code: int | None,
+    signum: int | None,
+    started: datetime | None = None,
+    ended: datetime | None = None,
+) -> Status:
+    """The ``exited`` status of a job that ended in final Slurm state
+    ``state`` with exit ``code`` or signal ``signum``. ``TIMEOUT`` and
+    ``DEADLINE`` are ``timed_out``; ``CANCELLED`` without a signal or code
+    counts as SIGTERM (what ``scancel`` sends); ``OUT_OF_MEMORY`` is the
+    kernel's SIGKILL (sacct's ``0:125`` names no signal); a job Slurm ended
+    before its own end (``NODE_FAIL``, ``PREEMPTED``, ``BOOT_FAIL``,
+    ``REVOKED``) with a status that reads as a success (Slurm often records
+    ``0:0``) counts as SIGKILL, and ``FAILED 0:0`` as exit status 1: none
+    of them is ever a success."""
+    state = state.upper()
+    failed_quietly = signum is None and not code
+    killed = state in _KILLED and failed_quietly
+    if state == "CANCELLED" and failed_quietly:
         code, signum = None, 15
-    ended = _utc(job.get("end_time"))
-    return Status(
-        "exited", code, signum, started=started, ended=ended, timed_out=state == "TIMEOUT"
-    )
+    elif killed or (state == "OUT_OF_MEMORY" and (signum is None or signum > 64)):
+        code, signum = None, 9
+    elif state == "FAILED" and failed_quietly:
+        code = 1
+    timed_out = state in ("TIMEOUT", "DEADLINE")
+    return Status("exited", code, signum, started=started, ended=ended, timed_out=timed_out)
 
 
 def sacct_status(text: str) -> Status | None:
@@ -252,23 +300,14 @@ def sacct_status(text: str) -> Status | None:
     state = state.split()[0].upper() if state.strip() else ""
     if not state:
         return None
-    if state in ACTIVE_JOB_STATES:
+    if is_active(state):
         return Status("running", started=_sacct_time(start))
     code_text, _, signal_text = exit_code.partition(":")
     code = int(code_text) if code_text.isdigit() else None
     signum = int(signal_text) if signal_text.isdigit() and int(signal_text) else None
     if signum is not None:
         code = None
-    elif state == "CANCELLED" and not code:
-        code, signum = None, 15
-    return Status(
-        "exited",
-        code,
-        signum,
-        started=_sacct_time(start),
-        ended=_sacct_time(end),
-        timed_out=state == "TIMEOUT",
-    )
+    return final_status(state, code, signum, _sacct_time(start), _sacct_time(end))
 
 
 def _sacct_time(text: str) -> datetime | None:

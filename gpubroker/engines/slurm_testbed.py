@@ -10,8 +10,10 @@ Debian's ``slurm-wlm`` and ``munge`` (installed by ``make slurm``): one
 ``slurmctld`` and two ``slurmd`` daemons (``-N n1``, ``-N n2``), each node
 on its own port with four fake GPUs of its own. A fake GPU is a character
 device (``mknod c 195 N``, NVIDIA's major number): Slurm rejects plain files
-and then sets no ``CUDA_VISIBLE_DEVICES``. Everything lives under one
-directory; the daemons are stopped by the PIDs this started
+and then sets no ``CUDA_VISIBLE_DEVICES``; it is root's alone (mode 0600),
+since on a machine with GPUs it opens the real ``/dev/nvidiaN``.
+Everything lives under one directory; the daemons are stopped by the PIDs
+this started
 (:meth:`SlurmCluster.stop`). The commands find the cluster through
 ``SLURM_CONF`` (:attr:`SlurmCluster.env`).
 
@@ -27,6 +29,7 @@ import pwd
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -161,7 +164,9 @@ PartitionName=batch Nodes={",".join(NODES)} MaxTime=INFINITE State=UP
     lines = ["AutoDetect=off"]
     for node in NODES:
         for i in range(GPUS_PER_NODE):
-            os.mknod(dev / f"{node}gpu{i}", 0o666 | 0o020000, os.makedev(195, i))
+            # root's alone: major 195 minor N is /dev/nvidiaN on a machine
+            # with GPUs, which no other user may reach through this alias
+            os.mknod(dev / f"{node}gpu{i}", 0o600 | stat.S_IFCHR, os.makedev(195, i))
         last = GPUS_PER_NODE - 1
         lines.append(f"NodeName={node} Name=gpu Type={GPU_TYPE} File={dev}/{node}gpu[0-{last}]")
     (etc / "gres.conf").write_text("\n".join(lines) + "\n")
