@@ -50,7 +50,7 @@ from typing import Any
 
 from jupyterhub.spawner import Spawner
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
-from traitlets import Float, Unicode, default
+from traitlets import Float, Integer, Unicode, default
 
 from gpubroker.engines.base import EngineError, Handle, LaunchSpec, Status
 from gpubroker.engines.slurm import SlurmEngine
@@ -114,6 +114,18 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
         help="""The POSIX user a server runs as; ``{username}`` is the hub
         user's name. Another user than the hub's own needs a hub run as root
         (``sbatch --uid``).""",
+    ).tag(config=True)
+
+    min_uid = Integer(
+        1000,
+        min=0,
+        help="""Where ``system_user`` names the account after the hub user
+        (``{username}``), a server never runs as an account whose uid is
+        below this (root and the system accounts, as login.defs' UID_MIN),
+        nor as the hub's own account: a hub user named 'root' or 'daemon'
+        (an OAuth login may pick any name) gets a spawn error. A
+        ``system_user`` without ``{username}`` is the admin's own choice and
+        is not checked. 0 turns the check off.""",
     ).tag(config=True)
 
     node_python = Unicode(
@@ -195,14 +207,33 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
     # -- the job ---------------------------------------------------------------
 
     def _user(self) -> pwd.struct_passwd:
+        """The account the server runs as (``system_user``).
+
+        Raises:
+            SpawnError: no such account; or one named after the hub user
+                that is root, a system account or the hub's own
+                (:attr:`min_uid`): the server would carry more than its
+                user's rights (and ``sbatch --uid`` is left out for the
+                hub's own account).
+        """
         name = self.system_user.format(username=self.user.name)
         try:
-            return pwd.getpwnam(name)
+            entry = pwd.getpwnam(name)
         except KeyError:
             raise spawn_error(
                 f"No system user {name!r} to run the server as (SlurmSpawner.system_user)",
                 "slurm-no-user",
             ) from None
+        named_by_user = "{username}" in self.system_user
+        privileged = entry.pw_uid < self.min_uid or entry.pw_uid == os.geteuid()
+        if named_by_user and self.min_uid > 0 and privileged:
+            raise spawn_error(
+                f"Servers do not run as {name!r} (uid {entry.pw_uid}): accounts below "
+                f"SlurmSpawner.min_uid ({self.min_uid}) and the hub's own account are "
+                "not servers' accounts",
+                "slurm-system-user",
+            )
+        return entry
 
     def user_env(self, env: dict[str, str], entry: pwd.struct_passwd) -> dict[str, str]:
         """``env`` with the user's ``HOME``, ``USER``, ``LOGNAME`` and

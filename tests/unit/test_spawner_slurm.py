@@ -93,3 +93,25 @@ async def test_progress_events_added_while_one_is_read_are_all_yielded() -> None
             feed.add(30, "three")
             feed.close()
     assert seen == ["one", "two", "three"]
+
+
+def _system_account() -> str:
+    """A system account of this host (uid below 1000), not root."""
+    return next(e.pw_name for e in pwd.getpwall() if 0 < e.pw_uid < 1000)
+
+
+@pytest.mark.parametrize("name", ["root", _system_account()])
+def test_a_hub_user_named_like_a_system_account_gets_no_server_as_it(name: str) -> None:
+    # an OAuth login may pick any name: "root" ran the server as root
+    spawner = make_spawner()
+    spawner.user.name = name
+    spawner.system_user = "{username}"
+    with pytest.raises(Exception, match=rf"Servers do not run as '{name}' \(uid \d+\)"):
+        spawner.launch_spec()
+    spawner.min_uid = 0  # the check off
+    assert spawner.launch_spec().user == name
+
+
+def test_a_fixed_system_user_is_the_admins_choice() -> None:
+    spawner = make_spawner()  # system_user: this account, named without {username}
+    assert spawner.launch_spec().user == getpass.getuser()
