@@ -686,6 +686,10 @@ class Broker(LoggingConfigurable):
         """Write the engine's devices into the store (:meth:`Inventory.sync_inventory`)."""
         return self.inventory.sync_inventory(nodes, **kwargs)
 
+    def inventory_unknown(self, why: str) -> None:
+        """No new grants until the engine's inventory is read (:meth:`Inventory.unknown`)."""
+        self.inventory.unknown(why)
+
     def rebind_lease(self, lease_id: int, uuids: Sequence[str], **kwargs: Any) -> list[str]:
         """Record the devices an engine bound a lease to (:meth:`Inventory.rebind_lease`)."""
         return self.inventory.rebind_lease(lease_id, uuids, **kwargs)

@@ -12,6 +12,7 @@ import datetime as dt
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from jupyterhub.services.auth import HubAuth, HubOAuth
@@ -251,12 +252,12 @@ class BrokerService:
         if self.ledger.enabled:  # first: leases adopted below are charged from its intervals
             self.ledger.start(booted)
             self.broker.load_held_usage()
-        self.broker.sync_inventory()
+        read = await first_inventory(self.broker, self.read_inventory, self.log)
         self.broker.adopt()
-        if self.slurm_servers.watched():
+        if read and self.slurm_servers.watched():
             # servers' Slurm jobs from before the restart are the broker's own
             self.slurm_servers.adopt()
-            self.broker.sync_inventory()
+            read = await first_inventory(self.broker, self.read_inventory, self.log)
         web_app = make_app(
             self.broker,
             base_url=self.app.base_url,
@@ -295,6 +296,12 @@ class BrokerService:
             asyncio.create_task(self._schedule_loop()),
             asyncio.create_task(self._watch_loop()),
         ]
+        if not read:
+            tasks.append(
+                asyncio.create_task(
+                    inventory_until_read(self.broker, self.read_inventory, self.log)
+                )
+            )
         if self.app.reconcile_interval > 0:
             tasks.append(asyncio.create_task(self._reconcile_loop()))
         if self.broker.inventory_changes and self.broker.inventory_interval > 0:
@@ -469,3 +476,53 @@ class BrokerService:
         except Exception as err:
             return f"hub API unreachable: {err}"
         return None
+
+
+#: seconds before the first new try of an inventory the engine could not
+#: give at the broker's start; doubled up to :data:`INVENTORY_RETRY_MAX`
+INVENTORY_RETRY_FIRST = 5.0
+INVENTORY_RETRY_MAX = 60.0
+
+
+async def first_inventory(
+    broker: Broker, read: Callable[[], Awaitable[list[Node]]], log: Any
+) -> bool:
+    """Read the engine's inventory (``read``, off the event loop) and write
+    it into the store; when the engine cannot say (slurmctld or NVML down
+    at the broker's start), serve with the stored devices, none granted
+    until it can (:meth:`Broker.inventory_unknown`), instead of not starting.
+
+    Returns:
+        whether the inventory was read.
+    """
+    try:
+        nodes = await read()
+    except EngineError as err:
+        log.error(
+            "The %s engine cannot say its inventory (%s): serving with the stored "
+            "devices, none granted until it answers",
+            broker.engine.name,
+            err,
+        )
+        broker.inventory_unknown(f"the {broker.engine.name} engine has not answered: {err}")
+        return False
+    broker.sync_inventory(nodes)
+    return True
+
+
+async def inventory_until_read(
+    broker: Broker,
+    read: Callable[[], Awaitable[list[Node]]],
+    log: Any,
+    first: float = INVENTORY_RETRY_FIRST,
+) -> None:
+    """Try :func:`first_inventory` again, after ``first`` seconds and then
+    twice as long each time (at most :data:`INVENTORY_RETRY_MAX`), until the
+    engine gives its inventory."""
+    delay = first
+    while True:
+        await asyncio.sleep(delay)
+        if await first_inventory(broker, read, log):
+            log.info("The %s engine's inventory is read: devices granted again", broker.engine.name)
+            return
+        delay = min(delay * 2, INVENTORY_RETRY_MAX)

@@ -116,6 +116,15 @@ class Inventory:
             self.schedule_now()
         return [vars(d) for d in reported.values()]
 
+    def unknown(self, why: str) -> None:
+        """The engine cannot say its inventory (Slurm or NVML down at the
+        broker's start): every stored device counts as one the engine takes
+        no new work on, with ``why`` (:meth:`outside_reason`), until
+        :meth:`sync_inventory` reads it. Nothing is released or ended on
+        it: leases that hold devices keep them."""
+        with self.runner.read() as repo:
+            self.world.outside = {d.uuid: why for d in repo.devices() if d.present}
+
     def leave_mig_mode(self, devices: Iterable[Device]) -> None:
         """A device in MIG mode whose pool is not a ``mig`` pool (the pools
         changed since it was switched on) is never granted whole or shared:
