@@ -142,12 +142,29 @@ class NVMLDeviceBackend(DeviceBackend):
     def devices(self) -> list[DeviceInfo]:
         """Return this node's GPUs ordered by NVML index.
 
+        A GPU NVML cannot read (``NVML_ERROR_GPU_IS_LOST``: fallen off the
+        bus; ``NVML_ERROR_NO_PERMISSION``: hidden by a cgroup) is left out,
+        with an error in the log, so that the others stay in service; the
+        broker marks it absent (leases on it keep it, nothing new is
+        granted on it).
+
         Raises:
-            DeviceBackendError: an NVML query failed.
+            DeviceBackendError: the count cannot be read, or no GPU of a
+                count above 0 can (NVML itself fails: the inventory is
+                unknown, not empty).
         """
         with _nvml_errors("list devices"):
             count = pynvml.nvmlDeviceGetCount()
-            return [self._device(index) for index in range(count)]
+        found, errors = [], []
+        for index in range(count):
+            try:
+                found.append(self._device(index))
+            except pynvml.NVMLError as err:
+                errors.append(err)
+                self.log.error("NVML: GPU %s cannot be read (%s): left out", index, err)
+        if count and not found:
+            raise DeviceBackendError(f"NVML: cannot read any of {count} GPUs: {errors[0]}")
+        return found
 
     def _device(self, index: int) -> DeviceInfo:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)

@@ -303,3 +303,42 @@ def test_concurrent_readers_never_free_a_gpm_sample_twice(monkeypatch: pytest.Mo
     assert len(freed) == len(set(freed)), "a GPM sample was freed twice"
     kept = {id(sample) for sample, _t, _v in backend._gpm_samples.values()}
     assert {id(s) for s in allocated} == set(freed) | kept, "a GPM sample leaked"
+
+
+# --- 6. one GPU NVML cannot read does not take the node's others out --------------------------
+
+
+def test_a_lost_gpu_is_left_out_and_the_others_stay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nvmlDeviceGet*`` on a GPU that fell off the bus raises
+    ``NVMLError_GpuIsLost`` (NVML API reference, Return Values:
+    NVML_ERROR_GPU_IS_LOST), and on one a cgroup hides
+    ``NVMLError_NoPermission``; the other GPUs answer. One such GPU made the
+    whole node's inventory fail. When NVML fails for every GPU, the
+    inventory is unknown, not empty."""
+    lost = {1}
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 3)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
+
+    def uuid(handle: int) -> str:
+        if handle in lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return f"GPU-{handle}"
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", uuid)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(
+        pynvml, "nvmlDeviceGetMemoryInfo", lambda h: SimpleNamespace(total=80 * 1024 * _MIB)
+    )
+    monkeypatch.setattr(
+        pynvml, "nvmlDeviceGetPciInfo", lambda h: SimpleNamespace(busId=f"0000:0{h}:00.0")
+    )
+    monkeypatch.setattr(
+        pynvml, "nvmlDeviceGetMigMode", lambda h: _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    )
+    backend = _backend()
+    assert [d.uuid for d in backend.devices()] == ["GPU-0", "GPU-2"]
+    lost.update({0, 2})
+    with pytest.raises(DeviceBackendError, match="cannot read any of 3 GPUs"):
+        backend.devices()
