@@ -200,7 +200,7 @@ class NVMLDeviceBackend(DeviceBackend):
             return DeviceUsage(
                 uuid=uuid,
                 utilization_gpu=_utilization(handle),
-                memory_used_mib=pynvml.nvmlDeviceGetMemoryInfo(handle).used // _MIB,
+                memory_used_mib=_memory_used_mib(handle),
                 processes=_processes(handle),
                 engine_activity=self._engine_activity(uuid, handle),
             )
@@ -668,6 +668,24 @@ def _processes(handle: Any) -> tuple[ProcessInfo, ...]:
         pid = int(p.pid)
         seen.setdefault(pid, ProcessInfo(pid=pid, used_memory_mib=(p.usedGpuMemory or 0) // _MIB))
     return tuple(seen.values())
+
+
+def _memory_used_mib(handle: Any) -> int:
+    """Device memory allocated on ``handle``, MiB, without what the driver
+    and firmware reserve for themselves: ``nvmlDeviceGetMemoryInfo_v2``'s
+    ``used`` (``nvmlMemory_v2_t``: total = reserved + free + used), as
+    ``nvidia-smi`` shows it; v1's ``used`` counts the reserved memory too
+    (about 0.5 GiB on an idle H100/H200). Where the driver or the device
+    (a MIG device) lacks v2, or pynvml takes no ``version``, v1's figure.
+
+    Raises:
+        pynvml.NVMLError: v1 failed too.
+    """
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+    except (pynvml.NVMLError, TypeError, AttributeError):
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    return int(info.used) // _MIB
 
 
 def _process_list(handle: Any, mps: bool) -> list[Any]:

@@ -342,3 +342,43 @@ def test_a_lost_gpu_is_left_out_and_the_others_stay(monkeypatch: pytest.MonkeyPa
     lost.update({0, 2})
     with pytest.raises(DeviceBackendError, match="cannot read any of 3 GPUs"):
         backend.devices()
+
+
+# --- 7. memory used: without what the driver reserves ------------------------------------------
+
+
+def test_memory_used_leaves_out_the_drivers_reserved_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``nvmlDeviceGetMemoryInfo`` (v1) counts the memory the driver and
+    firmware reserve as used (615 MiB on an idle H200, measured in
+    tests/gpu); ``nvmlDeviceGetMemoryInfo_v2`` reports it apart
+    (``nvmlMemory_v2_t.reserved``; NVML API reference, Device Queries), as
+    nvidia-smi shows it. The real pynvml wrapper runs over stand-in C
+    functions; a driver without the v2 call (``NVML_ERROR_FUNCTION_NOT_FOUND``)
+    gives v1's figure."""
+    gib, reserved = 2**30, 615 * _MIB
+
+    def v1(handle: Any, out: Any) -> int:
+        memory = out._obj
+        memory.total, memory.free, memory.used = 80 * gib, 80 * gib - reserved, reserved
+        return pynvml.NVML_SUCCESS
+
+    def v2(handle: Any, out: Any) -> int:
+        memory = out._obj
+        assert memory.version == pynvml.nvmlMemory_v2
+        memory.total, memory.reserved = 80 * gib, reserved
+        memory.used, memory.free = 2 * gib, 80 * gib - reserved - 2 * gib
+        return pynvml.NVML_SUCCESS
+
+    functions: dict[str, Any] = {"nvmlDeviceGetMemoryInfo": v1, "nvmlDeviceGetMemoryInfo_v2": v2}
+
+    def lookup(name: str) -> Any:
+        if name not in functions:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return functions[name]
+
+    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer", lookup)
+    assert nvml._memory_used_mib("gpu") == 2048
+    del functions["nvmlDeviceGetMemoryInfo_v2"]  # an older driver
+    assert nvml._memory_used_mib("gpu") == 615
