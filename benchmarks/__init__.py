@@ -9,11 +9,13 @@ def figure(
     value: float, unit: str, baseline: float, name: str, digits: int | None = 3
 ) -> dict[str, Any]:
     """One ``bench-results.json`` entry: value, unit, baseline (named) and
-    value / baseline (0 when the baseline is 0), rounded to ``digits``
+    value / baseline (``None`` when the baseline is 0: no ratio, rather than
+    a 0 that reads as "none of the baseline's time"), rounded to ``digits``
     (``None``: not rounded)."""
-    ratio = value / baseline if baseline else 0.0
+    ratio = value / baseline if baseline else None
     if digits is not None:
-        value, baseline, ratio = round(value, digits), round(baseline, digits), round(ratio, digits)
+        value, baseline = round(value, digits), round(baseline, digits)
+        ratio = None if ratio is None else round(ratio, digits)
     return {
         "value": value,
         "unit": unit,

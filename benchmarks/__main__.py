@@ -31,9 +31,9 @@ def main() -> None:
     width = max(len(name) for name in results)
     print(f"{'figure':<{width}}  {'value':>10}  {'baseline':>10}  {'ratio':>7}  unit")
     for name, r in results.items():
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         print(
-            f"{name:<{width}}  {r['value']:>10.2f}  {r['baseline']:>10.2f}  "
-            f"{r['ratio']:>7.2f}  {r['unit']}"
+            f"{name:<{width}}  {r['value']:>10.2f}  {r['baseline']:>10.2f}  {ratio:>7}  {r['unit']}"
         )
     out = Path("bench-results.json")
     out.write_text(json.dumps(results, indent=2) + "\n")

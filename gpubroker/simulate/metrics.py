@@ -97,7 +97,9 @@ def _fairness(result: RunResult, horizon: float) -> dict[str, Any]:
     delays: dict[str, list[float]] = defaultdict(list)
     for job, record in zip(result.jobs, result.records, strict=True):
         if job.submit <= horizon:
-            demanded[job.user] += job.gpus * job.run_time
+            # what the job could have held within the window at most: its
+            # run from its submission, cut at the window's end
+            demanded[job.user] += job.gpus * min(job.run_time, horizon - job.submit)
             jobs[job.user] += 1
         if record.first_start is not None:
             delays[job.user].append(record.first_start - job.submit)

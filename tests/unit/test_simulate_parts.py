@@ -127,11 +127,13 @@ def test_measure_fairness_and_fractional_figures() -> None:
     assert data["fractional"]["capacity_allocated"] == pytest.approx(150 / 400)
     assert data["fractional"]["fragmentation_rate"] == pytest.approx(0.25)
     fairness = data["fairness"]
-    # by the last submission (50 s), ann had 50 of her 100 GPU-s, bob none of his
+    # by the last submission (50 s), ann had all the 50 GPU-s she could have
+    # had in it; bob, submitted at its end, could have had none (left out)
     assert fairness["horizon_s"] == 50.0
-    assert fairness["per_user"]["ann"]["normalized_service"] == 0.5
-    assert fairness["per_user"]["bob"]["normalized_service"] == 0.0
-    assert fairness["jain_index"] == 0.5
+    assert fairness["per_user"]["ann"]["demanded_gpu_s"] == 50.0
+    assert fairness["per_user"]["ann"]["normalized_service"] == 1.0
+    assert "bob" not in fairness["per_user"] and fairness["users"] == 1
+    assert fairness["jain_index"] == 1.0
     assert "fractional" not in measure(result)
 
 
