@@ -243,6 +243,9 @@ class SlurmEngine(LoggingConfigurable):
             # Slurm 22.05 exits 0 with an empty list and "errors" when
             # slurmctld does not answer: that list is not the truth
             raise EngineError(f"{argv[0]} --json failed: {errors}")
+        unread = slurm_json.unsupported_format(value)
+        if unread:
+            raise EngineError(f"{argv[0]} --json: {unread}")
         return value
 
     # -- inventory -------------------------------------------------------------

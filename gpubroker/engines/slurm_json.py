@@ -189,6 +189,32 @@ def node_state(state: str, flags: Iterable[str]) -> NodeState:
     return "up"
 
 
+#: fields that data_parser v0.0.38 (Slurm 22.05) gives as a string or a
+#: number, and later ones (v0.0.39+, Slurm 23.02+) as a list or an object
+_SCALAR_FIELDS = ("state", "job_state", "exit_code", "start_time", "end_time")
+
+
+def unsupported_format(answer: Mapping[str, Any]) -> str:
+    """Why the ``--json`` ``answer`` of ``sinfo``/``squeue`` is in a format
+    this module does not read (``""``: it is v0.0.38's, Slurm 22.05's).
+    Slurm 23.02 and later give states as lists (``["IDLE", "DRAIN"]``) and
+    numbers as objects (``{"set": true, "number": 0}``): read as strings,
+    a drained node would look up and an ended job running, so such an
+    answer is refused instead of misread."""
+    for key in ("nodes", "jobs", "sinfo"):
+        for item in answer.get(key) or []:
+            if not isinstance(item, Mapping):
+                continue
+            for field in _SCALAR_FIELDS:
+                if isinstance(item.get(field), list | Mapping):
+                    release = ((answer.get("meta") or {}).get("Slurm") or {}).get("release")
+                    return (
+                        f"{key}[].{field} is a {type(item[field]).__name__}: the JSON of Slurm "
+                        f"{release or '23.02 or later'} is not read yet (tested with 22.05)"
+                    )
+    return ""
+
+
 def errors(answer: Mapping[str, Any]) -> str:
     """The errors a ``--json`` answer reports (``""``: none): Slurm 22.05's
     ``squeue --json`` and ``sinfo --json`` exit 0 with an empty list and an
