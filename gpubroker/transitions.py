@@ -35,28 +35,40 @@ class Stimulus:
 class EventBus:
     """In-process subscribers of lease events, called after each commit in
     the order the events happened. A subscriber that raises is logged and
-    kept; it never undoes the change."""
+    kept; it never undoes the change.
+
+    An event is *staged* when its row is added to the open transaction,
+    *committed* with that transaction (:meth:`commit`) or dropped with its
+    rollback (:meth:`discard`), and handed to the subscribers by
+    :meth:`publish`: only committed events ever are, every one of them."""
 
     def __init__(self, log: Any) -> None:
         self.log = log
         self._subscribers: list[Callable[[Event], None]] = []
         self._unpublished: list[Event] = []
+        self._committed: list[Event] = []
 
     def subscribe(self, subscriber: Callable[[Event], None]) -> None:
         """Call ``subscriber(event)`` for every event from now on."""
         self._subscribers.append(subscriber)
 
     def stage(self, event: Event) -> None:
-        """Hold ``event`` until :meth:`publish` (after the commit)."""
+        """Hold ``event`` until its transaction commits and :meth:`publish`."""
         self._unpublished.append(event)
 
+    def commit(self) -> None:
+        """The staged events' transaction committed: :meth:`publish` hands them on."""
+        self._committed += self._unpublished
+        self._unpublished = []
+
     def discard(self) -> None:
-        """Drop the staged events of a command that rolled back."""
+        """Drop the staged events of a transaction that rolled back (the
+        committed ones stay, to be published)."""
         self._unpublished.clear()
 
     def publish(self) -> list[Event]:
-        """Hand the staged events to every subscriber; return them."""
-        events, self._unpublished = self._unpublished, []
+        """Hand the committed events to every subscriber; return them."""
+        events, self._committed = self._committed, []
         for event in events:
             for subscriber in self._subscribers:
                 try:

@@ -5,9 +5,10 @@ and where a server listens. A part of the broker
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from ..commands import command
 from ..errors import BadRequest, Conflict
@@ -78,6 +79,9 @@ class Leases:
         """
         now = self.runner.now()
         with self.runner.write() as repo:
+            # the stops a previous run stored first: one decided below is
+            # asked for as it is stored, never a second time as a resumed one
+            self.stops.resume(repo)
             counts = {state: 0 for state in ACTIVE_STATES}
             for lease in repo.active_leases():
                 counts[lease.state] += 1
@@ -87,7 +91,6 @@ class Leases:
                     self.log.warning("Lease %s: %s", lease.id, why)
                     self.stops.evict(lease, why, now, "reconcile", "reconcile")
             repo.flush()
-            self.stops.resume(repo)
             self.scheduling.schedule(repo, now)
         self.log.info(
             "Adopted %s granted and %s pending leases", counts["granted"], counts["pending"]
@@ -223,7 +226,11 @@ class Leases:
                 lease.prefer_devices = _devices_to_prefer(previous, shape.kind, shape.count)
             lease.allocations = []  # new: nothing to load
             self.world.add_lease(lease)
-            detail = {"summary": summary(lease), "priority_class": cls, "group": charged}
+            detail: dict[str, Any] = {
+                "summary": summary(lease),
+                "priority_class": cls,
+                "group": charged,
+            }
             if previous is not None:
                 detail["restart_of"] = previous.id
             self.runner.rec(repo, now).created(lease, f"requested {summary(lease)}", detail)
@@ -332,7 +339,7 @@ class Leases:
         repo = self.world.repo  # every lease in memory is the world's
         if lease.state == LeaseState.granted.value:
             self.world.charge(lease, now)
-            self.sharing.unrealize(lease)
+            self._unrealize_after_commit(lease)
         elif cause == "release":
             cause = "cancel"
         self.sharing.forget_retry(lease.id)
@@ -349,6 +356,29 @@ class Leases:
         lease.earmarked = None
         for allocation in lease.allocations:
             allocation.active = False
+
+    def _unrealize_after_commit(self, lease: Lease) -> None:
+        """Destroy the on-demand MIG instances ``lease`` holds once its
+        release has committed (:meth:`World.after_commit`): a release that
+        rolls back leaves its holder, still granted in the store, on its
+        instances. Without an actuator (destroyed at once), a pass then
+        hands their slices on, as the release's own pass could not."""
+        held = [
+            _HeldSlot(a.kind, a.device_uuid, a.instance_uuid)
+            for a in lease.allocations
+            if a.active and a.kind == "mig" and a.instance_uuid
+        ]
+        if not held:
+            return
+        # what it held, as its allocations were before the release
+        stand_in = cast(Lease, _Held(held))
+
+        def destroy() -> None:
+            self.sharing.unrealize(stand_in)
+            if self.sharing.actuator is None:
+                self.scheduling.schedule_now()
+
+        self.world.after_commit(destroy)
 
     @command("reconcile")
     def reconcile(
@@ -522,6 +552,24 @@ class Leases:
                 lease.slurm_job = slurm_job
             view = lease_view(lease)
         return view
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeldSlot:
+    """An active MIG allocation as it was when its lease was released
+    (what :meth:`SharingOps.unrealize` reads of it)."""
+
+    kind: str
+    device_uuid: str
+    instance_uuid: str | None
+    active: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """The MIG allocations a released lease held (a stand-in for the lease)."""
+
+    allocations: list[_HeldSlot]
 
 
 def _devices_to_prefer(previous: Lease, kind: str, count: int) -> list[str] | None:

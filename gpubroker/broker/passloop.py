@@ -59,6 +59,8 @@ class PassLoop:
         #: passes run, and passes asked for (commands coalesced into them)
         self.passes = 0
         self.asked = 0
+        #: loop passes that failed in a row (their retries back off)
+        self._failures = 0
 
     def at_once(self, lazy: bool = False) -> bool:
         """Whether a pass asked for now runs at once (the last pass ended at
@@ -117,7 +119,10 @@ class PassLoop:
         """Forever: wait for a dirty mark, then until the gap since the last
         pass is over (the lazy one while only lazy changes wait; worked out
         again whenever a change that is not lazy arrives), then
-        ``run_pass()`` (which calls :meth:`ran`)."""
+        ``run_pass()`` (which calls :meth:`ran`). A pass that raises after
+        its rollback asked for another (:meth:`mark_dirty`) is run again,
+        after ``interval`` seconds doubled per failure in a row (at most
+        5 s)."""
         while True:
             await self._dirty.wait()
             wait = self._last_end + self.gap(not self._urgent) - self.clock()
@@ -129,7 +134,19 @@ class PassLoop:
                 continue  # again: a pass may have run at once meanwhile, the gap changed
             try:
                 self.starting()
+                # what asks from now on (the rollback of this very pass,
+                # :meth:`mark_dirty`) needs a pass after this one
+                self._dirty.clear()
                 run_pass()
             except Exception:
                 log.exception("Scheduling pass failed")
+                again = self._dirty.is_set()
                 self.ran()
+                if again:
+                    # the changes it covered are waiting still: run it again,
+                    # after a pause that doubles while passes keep failing
+                    self._failures += 1
+                    await asyncio.sleep(min(self.interval * 2.0**self._failures, 5.0))
+                    self.mark_dirty()
+            else:
+                self._failures = 0

@@ -53,12 +53,16 @@ class CommandRunner:
         self.clock = clock or (lambda: dt.datetime.now(dt.timezone.utc))
         self.stimulus: Stimulus | None = None
         self._touched: set[int] = set()
+        world.on_commit.append(self._committed)
+        world.on_rollback.append(bus.discard)
 
     @contextlib.contextmanager
     def command(self, actor: str) -> Iterator[Stimulus]:
-        """Run one command as ``actor``: events staged meanwhile are
-        published after it, then :attr:`after` runs; a command inside a
-        command shares its stimulus. A command that raises publishes nothing."""
+        """Run one command as ``actor``: the events its transactions
+        committed are published after it, then :attr:`after` runs; a command
+        inside a command shares its stimulus. The events of a transaction
+        that rolled back are never published; those of its transactions
+        that committed are, even when a later part of it raises."""
         if self.stimulus is not None:
             yield self.stimulus
             return
@@ -66,14 +70,18 @@ class CommandRunner:
         self._touched = set()
         try:
             yield self.stimulus
-        except BaseException:
-            self.bus.discard()
-            raise
         finally:
             self.stimulus = None
-        self.bus.publish()
+            self.bus.publish()
         if self.after is not None:
             self.after(self._touched)
+
+    def _committed(self) -> None:
+        """A transaction committed: its events are to be published (now,
+        when no command runs; else at the end of the command)."""
+        self.bus.commit()
+        if self.stimulus is None:
+            self.bus.publish()
 
     def now(self) -> dt.datetime:
         """The current time of the commands (aware UTC): the time a lease's

@@ -8,6 +8,7 @@ stopped (so two servers never share a device), or until
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -94,7 +95,7 @@ class ServerStops:
                 self.world.stops[lease.id] = intent
                 self.runner.rec(repo, now, actor).note(lease, "stopping", reason)
                 self.log.warning("Stopping server of lease %s: %s", lease.id, reason)
-                self.on_evict(lease_view(lease) | {"release_reason": reason})
+                self._ask_hub(lease_view(lease) | {"release_reason": reason})
             if (now - intent.created).total_seconds() < self.evict_timeout():
                 return False
             if lease.id in self.followed():
@@ -154,9 +155,17 @@ class ServerStops:
                 intent.created.isoformat(),
                 intent.reason,
             )
-            self.on_evict(lease_view(lease) | {"release_reason": intent.reason})
+            self._ask_hub(lease_view(lease) | {"release_reason": intent.reason})
             count += 1
         return count
+
+    def _ask_hub(self, view: dict[str, Any]) -> None:
+        """Ask the hub (:attr:`on_evict`) to stop the server of lease
+        ``view`` once the open transaction, which stores the stop, has
+        committed: a stop that rolls back is never asked for."""
+        on_evict = self.on_evict
+        if on_evict is not None:
+            self.world.after_commit(functools.partial(on_evict, view))
 
     @command("culler")
     def stop_lease(self, lease_id: int, reason: str, cause: str = "release") -> None:

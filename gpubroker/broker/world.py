@@ -94,6 +94,13 @@ class World:
         self._depth = 0
         #: called after every reload (the broker asks for a pass)
         self.on_reload: list[Callable[[], None]] = []
+        #: called after every commit of an outermost block, and after every
+        #: rollback (the command runner publishes or drops the events)
+        self.on_commit: list[Callable[[], None]] = []
+        self.on_rollback: list[Callable[[], None]] = []
+        #: side effects of the open transaction, run once it has committed
+        #: (:meth:`after_commit`)
+        self._after_commit: list[Callable[[], None]] = []
         self.repo.on_flush(self._collect)
         self.reload()
 
@@ -124,6 +131,7 @@ class World:
             raise
         finally:
             self._depth = 0
+        self._committed()
 
     @contextlib.contextmanager
     def read(self) -> Iterator[Repository]:
@@ -152,6 +160,7 @@ class World:
                 raise
             finally:
                 self._depth = 0
+            self._committed()
 
     @contextlib.contextmanager
     def _nested(self) -> Iterator[None]:
@@ -160,6 +169,37 @@ class World:
             yield
         finally:
             self._depth -= 1
+
+    def after_commit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the open transaction has committed; never
+        when it rolls back. For side effects on the outside world decided
+        in a transaction (destroying a MIG instance, asking the hub to stop
+        a server): a change that rolls back must leave the world as the
+        store says it is. Outside any block, ``callback`` runs at once."""
+        if self._depth:
+            self._after_commit.append(callback)
+        else:
+            callback()
+
+    def _committed(self) -> None:
+        """After the commit of an outermost block: the :attr:`on_commit`
+        callbacks, then the side effects it held (:meth:`after_commit`), in
+        the order they were asked for; each runs even when one before it
+        raised, and the first error is raised at the end.
+
+        Raises:
+            Exception: what the first callback that failed raised.
+        """
+        callbacks = [*self.on_commit, *self._after_commit]
+        self._after_commit = []
+        first: BaseException | None = None
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception as err:
+                first = first or err
+        if first is not None:
+            raise first
 
     def _end_stray(self) -> None:
         """End a transaction the session began outside any block (an
@@ -209,6 +249,9 @@ class World:
         """Roll the open transaction back and reload, keeping what only
         memory holds (read before the rollback expires it)."""
         kept = {lease_id: _memory_of(x) for lease_id, x in self.leases.items()}
+        self._after_commit = []  # what it decided never happened
+        for callback in self.on_rollback:
+            callback()
         self.reload(kept)
 
     def reload(self, kept: dict[int, dict[str, Any]] | None = None) -> None:
@@ -282,7 +325,14 @@ class World:
         user = lease.user
         adopted = self.adopted is not None and lease.id in self.adopted
         used = self.repo.lease_charge(lease, now, self.half_life, from_ledger=adopted)
-        self.inputs.held.pop(lease.id, None)
+        # what the ledger held it for stays until the release commits (a
+        # rollback keeps the lease running; only memory holds this)
+        lease_id = lease.id
+
+        def forget_held() -> None:
+            self.inputs.held.pop(lease_id, None)
+
+        self.after_commit(forget_held)
         self.usage[user] = add_charge(self.usage.get(user), used, now, self.half_life)
         self.usage_behind.add(user)
 
