@@ -10,6 +10,8 @@ import datetime as dt
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from gpubroker.core import Broker
 from gpubroker.culler import Culler
 
@@ -39,6 +41,19 @@ def idle_server(broker: Broker, user: str = "ann") -> tuple[Hub, dict[str, Any],
     hub = Hub()
     hub.servers[(user, "")] = {"last_activity": (start - 10 * MIN).isoformat()}
     return hub, lease, start
+
+
+def fail_notice_once(broker: Broker, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """Make the store refuse, once, the first notice of ``kind`` the broker records."""
+    real = broker.add_notice
+    failures = [RuntimeError("database is locked")]
+
+    def add_notice(*args: Any, **kwargs: Any) -> None:
+        if args[1] == kind and failures:
+            raise failures.pop()
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(broker, "add_notice", add_notice)
 
 
 def kinds(broker: Broker, lease_id: int) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 from gpubroker.core import Broker
 from gpubroker.culler import Culler
 
-from .test_culler_checks import MIN, idle_server, kinds
+from .test_culler_checks import MIN, fail_notice_once, idle_server, kinds
 
 
 async def test_a_cull_whose_notice_failed_is_done_again_with_its_reason(
@@ -23,15 +23,7 @@ async def test_a_cull_whose_notice_failed_is_done_again_with_its_reason(
 ) -> None:
     hub, lease, start = idle_server(broker)
     culler = Culler(broker, hub)  # type: ignore[arg-type]
-    real = broker.add_notice
-    failures = [RuntimeError("database is locked")]
-
-    def add_notice(*args: Any, **kwargs: Any) -> None:
-        if args[1] == "culled" and failures:
-            raise failures.pop()  # the store failed once, when the cull was recorded
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(broker, "add_notice", add_notice)
+    fail_notice_once(broker, monkeypatch, "culled")  # when the cull is recorded
     await culler.check_once(start)
     await culler.check_once(start + 61 * MIN)  # warned
     assert await culler.check_once(start + 72 * MIN) == []  # the cull's notice fails
@@ -89,6 +81,19 @@ async def test_hub_activity_withdraws_a_warning_where_kernels_were_never_read(
     assert kinds(broker, lease["id"]) == ["cull-warning", "cull-withdrawn"]
 
 
+def _blocking_usage(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the backend's ``usage`` block until the returned event is set."""
+    release = threading.Event()
+    real = broker.backend.usage
+
+    def blocking(uuid: str) -> Any:
+        assert release.wait(10), "the read blocked the event loop"
+        return real(uuid)
+
+    monkeypatch.setattr(broker.backend, "usage", blocking)
+    return release
+
+
 async def _loop_runs_while(call: Any, release: Any) -> int:
     """Await ``call`` while a ticker runs; ``release`` the blocked read once
     the ticker has ticked a few times (it can only if the read is off the
@@ -119,14 +124,7 @@ async def test_the_culler_reads_nvml_off_the_event_loop(
     # GPU fallen off the bus): on the loop it would stop the whole broker
     lease = broker.request_lease("ann", "", gpus=1)
     (ref,) = [x for x in broker.server_leases() if x.id == lease["id"]]
-    release = threading.Event()
-    real = broker.backend.usage
-
-    def blocking(uuid: str) -> Any:
-        assert release.wait(10), "the read blocked the event loop"
-        return real(uuid)
-
-    monkeypatch.setattr(broker.backend, "usage", blocking)
+    release = _blocking_usage(broker, monkeypatch)
     culler = Culler(broker, None)  # type: ignore[arg-type]
     assert await _loop_runs_while(culler._signals(ref, {}), release) >= 5
 
@@ -140,13 +138,6 @@ async def test_the_share_guard_reads_nvml_off_the_event_loop(
 
     broker = sharing_broker(db_url, tmp_path)
     broker.request_lease("ann", "", memory_gib=10, pool="shared")
-    release = threading.Event()
-    real = broker.backend.usage
-
-    def blocking(uuid: str) -> Any:
-        assert release.wait(10), "the read blocked the event loop"
-        return real(uuid)
-
-    monkeypatch.setattr(broker.backend, "usage", blocking)
+    release = _blocking_usage(broker, monkeypatch)
     guard = ShareGuard(broker)
     assert await _loop_runs_while(guard.check_once(), release) >= 5

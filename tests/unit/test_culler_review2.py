@@ -20,7 +20,7 @@ from gpubroker.core import Broker
 from gpubroker.culler import Culler, Track
 
 from .test_culler import T0, signals, verdict
-from .test_culler_checks import MIN, idle_server, kinds
+from .test_culler_checks import MIN, fail_notice_once, idle_server, kinds
 
 UTC = dt.timezone.utc
 
@@ -90,15 +90,7 @@ async def test_a_warning_whose_notice_failed_is_not_a_warning(
 ) -> None:
     hub, lease, start = idle_server(broker)
     culler = Culler(broker, hub)  # type: ignore[arg-type]
-    real = broker.add_notice
-    failures = [RuntimeError("database is locked")]
-
-    def add_notice(*args: Any, **kwargs: Any) -> None:
-        if args[1] == "cull-warning" and failures:
-            raise failures.pop()  # the store failed once, when the warning was recorded
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(broker, "add_notice", add_notice)
+    fail_notice_once(broker, monkeypatch, "cull-warning")  # when the warning is recorded
     await culler.check_once(start)
     await culler.check_once(start + 61 * MIN)  # the warning's notice fails
     assert kinds(broker, lease["id"]) == []
