@@ -633,8 +633,7 @@ def _gpm_utilization(first: Any, second: Any) -> float | None:
         query.metrics[0].metricId = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
         pynvml.nvmlGpmMetricsGet(query)
         metric = query.metrics[0]
-        # the real struct always has nvmlReturn; a stand-in without it means success
-        if getattr(metric, "nvmlReturn", pynvml.NVML_SUCCESS) != pynvml.NVML_SUCCESS:
+        if metric.nvmlReturn != pynvml.NVML_SUCCESS:
             return None
         value = float(metric.value) / 100.0
     except pynvml.NVMLError:

@@ -13,7 +13,8 @@ import gpubroker.devices.nvml as nvml
 
 class _Query:
     def __init__(self) -> None:
-        self.metrics = [type("Metric", (), {"value": 50.0, "metricId": 0})()]
+        # as the real nvmlGpmMetric_t: its own status beside the value
+        self.metrics = [type("Metric", (), {"value": 50.0, "metricId": 0, "nvmlReturn": 0})()]
 
 
 @pytest.fixture
