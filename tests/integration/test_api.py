@@ -73,7 +73,15 @@ def test_fifty_concurrent_requests_on_eight_gpus(clean_hub: RunningHub) -> None:
 def test_users_see_and_release_only_their_own_leases(clean_hub: RunningHub) -> None:
     hub = clean_hub
     token_a, token_b = hub.create_user("alice"), hub.create_user("bob")
-    lease_b = post_lease(hub, {"user": "bob", "gpus": 1}, token=token_b)
+    own = post_lease(hub, {"user": "bob", "gpus": 1}, token=token_b)
+    assert own.status_code == 201, own.text
+    r = hub.broker_api("DELETE", f"/leases/{own.json()['id']}", token=token_b)
+    assert r.status_code == 200 and r.json()["state"] == "released"
+    # bob's own request is for a server the hub does not list, which this hub's
+    # reconciliation (every 2 s) rightly releases at any moment; the lease
+    # checked below is bob's too, made by an admin for an external holder
+    external_b = {"user": "bob", "gpus": 1, "holder_kind": "external"}
+    lease_b = post_lease(hub, external_b)
     assert lease_b.status_code == 201, lease_b.text
     lease_id = lease_b.json()["id"]
 
@@ -195,7 +203,11 @@ def test_a_servers_container_is_recorded_and_bad_ids_are_refused_by_field(
     clean_hub: RunningHub,
 ) -> None:
     hub = clean_hub
-    lease = post_lease(hub, {"user": "contained", "gpus": 1}).json()
+    # held by an external holder: this hub's reconciliation (every 2 s) rightly
+    # releases a server lease whose server it does not list, which would race
+    # the checks below; the record and its checks are the same for any lease
+    body = {"user": "contained", "gpus": 1, "holder_kind": "external"}
+    lease = post_lease(hub, body).json()
     path = f"/leases/{lease['id']}"
     url = "http://127.0.0.1:9/user/contained/"
     for body, field in [
@@ -217,3 +229,8 @@ def test_a_servers_container_is_recorded_and_bad_ids_are_refused_by_field(
     assert r.json()["slurm_job"] is None
     r = hub.broker_api("PATCH", path, json={"server_url": url, "slurm_job": "4711"})
     assert r.status_code == 200 and r.json()["slurm_job"] == "4711"
+    # a refused change loses nothing of the record
+    bad = {"server_url": url, "container_id": "NOT-HEX", "slurm_job": "1"}
+    assert hub.broker_api("PATCH", path, json=bad).status_code == 400
+    kept = hub.broker_api("GET", path).json()
+    assert (kept["state"], kept["slurm_job"]) == ("granted", "4711"), kept

@@ -114,7 +114,13 @@ def test_a_group_quota_change_is_audited_with_the_admins_name(clean_hub: Running
     hub.broker_api("DELETE", "/quotas/group/physics", token=admin_token)
     # a user's own request and release are not audited; an admin's release of it is
     user = hub.create_user("wanda")
-    lease = hub.broker_api("POST", "/leases", json={"user": "wanda", "gpus": 1}, token=user).json()
+    # for a server the hub lists (one without GPUs): the reconciliation (every
+    # 2 s) would release a lease of a server it does not list before the admin
+    assert hub.api("POST", "/users/wanda/servers/nb", json={"gpus": 0}).status_code in (201, 202)
+    hub.wait_for_server("wanda", "nb")
+    body = {"user": "wanda", "server_name": "nb", "gpus": 1}
+    lease = hub.broker_api("POST", "/leases", json=body, token=user).json()
+    assert lease["state"] == "granted", lease
     hub.broker_api("DELETE", f"/leases/{lease['id']}", token=admin_token)
     found = hub.broker_api("GET", "/audit", params={"user": "wanda"}).json()["entries"]
     actions = [(e["action"], e["actor"], e["cause"]) for e in found]
