@@ -249,9 +249,14 @@ class ShareWatchdog(LoggingConfigurable):
         seen: set[tuple[int, str, int]] = set()
         owners: dict[int, int | None] = {}
         holders: dict[int, int | None] = {}
+        # a process in a recorded container is that container's lease's,
+        # whatever its environment says (a user can set GPUBROKER_LEASE_ID)
+        boxed = {cap.container: cap.lease_id for cap in values if cap.container}
         for sample in samples:
             if sample.pid not in owners:
-                owners[sample.pid] = lease_of_pid(sample.pid)
+                owners[sample.pid] = self._boxed_lease(sample.pid, boxed)
+                if owners[sample.pid] is None:
+                    owners[sample.pid] = lease_of_pid(sample.pid)
             lease_id = owners[sample.pid]
             if lease_id is None:
                 self.log.debug(
@@ -274,6 +279,20 @@ class ShareWatchdog(LoggingConfigurable):
         for key in sorted(by_share):
             actions.extend(self._judge_lease(caps[key], by_share[key], now))
         return actions
+
+    def _boxed_lease(self, pid: int, boxed: Mapping[str, int]) -> int | None:
+        """The lease whose recorded container (id or its prefix, a key of
+        ``boxed``) process ``pid`` runs in; ``None``: in none of them, or
+        unknown (then its environment attributes it)."""
+        if not boxed or not self.check_uid:
+            return None
+        found = self.container_of_pid(pid)
+        if not found:
+            return None
+        for container, lease_id in boxed.items():
+            if found.startswith(container):
+                return lease_id
+        return None
 
     def _holders_process(
         self, cap: ShareCap, sample: ProcessSample, holders: dict[int, int | None]

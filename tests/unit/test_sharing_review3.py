@@ -244,6 +244,20 @@ def test_a_containers_lease_counts_only_processes_in_that_container() -> None:
     assert [a.pid for a in actions] == [200]
 
 
+def test_a_process_in_a_leases_container_cannot_leave_it_by_its_environment() -> None:
+    """Inside her share's container, ann ran a process with
+    GPUBROKER_LEASE_ID=0 (or another lease's id): attributed by its
+    environment first, it belonged to no share and her cap went unenforced.
+    The recorded container now decides, whatever the environment says."""
+    cap = ShareCap(1, "ann", GPU, 1000, container=CONTAINER[:12])
+    other = ShareCap(2, "bob", GPU, 1000, container=OTHER[:12])
+    for named in ({100: 0}.get, {100: 2}.get, {}.get):
+        dog = _dog({100: 1000}, {"ann": 1001})
+        dog.container_of_pid = {100: CONTAINER}.get
+        actions = dog.judge([ProcessSample(GPU, 100, 2000)], [cap, other], named, T0)
+        assert [(a.lease_id, a.pid, type(a)) for a in actions] == [(1, 100, Overuse)]
+
+
 async def test_the_share_guard_names_the_container_of_a_servers_lease(
     db_url: str, tmp_path: Path
 ) -> None:
