@@ -251,7 +251,7 @@ class ShareWatchdog(LoggingConfigurable):
         holders: dict[int, int | None] = {}
         # a process in a recorded container is that container's lease's,
         # whatever its environment says (a user can set GPUBROKER_LEASE_ID)
-        boxed = {cap.container: cap.lease_id for cap in values if cap.container}
+        boxed = {cap.container: cap.lease_id for cap in caps.values() if cap.container}
         for sample in samples:
             if sample.pid not in owners:
                 owners[sample.pid] = self._boxed_lease(sample.pid, boxed)

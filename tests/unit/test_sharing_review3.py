@@ -254,7 +254,8 @@ def test_a_process_in_a_leases_container_cannot_leave_it_by_its_environment() ->
     for named in ({100: 0}.get, {100: 2}.get, {}.get):
         dog = _dog({100: 1000}, {"ann": 1001})
         dog.container_of_pid = {100: CONTAINER}.get
-        actions = dog.judge([ProcessSample(GPU, 100, 2000)], [cap, other], named, T0)
+        caps = iter([cap, other])  # judge takes any iterable of caps, read once
+        actions = dog.judge([ProcessSample(GPU, 100, 2000)], caps, named, T0)
         assert [(a.lease_id, a.pid, type(a)) for a in actions] == [(1, 100, Overuse)]
 
 
