@@ -57,6 +57,7 @@ from traitlets import Bool, Float, Integer, List, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
 from .core import Broker, utcnow
+from .devices.base import DeviceUsage
 from .enforce.watchdog import lease_of_pid
 from .hub import HubClient, parse_time
 from .model.holdings import HeldSlot, LeaseRef
@@ -490,12 +491,24 @@ class Culler(LoggingConfigurable):
             self.log.warning("Cannot read usage of %s: %s", uuid, err)
             return None, 0
         if slot.kind == "share":
-            mine = [p for p in usage.processes if self.pid_lease(p.pid) == lease.id]
-            return None, sum(p.used_memory_mib for p in mine)
+            return None, self._share_memory(lease, usage)
         util = usage.utilization_gpu
         if util is None and slot.kind == "mig" and usage.engine_activity is not None:
             util = round(100 * usage.engine_activity)
         return util, usage.memory_used_mib
+
+    def _share_memory(self, lease: LeaseRef, usage: DeviceUsage) -> int:
+        """The memory ``lease``'s own processes hold on a shared device, MiB.
+        Processes whose memory NVML does not report (``None``) hold what the
+        device's total leaves after the reported ones, where all of them
+        are the lease's; else they count 0."""
+        owners = [(self.pid_lease(p.pid) == lease.id, p.used_memory_mib) for p in usage.processes]
+        mine = sum(used or 0 for is_mine, used in owners if is_mine)
+        unknown = {is_mine for is_mine, used in owners if used is None}
+        if unknown == {True}:
+            known = sum(used or 0 for _, used in owners)
+            mine += max(usage.memory_used_mib - known, 0)
+        return mine
 
     async def _kernels(
         self, lease: LeaseRef, until: dt.datetime | None = None

@@ -70,16 +70,19 @@ class ShareGuard(LoggingConfigurable):
                 self.log.exception("Share watchdog pass failed")
             await asyncio.sleep(self.interval)
 
-    def _samples(self, caps: list[ShareCap]) -> list[ProcessSample]:
-        samples = []
+    def _samples(self, caps: list[ShareCap]) -> tuple[list[ProcessSample], dict[str, int]]:
+        """The processes on the capped devices, and each device's memory in
+        use (MiB), read from the device backend (NVML: blocking)."""
+        samples, used = [], {}
         for device in sorted({cap.device_uuid for cap in caps}):
             try:
                 usage = self.broker.backend.usage(device)
             except Exception as err:
                 self.log.warning("Cannot read processes of %s: %s", device, err)
                 continue
+            used[device] = usage.memory_used_mib
             samples.extend(ProcessSample(device, p.pid, p.used_memory_mib) for p in usage.processes)
-        return samples
+        return samples, used
 
     async def check_once(self, now: dt.datetime | None = None) -> list[Any]:
         """Sample, judge and act once; returns the actions taken."""
@@ -93,8 +96,8 @@ class ShareGuard(LoggingConfigurable):
         now = now or dt.datetime.now(dt.timezone.utc)
         # NVML off the event loop: a call can block for seconds (persistence
         # mode off) or longer (a GPU fallen off the bus)
-        samples = await asyncio.to_thread(self._samples, caps)
-        actions = self.watchdog.judge(samples, caps, self.pid_lease, now)
+        samples, used = await asyncio.to_thread(self._samples, caps)
+        actions = self.watchdog.judge(samples, caps, self.pid_lease, now, used)
         for action in actions:
             try:
                 await self._act(action, leases[action.lease_id])

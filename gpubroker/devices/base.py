@@ -63,11 +63,15 @@ class ProcessInfo:
 
     Attributes:
         pid: process id on the node.
-        used_memory_mib: device memory the process holds, MiB.
+        used_memory_mib: device memory the process holds, MiB; ``None``
+            where NVML does not report it (``NVML_VALUE_NOT_AVAILABLE``,
+            which pynvml gives as ``usedGpuMemory = None``: e.g. a driver
+            without the permission to read other processes' memory). The
+            device's own ``memory_used_mib`` still counts that memory.
     """
 
     pid: int
-    used_memory_mib: int
+    used_memory_mib: int | None
 
 
 @dataclass(frozen=True)

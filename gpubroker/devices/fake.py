@@ -186,7 +186,10 @@ class FakeDeviceBackend(DeviceBackend):
         help="""JSON file holding the SIMULATED usage of each device and the MIG state.
 
         Format: {"GPU-...": {"utilization_gpu": 80, "memory_used_mib": 20480,
-        "processes": [{"pid": 123, "used_memory_mib": 20480}]}}. MIG devices
+        "processes": [{"pid": 123, "used_memory_mib": 20480}]}}; a process's
+        "used_memory_mib": null is memory NVML does not report for it
+        (NVML_VALUE_NOT_AVAILABLE), which the device's "memory_used_mib"
+        still counts. MIG devices
         have usage entries too, keyed by their "MIG-..." UUID. MIG mode and
         instances live under the key "_mig": {"_mig": {"GPU-...": {"enabled":
         true, "instances": [{"gi_id": 1, "ci_id": 0, "profile": "1g.10gb",
@@ -384,7 +387,9 @@ class FakeDeviceBackend(DeviceBackend):
                 device's :attr:`MigDevice.memory_mib`); ``None`` means the sum
                 of the processes' memory.
             processes: :class:`ProcessInfo` objects or mappings with ``pid``
-                and ``used_memory_mib`` (MiB).
+                and ``used_memory_mib`` (MiB; ``None``: NVML does not
+                report it, as :class:`ProcessInfo`; give the device's
+                ``memory_used_mib`` then, which counts it).
             engine_activity: for a MIG device only, the fraction 0..1 of
                 time its engine was active (what NVML's GPM gives); ``None``:
                 not known.
@@ -416,7 +421,7 @@ class FakeDeviceBackend(DeviceBackend):
         if utilization_gpu is not None:
             utilization_gpu = _int(utilization_gpu, "utilization_gpu")
         if memory_used_mib is None:
-            memory_used_mib = sum(p.used_memory_mib for p in procs)
+            memory_used_mib = _known_mib(procs)
         if engine_activity is not None:
             engine_activity = _fraction(engine_activity, "engine_activity")
         usage = DeviceUsage(
@@ -938,13 +943,21 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-def _process(value: ProcessInfo | Mapping[str, int]) -> ProcessInfo:
+def _process(value: ProcessInfo | Mapping[str, int | None]) -> ProcessInfo:
+    """A process of a usage entry; ``used_memory_mib`` ``None`` (JSON
+    ``null``): not reported, as NVML's ``NVML_VALUE_NOT_AVAILABLE``."""
     if isinstance(value, ProcessInfo):
         return value
+    used = value.get("used_memory_mib", 0)
     return ProcessInfo(
         pid=_int(value["pid"], "pid"),
-        used_memory_mib=_int(value.get("used_memory_mib", 0), "used_memory_mib"),
+        used_memory_mib=None if used is None else _int(used, "used_memory_mib"),
     )
+
+
+def _known_mib(procs: tuple[ProcessInfo, ...]) -> int:
+    """The memory of the processes that report theirs, MiB."""
+    return sum(p.used_memory_mib or 0 for p in procs)
 
 
 def _usage_from_entry(uuid: str, entry: Any) -> DeviceUsage:
@@ -956,7 +969,7 @@ def _usage_from_entry(uuid: str, entry: Any) -> DeviceUsage:
     procs = tuple(_process(p) for p in entry.get("processes", []))
     memory = entry.get("memory_used_mib")
     if memory is None:
-        memory = sum(p.used_memory_mib for p in procs)
+        memory = _known_mib(procs)
     activity = entry.get("engine_activity")
     if activity is not None:
         activity = _fraction(activity, "engine_activity")
@@ -985,7 +998,7 @@ def _check_usage(usage: DeviceUsage, memory_total_mib: int) -> None:
             f"memory_used_mib must be 0-{memory_total_mib} MiB, not {usage.memory_used_mib}"
         )
     for proc in usage.processes:
-        if proc.used_memory_mib < 0:
+        if proc.used_memory_mib is not None and proc.used_memory_mib < 0:
             raise ValueError(f"process {proc.pid}: used_memory_mib must be >= 0")
 
 

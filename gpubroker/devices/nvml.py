@@ -650,8 +650,9 @@ def _utilization(handle: Any) -> int | None:
 
 
 def _processes(handle: Any) -> tuple[ProcessInfo, ...]:
-    """Compute processes, CUDA MPS clients included; memory in MiB, 0 where
-    NVML does not know it.
+    """Compute processes, CUDA MPS clients included; memory in MiB, ``None``
+    where NVML does not know it (``usedGpuMemory`` is ``None``: pynvml's
+    form of ``NVML_VALUE_NOT_AVAILABLE``).
 
     Under MPS, ``nvmlDeviceGetComputeRunningProcesses`` lists the MPS
     server, and the clients (the users' processes) come from
@@ -665,7 +666,8 @@ def _processes(handle: Any) -> tuple[ProcessInfo, ...]:
     seen: dict[int, ProcessInfo] = {}
     for p in found:
         pid = int(p.pid)
-        seen.setdefault(pid, ProcessInfo(pid=pid, used_memory_mib=(p.usedGpuMemory or 0) // _MIB))
+        used = None if p.usedGpuMemory is None else int(p.usedGpuMemory) // _MIB
+        seen.setdefault(pid, ProcessInfo(pid=pid, used_memory_mib=used))
     return tuple(seen.values())
 
 

@@ -56,7 +56,7 @@ import re
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from traitlets import Bool, Float, Integer
 from traitlets.config import LoggingConfigurable
@@ -100,12 +100,18 @@ class ProcessSample:
     Attributes:
         device_uuid: NVML UUID of the device.
         pid: process id (host PID namespace).
-        used_memory_mib: device memory the process holds, MiB.
+        used_memory_mib: device memory the process holds, MiB; ``None``
+            where NVML does not report it (``NVML_VALUE_NOT_AVAILABLE``):
+            :meth:`ShareWatchdog.judge` then estimates it from the device's
+            total where it can (see there).
+        estimated: set by the watchdog on a sample whose memory it
+            estimated from the device's total.
     """
 
     device_uuid: str
     pid: int
-    used_memory_mib: int
+    used_memory_mib: int | None
+    estimated: bool = False
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,9 @@ class ShareWatchdog(LoggingConfigurable):
         self.warned: dict[tuple[int, str, int], dt.datetime] = {}
         #: (lease id, device uuid, pid) of processes a Terminate was issued for
         self.ended: set[tuple[int, str, int]] = set()
+        #: devices whose unreported process memory could not be attributed
+        #: (warned once until that changes)
+        self.unjudged: set[str] = set()
 
     def judge(
         self,
@@ -219,6 +228,7 @@ class ShareWatchdog(LoggingConfigurable):
         caps_by_lease: Mapping[int, ShareCap] | Iterable[ShareCap],
         lease_of_pid: Callable[[int], int | None],
         now: dt.datetime,
+        device_used: Mapping[str, int] | None = None,
     ) -> list[Action]:
         """Judge one sample of the shared devices' processes.
 
@@ -234,6 +244,16 @@ class ShareWatchdog(LoggingConfigurable):
                 (:attr:`ShareCap.uid`, else :attr:`holder_uid`) belongs to
                 no lease; either uid unknown: not checked.
             now: the time of the sample (aware UTC); no clock is read here.
+            device_used: each watched device's memory in use, MiB
+                (``DeviceUsage.memory_used_mib``), for processes whose own
+                memory NVML does not report: where every such process on a
+                device belongs to one capped lease, they are judged as
+                holding what the device's total leaves after the reported
+                processes (split evenly among them; an estimate, said so in
+                the reason); where they belong to several leases, or to
+                none, or the total is not given, they count 0 and a warning
+                is logged once until that changes (the caps there are then
+                not fully enforced).
 
         Returns:
             Actions in order of leases and, within a lease, largest process
@@ -252,11 +272,15 @@ class ShareWatchdog(LoggingConfigurable):
         # a process in a recorded container is that container's lease's,
         # whatever its environment says (a user can set GPUBROKER_LEASE_ID)
         boxed = {cap.container: cap.lease_id for cap in caps.values() if cap.container}
+        containers: dict[int, str | None] = {}  # each process's container, read once
+        samples = list(samples)
         for sample in samples:
             if sample.pid not in owners:
-                owners[sample.pid] = self._boxed_lease(sample.pid, boxed)
+                owners[sample.pid] = self._boxed_lease(sample.pid, boxed, containers)
                 if owners[sample.pid] is None:
                     owners[sample.pid] = lease_of_pid(sample.pid)
+        samples = self._estimated(samples, owners, caps, device_used)
+        for sample in samples:
             lease_id = owners[sample.pid]
             if lease_id is None:
                 self.log.debug(
@@ -269,7 +293,7 @@ class ShareWatchdog(LoggingConfigurable):
             cap = caps.get((lease_id, sample.device_uuid))
             if cap is None:
                 continue  # not a share lease, or not one of its shares' devices
-            if not self._holders_process(cap, sample, holders):
+            if not self._holders_process(cap, sample, holders, containers):
                 continue
             seen.add((lease_id, sample.device_uuid, sample.pid))
             by_share.setdefault((lease_id, sample.device_uuid), []).append(sample)
@@ -280,13 +304,72 @@ class ShareWatchdog(LoggingConfigurable):
             actions.extend(self._judge_lease(caps[key], by_share[key], now))
         return actions
 
-    def _boxed_lease(self, pid: int, boxed: Mapping[str, int]) -> int | None:
+    def _estimated(
+        self,
+        samples: list[ProcessSample],
+        owners: Mapping[int, int | None],
+        caps: Mapping[tuple[int, str], ShareCap],
+        device_used: Mapping[str, int] | None,
+    ) -> list[ProcessSample]:
+        """``samples`` with every memory figure known: a process NVML does
+        not report gets its share of what the device's total leaves after
+        the reported ones, where all such processes on the device belong to
+        one capped lease there, else 0 (logged once until that changes).
+        See :meth:`judge`."""
+        unknown: dict[str, list[ProcessSample]] = {}
+        for sample in samples:
+            if sample.used_memory_mib is None:
+                unknown.setdefault(sample.device_uuid, []).append(sample)
+        if not unknown:
+            self.unjudged.clear()
+            return samples
+        guess: dict[tuple[str, int], int] = {}
+        for device, procs in unknown.items():
+            leases = {owners.get(p.pid) for p in procs}
+            (lease,) = leases if len(leases) == 1 else (None,)
+            total = (device_used or {}).get(device)
+            if lease is None or (lease, device) not in caps or total is None:
+                if device not in self.unjudged:
+                    self.log.warning(
+                        "NVML reports no memory for processes %s on %s (of leases %s): they "
+                        "count 0 MiB, so share caps there are not fully enforced",
+                        sorted(p.pid for p in procs),
+                        device,
+                        sorted(str(x) for x in leases),
+                    )
+                self.unjudged.add(device)
+                continue
+            self.unjudged.discard(device)
+            known = sum(s.used_memory_mib or 0 for s in samples if s.device_uuid == device)
+            left = max(total - known, 0)
+            each, extra = divmod(left, len(procs))
+            for i, proc in enumerate(sorted(procs, key=lambda p: p.pid)):
+                guess[(device, proc.pid)] = each + (1 if i < extra else 0)
+        self.unjudged &= set(unknown)
+        out = []
+        for sample in samples:
+            if sample.used_memory_mib is not None:
+                out.append(sample)
+            else:
+                mib = guess.get((sample.device_uuid, sample.pid))
+                out.append(replace(sample, used_memory_mib=mib or 0, estimated=mib is not None))
+        return out
+
+    def _container(self, pid: int, containers: dict[int, str | None]) -> str | None:
+        """:attr:`container_of_pid`, read once per process and judgement."""
+        if pid not in containers:
+            containers[pid] = self.container_of_pid(pid)
+        return containers[pid]
+
+    def _boxed_lease(
+        self, pid: int, boxed: Mapping[str, int], containers: dict[int, str | None]
+    ) -> int | None:
         """The lease whose recorded container (id or its prefix, a key of
         ``boxed``) process ``pid`` runs in; ``None``: in none of them, or
         unknown (then its environment attributes it)."""
         if not boxed or not self.check_uid:
             return None
-        found = self.container_of_pid(pid)
+        found = self._container(pid, containers)
         if not found:
             return None
         for container, lease_id in boxed.items():
@@ -295,7 +378,11 @@ class ShareWatchdog(LoggingConfigurable):
         return None
 
     def _holders_process(
-        self, cap: ShareCap, sample: ProcessSample, holders: dict[int, int | None]
+        self,
+        cap: ShareCap,
+        sample: ProcessSample,
+        holders: dict[int, int | None],
+        containers: dict[int, str | None],
     ) -> bool:
         """Whether ``sample``'s process may be the process of ``cap``'s lease:
         for a lease whose server runs in a container
@@ -303,11 +390,11 @@ class ShareWatchdog(LoggingConfigurable):
         (or its container cannot be read); else its uid is the holder's, or
         either uid is unknown (or :attr:`check_uid` is off). ``holders``:
         the holders' uids of this judgement by lease id (each looked up
-        once)."""
+        once); ``containers``: the processes' containers read so far."""
         if not self.check_uid:
             return True
         if cap.container:
-            return self._in_container(cap, sample)
+            return self._in_container(cap, sample, containers)
         if cap.lease_id not in holders:
             holders[cap.lease_id] = cap.uid if cap.uid is not None else self.holder_uid(cap.user)
         expected = holders[cap.lease_id]
@@ -319,11 +406,13 @@ class ShareWatchdog(LoggingConfigurable):
         self._not_the_leases(cap, sample, f"uid {expected}", f"as uid {found}")
         return False
 
-    def _in_container(self, cap: ShareCap, sample: ProcessSample) -> bool:
+    def _in_container(
+        self, cap: ShareCap, sample: ProcessSample, containers: dict[int, str | None]
+    ) -> bool:
         """Whether ``sample``'s process runs in ``cap``'s container (or its
         container cannot be read: then the environment alone attributes it)."""
         assert cap.container
-        found = self.container_of_pid(sample.pid)
+        found = self._container(sample.pid, containers)
         if found is None or found.startswith(cap.container):
             return True
         where = f"in container {found[:12]}" if found else "outside any container"
@@ -352,8 +441,8 @@ class ShareWatchdog(LoggingConfigurable):
         """Actions for one lease's processes on its share's device."""
         key = (cap.lease_id, cap.device_uuid)
         live = [p for p in procs if (*key, p.pid) not in self.ended]
-        live.sort(key=lambda p: (-p.used_memory_mib, p.pid))
-        total = sum(p.used_memory_mib for p in live)
+        live.sort(key=lambda p: (-_mib(p), p.pid))
+        total = sum(_mib(p) for p in live)
         limit = cap.cap_mib + self.tolerance_mib
         actions: list[Action] = []
         if total <= limit:
@@ -372,7 +461,7 @@ class ShareWatchdog(LoggingConfigurable):
         culprits, remaining = [], total
         for proc in live:  # largest first, until the rest fits
             culprits.append(proc)
-            remaining -= proc.used_memory_mib
+            remaining -= _mib(proc)
             if remaining <= limit:
                 break
         for proc in culprits:
@@ -387,7 +476,7 @@ class ShareWatchdog(LoggingConfigurable):
                         cap.user,
                         cap.device_uuid,
                         proc.pid,
-                        proc.used_memory_mib,
+                        _mib(proc),
                         cap.cap_mib,
                         deadline,
                         total,
@@ -402,7 +491,7 @@ class ShareWatchdog(LoggingConfigurable):
                     cap.device_uuid,
                     cap.cap_mib,
                     proc.pid,
-                    proc.used_memory_mib,
+                    _mib(proc),
                     deadline.isoformat(),
                 )
             elif now >= deadline:
@@ -412,15 +501,20 @@ class ShareWatchdog(LoggingConfigurable):
                     f"share over its memory cap on {cap.device_uuid}: the lease used "
                     f"{total} MiB of {cap.cap_mib} MiB (+{self.tolerance_mib} MiB tolerance) "
                     f"{self.grace:g} s after a warning; process {proc.pid} held "
-                    f"{proc.used_memory_mib} MiB"
+                    f"{_mib(proc)} MiB"
                 )
+                if any(p.estimated for p in live):
+                    reason += (
+                        " (estimated from the device's total: NVML reports no per-process "
+                        "memory there)"
+                    )
                 actions.append(
                     Terminate(
                         cap.lease_id,
                         cap.user,
                         cap.device_uuid,
                         proc.pid,
-                        proc.used_memory_mib,
+                        _mib(proc),
                         cap.cap_mib,
                         reason,
                         total,
@@ -430,6 +524,11 @@ class ShareWatchdog(LoggingConfigurable):
                     "Ending process %s of lease %s: %s", proc.pid, cap.lease_id, reason
                 )
         return actions
+
+
+def _mib(sample: ProcessSample) -> int:
+    """A judged sample's memory, MiB (known by then: :meth:`ShareWatchdog._estimated`)."""
+    return sample.used_memory_mib or 0
 
 
 # -- the OS part ----------------------------------------------------------------------

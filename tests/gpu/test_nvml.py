@@ -39,7 +39,7 @@ def test_usage_for_each_device(backend):
         assert usage.uuid == device.uuid
         assert 0 <= usage.memory_used_mib <= device.memory_total_mib
         assert usage.utilization_gpu is None or 0 <= usage.utilization_gpu <= 100
-        assert all(p.pid > 0 and p.used_memory_mib >= 0 for p in usage.processes)
+        assert all(p.pid > 0 and (p.used_memory_mib or 0) >= 0 for p in usage.processes)
 
 
 def test_unknown_uuid_raises_keyerror(backend):

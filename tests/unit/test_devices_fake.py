@@ -341,7 +341,7 @@ def test_nvml_backend_with_stubbed_pynvml(stub_nvml):
     usage = backend.usage("GPU-a")
     assert (usage.utilization_gpu, usage.memory_used_mib) == (None, 3)
     assert usage.processes == (
-        ProcessInfo(pid=5, used_memory_mib=0),
+        ProcessInfo(pid=5, used_memory_mib=None),  # not reported: unknown, not 0
         ProcessInfo(pid=77, used_memory_mib=512),
     )
     with pytest.raises(KeyError):

@@ -177,6 +177,7 @@ def test_an_instance_made_by_hand_is_learned_without_an_actuator(
 # -- 4. the watchdog checks the process's uid --------------------------------------------
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
+OTHER_GPU = "GPU-66666666-7777-8888-9999-000000000000"
 T0 = dt.datetime(2001, 2, 3, 4, 5, 6, tzinfo=dt.timezone.utc)
 
 
@@ -411,3 +412,22 @@ def test_fake_mig_uuids_stay_unique_across_mig_mode_changes(tmp_path: Path) -> N
         backend.destroy_mig_device(gpu, made.uuid)
         backend.set_mig_mode(gpu, False)
         backend.set_mig_mode(gpu, True)
+
+
+def test_a_processs_container_is_read_once_per_judgement() -> None:
+    """Attributing a process to a container's lease and checking it runs in
+    that container both need its ``/proc/<pid>/cgroup``: read once."""
+    cap = ShareCap(1, "ann", GPU, 1000, container=CONTAINER[:12])
+    reads: list[int] = []
+
+    def container_of_pid(pid: int) -> str:
+        reads.append(pid)
+        return CONTAINER
+
+    dog = _dog({100: 1000}, {"ann": 1001})
+    dog.container_of_pid = container_of_pid
+    samples = [ProcessSample(GPU, 100, 2000), ProcessSample(OTHER_GPU, 100, 10)]
+    caps = [cap, ShareCap(1, "ann", OTHER_GPU, 1000, container=CONTAINER[:12])]
+    actions = dog.judge(samples, caps, {100: 1}.get, T0)
+    assert [(a.pid, type(a)) for a in actions] == [(100, Overuse)]
+    assert reads == [100]
