@@ -45,7 +45,8 @@ protocol.
   which keeps a finished job for ``MinJobAge`` seconds (300 by default;
   Slurm 22.05's ``squeue --json`` ignores ``--jobs`` and ``--states`` and
   lists every job, so the engine picks the job by id itself);
-  once it is gone, ``sacct`` where accounting runs; otherwise ``lost``
+  once it is gone, ``sacct`` where accounting runs (only a record of this
+  engine's job: Slurm reuses job ids, see :meth:`SlurmEngine._accounted`); otherwise ``lost``
   (also where ``sacct`` still says it runs: a runaway record slurmctld no
   longer knows). Only Slurm's final states are an end; every other one,
   known or not, is a job Slurm still holds; a final state that Slurm
@@ -66,6 +67,7 @@ Units: seconds (timeouts, intervals, limits), GiB (memory), UTC.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import os
@@ -96,6 +98,16 @@ _STOP_POLL = 0.5
 
 #: seconds :meth:`SlurmEngine.stop` waits after the final ``scancel``
 KILL_WAIT = 30.0
+
+#: how every job this engine submits is named (``--job-name``), followed
+#: by its lease id: a record of another job that had the same id is not ours
+JOB_NAME_PREFIX = "gpubroker-lease-"
+
+#: seconds the broker's clock may be ahead of slurmctld's: a ``sacct``
+#: record submitted this much before ``sbatch`` ran may still be ours
+SUBMIT_SKEW = 60.0
+
+_SACCT_FIELDS = slurm_json.SACCT_FIELDS
 
 
 class SlurmEngine(LoggingConfigurable):
@@ -170,6 +182,10 @@ class SlurmEngine(LoggingConfigurable):
         self._types: dict[str, str] = {}
         #: each node's address (Slurm's NodeAddr) of the last inventory
         self._addresses: dict[str, str] = {}
+        #: what makes a job id's ``sacct`` record ours: its job's name and
+        #: the earliest time (aware UTC) it can have been submitted, from
+        #: ``sbatch`` or from ``squeue``'s view of the job
+        self._marks: dict[str, tuple[str, dt.datetime]] = {}
 
     # -- commands --------------------------------------------------------------
 
@@ -392,7 +408,7 @@ class SlurmEngine(LoggingConfigurable):
         type (``{"h100": 2}``), so that ``--gres`` names them
         (``gpu:h100:2``) and Slurm binds GPUs of the leased type on a node
         with several (``""``: no type)."""
-        args = ["sbatch", "--parsable", f"--job-name=gpubroker-lease-{spec.lease_id}"]
+        args = ["sbatch", "--parsable", f"--job-name={JOB_NAME_PREFIX}{spec.lease_id}"]
         comment = f"gpubroker lease {spec.lease_id}" + (f" launch {spec.tag}" if spec.tag else "")
         args += [f"--comment={comment}", "--no-requeue", "--export=ALL"]
         args += [f"--chdir={spec.cwd}", "--ntasks=1", "--open-mode=append"]
@@ -445,6 +461,7 @@ class SlurmEngine(LoggingConfigurable):
         env = {k: v for k, v in spec.env.items() if not gpus or k not in SLURM_SET}
         script = _script(spec, env)
         argv = self.sbatch_args(spec, node, gpus, types)
+        asked = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=SUBMIT_SKEW)
         try:
             out = self._run(argv, stdin=script, env=self._submit_env())
         except _TimedOut:
@@ -465,6 +482,7 @@ class SlurmEngine(LoggingConfigurable):
             raise EngineError(f"sbatch answered no job id: {out.strip()[:200]!r}")
         with self._lock:
             self._ours.add(job_id)
+            self._marks[job_id] = (f"{JOB_NAME_PREFIX}{spec.lease_id}", asked)
         self.log.info(
             "Slurm job %s submitted for lease %s on %s (%s GPUs)",
             job_id,
@@ -504,6 +522,7 @@ class SlurmEngine(LoggingConfigurable):
         job = min(mine, key=lambda j: int(j.get("job_id") or 0))
         view = slurm_json.job_view(job, self.cluster)
         node = view.node or str(job.get("required_nodes") or "")
+        self._remember([job])
         with self._lock:
             self._ours.add(view.job_id)
         self.log.info("Slurm job %s of launch %s found (%s)", view.job_id, tag, view.state)
@@ -573,11 +592,24 @@ class SlurmEngine(LoggingConfigurable):
         # already purged (MinJobAge), which would read as "unknown" forever;
         # --all: jobs in hidden partitions too
         answer = self._json(["squeue", "--json", "--all", "--states=all"])
-        return {
-            str(job.get("job_id")): slurm_json.job_view(job, self.cluster)
-            for job in answer.get("jobs") or []
-            if str(job.get("job_id")) in job_ids
-        }
+        jobs = [job for job in answer.get("jobs") or [] if str(job.get("job_id")) in job_ids]
+        self._remember(jobs)
+        return {str(job.get("job_id")): slurm_json.job_view(job, self.cluster) for job in jobs}
+
+    def _remember(self, jobs: Iterable[Mapping[str, Any]]) -> None:
+        """Note the name and submit time (``squeue``'s, UTC) of each of
+        ``jobs`` that this engine submitted (named :data:`JOB_NAME_PREFIX`
+        ...), so that its ``sacct`` record is told from another job's of the
+        same id once ``squeue`` forgets it (:meth:`_accounted`)."""
+        marks: dict[str, tuple[str, dt.datetime]] = {}
+        for job in jobs:
+            name = str(job.get("name") or "")
+            submitted = slurm_json.utc(job.get("submit_time"))
+            if name.startswith(JOB_NAME_PREFIX) and submitted is not None:
+                marks[str(job.get("job_id"))] = (name, submitted)
+        if marks:
+            with self._lock:
+                self._marks.update(marks)
 
     def _accounted(self, job_id: str) -> Status:
         """The final status ``sacct`` records of a job ``squeue`` (which
@@ -585,18 +617,39 @@ class SlurmEngine(LoggingConfigurable):
         ``sacct`` still says it pends or runs: slurmctld, which runs every
         job, knows it no more, so that record is a "runaway" one whose end
         slurmdbd never got (``sacctmgr show runawayjobs``), not a job that
-        still holds its GPUs."""
+        still holds its GPUs.
+
+        Slurm reuses job ids (a reset slurmctld starts again at
+        ``FirstJobId``), and ``sacct --jobs=ID`` gives the newest job of
+        that id, which may be another's (sacct(1), ``--duplicates``). So
+        ``sacct -D`` lists every record of the id, and only one of this
+        engine's jobs counts (:func:`~gpubroker.engines.slurm_json.sacct_pick`):
+        named :data:`JOB_NAME_PREFIX` plus a lease id, the very name and no
+        earlier submit time than this engine saw at ``sbatch``
+        (:data:`SUBMIT_SKEW` seconds of clock difference allowed) or in
+        ``squeue``, where it saw either; the newest such record wins.
+        ``lost`` when no record is ours."""
         try:
             out = self._run(
-                ["sacct", "-n", "-P", "-X", f"--jobs={job_id}", "-o", "State,ExitCode,Start,End"],
+                ["sacct", "-n", "-P", "-X", "-D", f"--jobs={job_id}", "-o", _SACCT_FIELDS],
                 env={**os.environ, "TZ": "UTC"},
             )
         except EngineError as err:
             self.log.debug("Slurm job %s: sacct: %s", job_id, err)
             return Status("lost")
-        status = slurm_json.sacct_status(out)
-        if status is None:
+        with self._lock:
+            name, since = self._marks.get(job_id, (None, None))
+        records = slurm_json.sacct_records(out)
+        record = slurm_json.sacct_pick(records, job_id, JOB_NAME_PREFIX, name, since)
+        if record is None:
+            if records:
+                self.log.warning(
+                    "Slurm job %s: sacct knows only other jobs of that id (%s): taken as lost",
+                    job_id,
+                    ", ".join(f"{r.name!r} submitted {r.submitted}" for r in records[:3]),
+                )
             return Status("lost")
+        status = record.status
         if status.running:
             self.log.warning(
                 "Slurm job %s: sacct says it still runs, but slurmctld no longer lists it "

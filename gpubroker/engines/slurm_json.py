@@ -254,7 +254,9 @@ def job_gpus(job: Mapping[str, Any]) -> dict[str, frozenset[int]]:
     return held
 
 
-def _utc(epoch: Any) -> datetime | None:
+def utc(epoch: Any) -> datetime | None:
+    """An aware UTC time of a Slurm epoch (seconds); ``None`` for 0,
+    none or one that is not a number (Slurm's "not set")."""
     try:
         seconds = int(epoch)
     except (TypeError, ValueError):
@@ -277,11 +279,11 @@ def job_status(job: Mapping[str, Any]) -> Status:
     ``exited`` with its exit code or signal, as :func:`final_status` reads
     it."""
     state = str(job.get("job_state") or "").upper()
-    started = _utc(job.get("start_time"))
+    started = utc(job.get("start_time"))
     if is_active(state):
         return Status("running", started=started)
     code, signum = wait_status(int(job.get("exit_code") or 0))
-    return final_status(state, code, signum, started, _utc(job.get("end_time")))
+    return final_status(state, code, signum, started, utc(job.get("end_time")))
 
 
 def final_status(
@@ -334,6 +336,75 @@ def sacct_status(text: str) -> Status | None:
     if signum is not None:
         code = None
     return final_status(state, code, signum, _sacct_time(start), _sacct_time(end))
+
+
+#: the ``sacct`` fields :func:`sacct_records` reads, in this order
+SACCT_FIELDS = "JobID,JobName,Submit,State,ExitCode,Start,End"
+
+
+@dataclass(frozen=True)
+class SacctRecord:
+    """One job record of ``sacct -n -P -X -D -o`` :data:`SACCT_FIELDS`.
+
+    Attributes:
+        job_id: Slurm's job id (``"42"``).
+        name: the job's name (``sbatch --job-name``).
+        submitted: when it was submitted (aware, UTC), ``None`` if unreadable.
+        status: its status, as :func:`sacct_status` reads it.
+    """
+
+    job_id: str
+    name: str
+    submitted: datetime | None
+    status: Status
+
+
+def sacct_records(text: str) -> list[SacctRecord]:
+    """The job records of ``sacct -n -P -X -D -o`` :data:`SACCT_FIELDS`
+    (``"42|gpubroker-lease-5|2026-12-03T07:07:20|COMPLETED|0:0|2026-12-03T07:07:24|
+    2026-12-03T07:08:00"``), in ``sacct``'s order; lines without a state are
+    left out. With ``--duplicates`` (``-D``) ``sacct`` lists every record of
+    a job id, also those of older jobs that had the same id before Slurm's
+    ids were reset (sacct(1), ``--duplicates``). Times are read as UTC (set
+    ``TZ=UTC`` for the command)."""
+    found: list[SacctRecord] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        job_id, name, submitted, rest = ([*line.split("|", 3), "", "", ""])[:4]
+        status = sacct_status(rest)
+        if status is None:
+            continue
+        found.append(SacctRecord(job_id.strip(), name, _sacct_time(submitted), status))
+    return found
+
+
+def sacct_pick(
+    records: Iterable[SacctRecord],
+    job_id: str,
+    prefix: str,
+    name: str | None = None,
+    since: datetime | None = None,
+) -> SacctRecord | None:
+    """The record of ``records`` that is the broker's job ``job_id``, or
+    ``None``: Slurm reuses job ids (a ``slurmctld`` whose state was reset
+    starts again at ``FirstJobId``), so a record of that id may be another
+    job's. A record counts only if its name starts with ``prefix`` (every
+    job the engine submits is named so), is ``name`` where that is known,
+    and was submitted at or after ``since`` (aware UTC) where that is
+    known; of those, the newest (latest submit time) wins."""
+    mine = [
+        r
+        for r in records
+        if r.job_id == job_id
+        and r.name.startswith(prefix)
+        and (name is None or r.name == name)
+        and (since is None or (r.submitted is not None and r.submitted >= since))
+    ]
+    if not mine:
+        return None
+    oldest = datetime.min.replace(tzinfo=timezone.utc)
+    return max(mine, key=lambda r: r.submitted or oldest)
 
 
 def _sacct_time(text: str) -> datetime | None:

@@ -1,0 +1,161 @@
+"""The Slurm engine's rules in cases the test cluster cannot make: a job id
+Slurm reused (after a reset of slurmctld's state ids start again at
+``FirstJobId``), which needs accounting (``sacct``, slurmdbd), absent from
+the test cluster. Slurm's commands are answered by a fake that behaves as
+Slurm 22.05 documents (``SlurmEngine._run`` replaced)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import pwd
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from gpubroker.engines import Handle, LaunchSpec
+from gpubroker.engines.slurm import SlurmEngine
+
+
+def _stamp(when: dt.datetime) -> str:
+    """A time as ``sacct`` prints it with ``TZ=UTC``."""
+    return when.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+class FakeSlurm:
+    """``squeue`` lists ``jobs``; ``sacct`` answers from ``records`` as
+    sacct(1) says: with ``--jobs`` only the newest record of each id (by
+    submit time) unless ``-D``/``--duplicates``; the fields that ``-o``
+    names, ``|``-separated (``-P``). Every call is recorded."""
+
+    def __init__(self) -> None:
+        self.jobs: list[dict[str, Any]] = []
+        self.records: list[dict[str, str]] = []
+        self.calls: list[list[str]] = []
+        self.next_id = 77
+
+    def __call__(self, argv: Sequence[str], stdin: str | None = None, env: Any = None) -> str:
+        self.calls.append(list(argv))
+        if argv[0] == "squeue":
+            return json.dumps({"jobs": self.jobs, "errors": []})
+        if argv[0] == "sinfo":
+            node = {"name": "n1", "address": "10.0.0.1", "state": "idle", "gres": "gpu:h100:4"}
+            return json.dumps({"nodes": [node], "errors": []})
+        if argv[0] == "sbatch":
+            return f"{self.next_id}\n"
+        if argv[0] == "sacct":
+            return self._sacct(argv)
+        raise AssertionError(f"unexpected command {argv}")
+
+    def _sacct(self, argv: Sequence[str]) -> str:
+        ids = {a.partition("=")[2] for a in argv if a.startswith("--jobs=")}
+        fields = argv[list(argv).index("-o") + 1].split(",")
+        chosen = [r for r in self.records if r["JobID"] in ids]
+        if "-D" not in argv and "--duplicates" not in argv:
+            newest: dict[str, dict[str, str]] = {}
+            for record in sorted(chosen, key=lambda r: r["Submit"]):
+                newest[record["JobID"]] = record
+            chosen = list(newest.values())
+        return "".join("|".join(r[f] for f in fields) + "\n" for r in chosen)
+
+
+def _engine(monkeypatch: pytest.MonkeyPatch, fake: FakeSlurm) -> SlurmEngine:
+    engine = SlurmEngine(cluster="c")
+    monkeypatch.setattr(engine, "_run", fake)
+    return engine
+
+
+def _record(
+    job_id: str, name: str, submitted: dt.datetime, state: str, code: str
+) -> dict[str, str]:
+    start = submitted + dt.timedelta(seconds=5)
+    end = submitted + dt.timedelta(minutes=3)
+    return {
+        "JobID": job_id,
+        "JobName": name,
+        "Submit": _stamp(submitted),
+        "State": state,
+        "ExitCode": code,
+        "Start": _stamp(start),
+        "End": "Unknown" if state == "RUNNING" else _stamp(end),
+    }
+
+
+def test_sacct_reads_this_engines_job_not_a_newer_one_that_reused_its_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the broker submits job 77 (lease 5); slurmctld's state is then reset
+    # (ids start again at FirstJobId) and someone's later job gets id 77
+    # too. squeue no longer lists ours; sacct --jobs=77 gives the newest
+    # record of that id, the other job's success, unless asked for all
+    me = pwd.getpwuid(os.getuid()).pw_name
+    fake = FakeSlurm()
+    engine = _engine(monkeypatch, fake)
+    now = dt.datetime.now(dt.timezone.utc)
+    handle = engine.launch(
+        LaunchSpec(argv=("true",), env={}, cwd="/tmp", user=me, lease_id=5, devices=())
+    )
+    assert handle.id == "77"
+    fake.records = [
+        _record("77", "gpubroker-lease-5", now, "FAILED", "3:0"),
+        _record("77", "train", now + dt.timedelta(hours=2), "COMPLETED", "0:0"),
+    ]
+    status = engine.poll(handle)
+    assert (status.state, status.exit_code) == ("exited", 3)
+    assert engine.poll_many([handle])["77"].exit_code == 3
+
+
+def test_sacct_after_a_restart_takes_only_a_record_of_a_job_the_engine_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a restarted broker (nothing in memory) polls job 77 of its lease 5,
+    # gone from squeue; the newest record of id 77 is another user's job
+    # (running): that is not ours, and ours ended with status 0
+    fake = FakeSlurm()
+    engine = _engine(monkeypatch, fake)
+    then = dt.datetime(2026, 12, 1, 7, 0, tzinfo=dt.timezone.utc)
+    fake.records = [
+        _record("77", "gpubroker-lease-5", then, "COMPLETED", "0:0"),
+        _record("77", "bash", then + dt.timedelta(days=1), "RUNNING", "0:0"),
+    ]
+    status = engine.poll(Handle("slurm", "77", ""))
+    assert (status.state, status.exit_code) == ("exited", 0)
+    # only others' records: lost, not theirs
+    fake.records = [_record("77", "bash", then, "COMPLETED", "0:0")]
+    assert engine.poll(Handle("slurm", "77", "")).state == "lost"
+
+
+def test_sacct_skips_an_older_record_of_the_same_name_submitted_before_ours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # squeue told the engine when job 78 (lease 9) was submitted; an older
+    # record with the same id and name (before a reset, from a broker whose
+    # lease ids started over too) is not it, even where it is the newest
+    fake = FakeSlurm()
+    engine = _engine(monkeypatch, fake)
+    submitted = dt.datetime(2026, 12, 5, 9, 0, tzinfo=dt.timezone.utc)
+    fake.jobs = [
+        {
+            "job_id": 78,
+            "name": "gpubroker-lease-9",
+            "job_state": "RUNNING",
+            "submit_time": int(submitted.timestamp()),
+            "start_time": int(submitted.timestamp()) + 3,
+            "nodes": "n1",
+            "exit_code": 0,
+        }
+    ]
+    assert engine.poll(Handle("slurm", "78", "")).running
+    fake.jobs = []  # purged from squeue (MinJobAge)
+    fake.records = [
+        _record("78", "gpubroker-lease-9", submitted, "TIMEOUT", "0:15"),
+        _record("78", "gpubroker-lease-9", submitted - dt.timedelta(days=30), "COMPLETED", "0:0"),
+    ]
+    status = engine.poll(Handle("slurm", "78", ""))
+    assert status.timed_out
+    fake.records = [
+        _record("78", "gpubroker-lease-9", submitted - dt.timedelta(days=30), "COMPLETED", "0:0")
+    ]
+    assert engine.poll(Handle("slurm", "78", "")).state == "lost"
