@@ -60,7 +60,9 @@ protocol.
 * **Signals and stop**: ``scancel --full --signal=N`` (the batch shell and
   every process of the job); :meth:`SlurmEngine.stop` sends SIGTERM, waits
   ``grace`` seconds, then ``scancel`` (Slurm's SIGKILL after its
-  ``KillWait``).
+  ``KillWait``), and waits for the job to end as long as Slurm will before
+  its SIGKILL plus ``stop_margin`` (``KillWait`` read once from ``scontrol
+  show config``).
 
 Units: seconds (timeouts, intervals, limits), GiB (memory), UTC.
 """
@@ -96,8 +98,11 @@ SLURM_SET = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "GPU_DEVICE_ORDIN
 #: seconds between looks while :meth:`SlurmEngine.stop` waits
 _STOP_POLL = 0.5
 
-#: seconds :meth:`SlurmEngine.stop` waits after the final ``scancel``
+#: seconds Slurm waits between SIGTERM and SIGKILL when the cluster's
+#: ``KillWait`` cannot be read (Slurm's default, slurm.conf(5))
 KILL_WAIT = 30.0
+
+_KILL_WAIT_LINE = re.compile(r"^\s*KillWait\s*=\s*(\d+)", re.MULTILINE)
 
 #: how every job this engine submits is named (``--job-name``), followed
 #: by its lease id: a record of another job that had the same id is not ours
@@ -121,7 +126,7 @@ class SlurmEngine(LoggingConfigurable):
 
     bin_dir = Unicode(
         "",
-        help="Directory of Slurm's commands (sinfo, squeue, sbatch, scancel, sacct); "
+        help="Directory of Slurm's commands (sinfo, squeue, sbatch, scancel, sacct, scontrol); "
         "'' finds each on the broker's PATH.",
     ).tag(config=True)
 
@@ -169,9 +174,19 @@ class SlurmEngine(LoggingConfigurable):
         80.0, help="GPU memory in GiB of a GRES type not in gpu_memory_gib."
     ).tag(config=True)
 
+    stop_margin = Float(
+        10.0,
+        help="Seconds a stop waits for a job to end beyond the cluster's KillWait "
+        "(read once from 'scontrol show config') after its scancel: Slurm sends "
+        "SIGKILL KillWait seconds after SIGTERM, then runs the epilog and ends the "
+        "job. A job still running then makes the stop report it running.",
+    ).tag(config=True)
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._lock = threading.Lock()
+        #: the cluster's KillWait in seconds, once read
+        self._kill_wait: float | None = None
         #: job ids this engine launched or was asked to poll (its own jobs)
         self._ours: set[str] = set()
         #: server jobs the broker's leases name now (replaced by each adopt)
@@ -677,7 +692,8 @@ class SlurmEngine(LoggingConfigurable):
     def stop(self, handle: Handle, grace: float) -> Status:
         """SIGTERM to every process of the job, ``grace`` seconds, then
         ``scancel`` (Slurm kills what is left after its ``KillWait``); waits
-        up to :data:`KILL_WAIT` seconds more for the job to end. A job whose
+        up to the cluster's ``KillWait`` (:meth:`kill_wait`) plus
+        ``stop_margin`` seconds more for the job to end. A job whose
         batch script has not started (pending, held, requeued, being set
         up) has no processes, and ``scancel --signal`` on it hangs until
         the command's timeout on 22.05: it is cancelled at once.
@@ -698,8 +714,29 @@ class SlurmEngine(LoggingConfigurable):
             except EngineError as err:
                 if not _gone(str(err)):
                     raise
-            status = self._wait(handle, KILL_WAIT)
+            status = self._wait(handle, self.kill_wait() + self.stop_margin)
         return status
+
+    def kill_wait(self) -> float:
+        """Seconds Slurm waits between a ``scancel``'s SIGTERM and its
+        SIGKILL: the cluster's ``KillWait`` (``scontrol show config``), read
+        once and kept; :data:`KILL_WAIT` (Slurm's default) while it cannot
+        be read (logged; read again next time). Never raises."""
+        with self._lock:
+            known = self._kill_wait
+        if known is not None:
+            return known
+        try:
+            match = _KILL_WAIT_LINE.search(self._run(["scontrol", "show", "config"]))
+        except EngineError as err:
+            match = None
+            self.log.warning("Cannot read Slurm's KillWait (%s): taking %gs", err, KILL_WAIT)
+        if match is None:
+            return KILL_WAIT
+        seconds = float(match.group(1))
+        with self._lock:
+            self._kill_wait = seconds
+        return seconds
 
     def _wait(self, handle: Handle, seconds: float) -> Status:
         deadline = time.monotonic() + seconds

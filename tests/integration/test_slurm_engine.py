@@ -199,6 +199,17 @@ def test_stop_kills_a_job_that_ignores_sigterm(engine: SlurmEngine, tmp_path: Pa
     assert status.signal is not None or status.exit_code != 0
 
 
+def test_the_engine_waits_by_the_clusters_own_kill_wait(
+    engine: SlurmEngine, tmp_path: Path
+) -> None:
+    # the test cluster's slurm.conf says KillWait=5 (Slurm's default is 30):
+    # a stop waits that long after its scancel, plus stop_margin
+    assert engine.kill_wait() == 5.0
+    # without scontrol (or while it fails): Slurm's default, read again later
+    blind = SlurmEngine(slurm_conf=engine.slurm_conf, bin_dir=str(tmp_path))
+    assert blind.kill_wait() == 30.0
+
+
 def test_stop_cancels_a_job_still_pending_at_once(
     engine: SlurmEngine, slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:

@@ -159,3 +159,81 @@ def test_sacct_skips_an_older_record_of_the_same_name_submitted_before_ours(
         _record("78", "gpubroker-lease-9", submitted - dt.timedelta(days=30), "COMPLETED", "0:0")
     ]
     assert engine.poll(Handle("slurm", "78", "")).state == "lost"
+
+
+class Clock:
+    """A monotonic clock that ``sleep`` moves on: waits take no time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class StubbornJob(FakeSlurm):
+    """Job 90 runs and ignores SIGTERM; after ``scancel`` Slurm ends it
+    ``kill_wait`` seconds later (SIGKILL) plus 2 s of cleanup. ``scontrol
+    show config`` says ``KillWait = kill_wait sec`` as 22.05 prints it."""
+
+    def __init__(self, clock: Clock, kill_wait: int) -> None:
+        super().__init__()
+        self.clock = clock
+        self.kill_wait = kill_wait
+        self.killed_at: float | None = None
+
+    def _state(self) -> str:
+        if self.killed_at is not None and self.clock.now >= self.killed_at:
+            return "CANCELLED"
+        return "RUNNING"
+
+    def __call__(self, argv: Sequence[str], stdin: str | None = None, env: Any = None) -> str:
+        if argv[0] == "scontrol" and list(argv[1:3]) == ["show", "config"]:
+            self.calls.append(list(argv))
+            return (
+                "Configuration data as of 2026-12-06T20:00:00\n"
+                "JobAcctGatherType       = jobacct_gather/none\n"
+                f"KillWait                = {self.kill_wait} sec\n"
+                "MinJobAge               = 300 sec\n"
+            )
+        if argv[0] == "scancel":
+            self.calls.append(list(argv))
+            if not any(a.startswith("--signal") for a in argv) and self.killed_at is None:
+                self.killed_at = self.clock.now + self.kill_wait + 2
+            return ""
+        state = self._state()
+        self.jobs = [
+            {
+                "job_id": 90,
+                "name": "gpubroker-lease-3",
+                "job_state": state,
+                "nodes": "n1",
+                "batch_host": "n1",
+                "exit_code": 0 if state == "RUNNING" else 9,
+                "start_time": 1796281000,
+                "end_time": 0 if state == "RUNNING" else 1796281690,
+            }
+        ]
+        return super().__call__(argv, stdin, env)
+
+
+def test_stop_waits_for_the_clusters_kill_wait_not_a_fixed_30s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # KillWait=60 on this cluster: Slurm sends SIGKILL 60 s after scancel's
+    # SIGTERM. A stop that gives up after 30 s reports a job running that
+    # Slurm is about to end (its lease is then kept or the job's end lost)
+    from gpubroker.engines import slurm as slurm_module
+
+    clock = Clock()
+    monkeypatch.setattr(slurm_module, "time", clock)
+    fake = StubbornJob(clock, kill_wait=60)
+    engine = _engine(monkeypatch, fake)
+    status = engine.stop(Handle("slurm", "90", ""), grace=1.0)
+    assert not status.running and status.signal == 9
+    assert engine.kill_wait() == 60.0
+    # read once and kept
+    assert [c for c in fake.calls if c[0] == "scontrol"] == [["scontrol", "show", "config"]]

@@ -91,6 +91,8 @@ class Canned:
             return json.dumps({"jobs": self.jobs, "errors": []})
         if argv[0] == "sbatch":
             return "77\n"
+        if argv[0] == "scontrol":
+            return "KillWait                = 30 sec\n"
         if argv[0] in ("scancel", "sacct"):
             if argv[0] == "scancel" and len(argv) == 2:
                 for job in self.jobs:
