@@ -16,11 +16,13 @@ On top of :class:`dockerspawner.DockerSpawner` (whose settings all apply):
   host's would let users' containers read each other's shared memory; a
   share's ``CUDA_MPS_*`` variables are dropped (its memory caps and the
   watchdog still apply) and a warning is logged;
-* containers are removed when they stop (``remove`` defaults to True): the
-  device request is fixed when a container is made, so a container left
-  from an earlier lease (``remove = False``) is made anew when its devices
-  or lease variables differ from the new lease's (its writable layer is
-  lost: keep users' files in ``volumes``);
+* containers are removed when they stop (``remove`` defaults to True), by
+  the spawner, after it has read how they ended (Docker's ``auto_remove``
+  is always off: it would delete the exit status and the ``OOMKilled``
+  flag with the container); the device request is fixed when a container
+  is made, so a container left from an earlier lease (``remove = False``)
+  is made anew when its devices or lease variables differ from the new
+  lease's (its writable layer is lost: keep users' files in ``volumes``);
 * the container's id and its engine's ID are told to the broker with the
   server's URL, so the broker's reconciliation asks that Docker engine
   whether the container still runs (a container killed or removed out of band releases its lease
@@ -30,7 +32,17 @@ On top of :class:`dockerspawner.DockerSpawner` (whose settings all apply):
   container is made, after the lease is granted.
 
 Stopping the server (or the container dying, found by ``poll()``) releases
-the lease, as with the local spawners.
+the lease, as with the local spawners, with how the container ended
+(``"server exited (status 137: killed for running out of memory
+(OOMKilled))"``). ``poll()`` asks Docker about the container it made (by
+id): only Docker's answer that the container is gone (404) or has stopped
+ends the lease; any other error (an engine answering 500, or not
+answering) leaves the server taken for running and the lease kept.
+A start that fails after the container was started (say
+``get_ip_and_port()`` cannot find ``network_name``) stops and removes the
+container before the lease is released; if that cleanup fails the lease
+is kept and the container reported to the broker, whose reconciliation
+stops it.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from docker.errors import NotFound
 from dockerspawner import DockerSpawner
 from jupyterhub.utils import random_port
 from traitlets import Unicode, default
@@ -83,8 +96,28 @@ def _merged(configured: dict[str, Any], gpu: dict[str, Any]) -> dict[str, Any]:
     """``configured`` host config with the GPU part on top. The device
     requests are always the lease's (none without one): a configured
     request (say ``count: -1``, every GPU) would hand out devices the
-    broker does not know are taken."""
-    return dict(configured) | {"device_requests": gpu.get("device_requests", [])}
+    broker does not know are taken. ``auto_remove`` is always off: Docker
+    would delete an ended container before its exit status (and whether
+    the kernel killed it for memory) is read; the spawner removes it
+    itself (``remove``)."""
+    return dict(configured) | {
+        "device_requests": gpu.get("device_requests", []),
+        "auto_remove": False,
+    }
+
+
+def exit_reason(state: dict[str, Any]) -> str:
+    """The release reason of a container that has ended, from its inspect
+    data's ``State``: ``"server exited (status 137: killed for running out
+    of memory (OOMKilled))"``, ``"server exited (status 0)"``, with
+    Docker's ``Error`` when it gives one."""
+    code = int(state.get("ExitCode") or 0)
+    notes = []
+    if state.get("OOMKilled"):
+        notes.append("killed for running out of memory (OOMKilled)")
+    if state.get("Error"):
+        notes.append(f"Docker: {state['Error']}")
+    return f"server exited (status {code}{': ' + '; '.join(notes) if notes else ''})"
 
 
 def is_stale(container: dict[str, Any], env: dict[str, str]) -> bool:
@@ -192,6 +225,90 @@ class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
             await self.remove_object()
             self.object_id = (await self.create_object())[self.object_id_key]
             self._made_now = False
+
+    #: how the container ended, as :meth:`gpu_poll_server` last found it
+    _gpu_exit: str | None = None
+
+    async def gpu_poll_server(self) -> int | None:
+        """Ask Docker about this server's container (its remembered id, else
+        its name).
+
+        Returns:
+            None while it runs, and while Docker cannot say (an error other
+            than 404, e.g. a 500 from an unhealthy engine, or no answer: the
+            container may still hold the lease's devices); else its exit
+            status (0 when Docker no longer knows it). An ended container
+            is removed here when ``remove`` is set, after its end was read.
+        """
+        target = self.object_id or self.object_name
+        try:
+            container = await self.docker("inspect_container", target)
+        except NotFound:
+            self.log.warning(
+                "%s: container %s is gone from the Docker engine", self._log_name, target[:12]
+            )
+            self._gpu_exit = (
+                f"server's container {target[:12]} is gone from the Docker engine "
+                "(exit status unknown)"
+            )
+            self.object_id = ""
+            return 0
+        except Exception as err:
+            self.log.warning(
+                "%s: cannot read container %s (%s); taking it for running, its lease is kept",
+                self._log_name,
+                target[:12],
+                err,
+            )
+            return None
+        state = container.get("State") or {}
+        if state.get("Running"):
+            return None
+        self._gpu_exit = exit_reason(state)
+        self.log.info("%s: container %s ended: %s", self._log_name, target[:12], self._gpu_exit)
+        if self.remove:
+            try:
+                await self.remove_object()
+            except Exception as err:
+                self.log.warning(
+                    "%s: cannot remove ended container %s: %s", self._log_name, target[:12], err
+                )
+        return int(state.get("ExitCode") or 0)
+
+    def gpu_exit_reason(self, status: Any) -> str:
+        """How the container ended, as :meth:`gpu_poll_server` read it."""
+        reason, self._gpu_exit = self._gpu_exit, None
+        return reason or super().gpu_exit_reason(status)
+
+    async def gpu_clean_up_failed_start(self) -> bool:
+        """Stop the container of a start that failed (and remove it when
+        ``remove`` is set), so the lease's devices are free before the
+        lease is released.
+
+        Returns:
+            True when no container of this start is left running; False
+            when Docker could not stop or remove it (logged; the container
+            is then reported to the broker, whose reconciliation stops it
+            and releases the lease).
+        """
+        if not self.object_id:
+            return True
+        container = self.object_id
+        try:
+            await self.stop_object()
+            if self.remove:
+                await self.remove_object()
+                self.object_id = ""
+        except Exception as err:
+            self.log.error(
+                "%s: cannot stop container %s of the start that failed: %s",
+                self._log_name,
+                container[:12],
+                err,
+            )
+            await self._report_url((self.ip or "127.0.0.1", self.port))
+            return False
+        return True
 
     async def get_ip_and_port(self) -> tuple[str, int]:
         """``(host_ip, port)`` on the host network, else DockerSpawner's answer."""

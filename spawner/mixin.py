@@ -701,7 +701,15 @@ class GPUSpawnerMixin(LoggingConfigurable):
         try:
             url = await maybe_future(super().start())  # type: ignore[misc]
         except BaseException:
-            await self._release("server failed to start")
+            if await self.gpu_clean_up_failed_start():
+                await self._release("server failed to start")
+            else:
+                self.log.warning(
+                    "%s: the server failed to start and what it started could not be "
+                    "cleaned up; lease %s is kept until it is stopped",
+                    self._log_name,
+                    self.gpu_lease_id,
+                )
             raise
         await self._report_url(url)
         return url
@@ -718,6 +726,20 @@ class GPUSpawnerMixin(LoggingConfigurable):
             await self.broker.set_server_url(self.gpu_lease_id, full, **record)
         except BrokerClientError as err:
             self.log.warning("Could not report the server URL to the broker: %s", err)
+
+    async def gpu_clean_up_failed_start(self) -> bool:
+        """Undo what a start that failed after the lease was granted had
+        started (e.g. a container that runs), before the lease is released.
+
+        Returns:
+            True when nothing of the server can still hold the lease's
+            devices (the lease is then released); False when some of it may
+            still run (the lease is kept: the hub's stop of the failed
+            server, or the broker's reconciliation, ends it). Here: True
+            (the parent spawner cleans up after itself);
+            :class:`DockerGPUSpawner` stops and removes its container.
+        """
+        return True
 
     async def gpu_server_record(self) -> dict[str, str]:
         """What the broker is told about the started server besides its URL
@@ -901,12 +923,22 @@ class GPUSpawnerMixin(LoggingConfigurable):
             None while the server runs, else its exit status.
         """
         lease_id = self.gpu_lease_id
-        status: int | None = await maybe_future(super().poll())  # type: ignore[misc]
+        status: Any = await self.gpu_poll_server()
         if status is not None and lease_id is not None and not self._gpu_stopping:
             self.gpu_lease_id = None
             self.gpu_restart_of = lease_id
-            await self._release(f"server exited (status {status})", lease_id)
-        return status
+            await self._release(self.gpu_exit_reason(status), lease_id)
+        return status  # type: ignore[no-any-return]
+
+    async def gpu_poll_server(self) -> Any:
+        """The parent spawner's ``poll()``: None while the server runs, else
+        its exit status. :class:`DockerGPUSpawner` asks Docker about its
+        own container, and answers None when Docker cannot say."""
+        return await maybe_future(super().poll())  # type: ignore[misc]
+
+    def gpu_exit_reason(self, status: Any) -> str:
+        """The release reason of a server found exited with ``status``."""
+        return f"server exited (status {status})"
 
     async def stop(self, now: bool = False) -> None:
         """Stop the server, then release its lease (reason: server stopped).

@@ -4,8 +4,13 @@ spawner runs against a real engine in tests/integration/test_docker_spawner_hub.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
+from typing import Any
 
+import pytest
+import requests
+from docker.errors import APIError, NotFound
 from jupyterhub.objects import Hub
 
 from gpubroker.enforce.caps import STARTUP_DIR
@@ -13,17 +18,27 @@ from gpubroker_spawner.docker import (
     DockerGPUSpawner,
     _merged,
     device_ids,
+    exit_reason,
     gpu_host_config,
     is_stale,
 )
+
+from .test_spawner_faults import Broker
+
+
+@pytest.fixture
+async def broker() -> AsyncIterator[Broker]:
+    """The stand-in broker of the spawner's fault tests (a real Tornado server)."""
+    stub = Broker()
+    yield stub
+    await stub.stop()
 
 
 def make_spawner(**kwargs) -> DockerGPUSpawner:
     user = SimpleNamespace(name="ann", url="/user/ann/", escaped_name="ann", id=1)
     hub = Hub(ip="127.0.0.1", port=8081, base_url="/hub/")
-    return DockerGPUSpawner(
-        user=user, hub=hub, broker_url="http://broker:10101/services/gpubroker/", **kwargs
-    )
+    kwargs.setdefault("broker_url", "http://broker:10101/services/gpubroker/")
+    return DockerGPUSpawner(user=user, hub=hub, **kwargs)
 
 
 def test_the_device_request_names_exactly_the_leased_uuids() -> None:
@@ -125,3 +140,69 @@ def test_on_the_host_network_nothing_is_published() -> None:
     assert make_spawner(network_name="host").use_internal_ip is True
     assert make_spawner(network_name="bridge").use_internal_ip is False
     assert make_spawner(network_name="gpubroker").use_internal_ip is True
+
+
+# -- poll(): only Docker's own answer ends a lease ------------------------------------
+
+
+def api_error(status: int) -> APIError:
+    response = requests.Response()
+    response.status_code = status
+    return (NotFound if status == 404 else APIError)(f"{status} error", response=response)
+
+
+async def test_a_docker_500_on_poll_keeps_the_server_and_its_lease(broker: Broker) -> None:
+    """dockerspawner takes a 500 on inspect for "gone" and forgets the
+    container; the container may still run on the lease's devices."""
+    spawner = make_spawner(broker_url=broker.url)
+    spawner.object_id = "ab" * 32
+    spawner.gpu_lease_id = 7
+    asked: list[tuple] = []
+
+    async def docker(method: str, *args: Any, **kwargs: Any) -> Any:
+        asked.append((method, *args))
+        raise api_error(500)
+
+    spawner.docker = docker
+    assert await spawner.poll() is None
+    assert broker.released == {}
+    assert spawner.gpu_lease_id == 7 and spawner.object_id == "ab" * 32
+    assert asked == [("inspect_container", "ab" * 32)]  # the remembered id, not the name
+
+    async def unreachable(method: str, *args: Any, **kwargs: Any) -> Any:
+        raise requests.ConnectionError("connection refused")
+
+    spawner.docker = unreachable
+    assert await spawner.poll() is None
+    assert broker.released == {} and spawner.gpu_lease_id == 7
+
+    async def gone(method: str, *args: Any, **kwargs: Any) -> Any:
+        raise api_error(404)
+
+    spawner.docker = gone
+    assert await spawner.poll() == 0
+    assert broker.released == {
+        7: f"server's container {'ab' * 6} is gone from the Docker engine (exit status unknown)"
+    }
+
+
+async def test_an_oom_kill_is_the_release_reason(broker: Broker) -> None:
+    spawner = make_spawner(broker_url=broker.url, remove=False)
+    spawner.object_id = "cd" * 32
+    spawner.gpu_lease_id = 8
+    state = {"Running": False, "ExitCode": 137, "OOMKilled": True, "Error": ""}
+
+    async def docker(method: str, *args: Any, **kwargs: Any) -> Any:
+        assert method == "inspect_container"
+        return {"Id": "cd" * 32, "State": state}
+
+    spawner.docker = docker
+    assert await spawner.poll() == 137
+    assert broker.released == {
+        8: "server exited (status 137: killed for running out of memory (OOMKilled))"
+    }
+    assert exit_reason({"ExitCode": 0, "Error": ""}) == "server exited (status 0)"
+
+
+def test_docker_never_removes_a_container_before_its_end_is_read() -> None:
+    assert _merged({"auto_remove": True}, gpu_host_config({}))["auto_remove"] is False
