@@ -21,6 +21,11 @@ container, off the event loop, and:
   then releases its lease with the stop's reason: the devices never go to
   the next holder while the container still runs
   (``ServerStops.followed``);
+* never stops a container that is not the lease's: one whose environment
+  does not hold ``GPUBROKER_LEASE_ID=<the lease's id>`` (as
+  ``DockerGPUSpawner`` sets it) is left running and its lease kept, with
+  an error logged (an admin may have recorded another container's id on
+  the lease: ``PATCH /leases/{id}``);
 * does nothing when Docker cannot be read (the state is unknown, no lease
   is ended on it), and leaves containers of another engine, or of one the
   spawner could not name, to the hub's reconciliation (a container this
@@ -40,6 +45,9 @@ from gpubroker.engines.docker import DockerEngine
 
 ORPHAN_GRACE = 10.0
 """Seconds a container the broker stops gets between SIGTERM and SIGKILL."""
+
+LEASE_VARIABLE = "GPUBROKER_LEASE_ID"
+"""The variable of a lease's container that names the lease (its id)."""
 
 if TYPE_CHECKING:
     from gpubroker.core import Broker
@@ -67,6 +75,8 @@ class DockerServers:
         #: the ID of the engine asked, once it has answered
         self.here: str | None = None
         self._suspects: set[int] = set()
+        #: (lease id, container id) refused a stop: not the lease's container
+        self._foreign: set[tuple[int, str]] = set()
 
     def watched(self) -> dict[int, LeaseRef]:
         """Granted server leases that name a container, by lease id."""
@@ -183,6 +193,15 @@ class DockerServers:
             )
             handle = Handle(docker.name, container, docker.node)
             try:
+                env = await asyncio.to_thread(docker.container_env, container)
+            except EngineError as err:
+                self.log.warning("Cannot read container %s: %s", container[:12], err)
+                return None
+            named = None if env is None else env.get(LEASE_VARIABLE)
+            if env is not None and named != str(lease.id):
+                self._refuse(lease, container, named)
+                return None
+            try:
                 await asyncio.to_thread(docker.stop, handle, ORPHAN_GRACE)
             except EngineError as err:
                 self.log.warning("Cannot stop container %s: %s", container[:12], err)
@@ -191,3 +210,24 @@ class DockerServers:
 
         done = await asyncio.gather(*(stop(lease, why) for lease, why in doomed))
         return dict(x for x in done if x is not None)
+
+    def _refuse(self, lease: LeaseRef, container: str, named: str | None) -> None:
+        """Log (as an error the first time, then at debug level) that the
+        container recorded on ``lease`` is not stopped: its environment
+        names lease ``named`` (``None``: no lease), not this one."""
+        key = (lease.id, container)
+        log = self.log.debug if key in self._foreign else self.log.error
+        self._foreign.add(key)
+        log(
+            "Not stopping container %s recorded on lease %s (server %s/%s): its %s is %s, "
+            "not %s, so it is not this lease's container; the lease is kept: stop the "
+            "server's real container, or release the lease (DELETE /leases/%s)",
+            container[:12],
+            lease.id,
+            lease.user,
+            lease.server_name,
+            LEASE_VARIABLE,
+            "unset" if named is None else repr(named),
+            lease.id,
+            lease.id,
+        )

@@ -328,6 +328,19 @@ class DockerEngine(LoggingConfigurable):
         container = self._container(Handle(self.name, container_id, self.node))
         return Status("lost") if container is None else _status(container.attrs)
 
+    def container_env(self, container_id: str) -> dict[str, str] | None:
+        """The environment (``Config.Env``) of any container of this
+        engine, read only; ``None`` when Docker knows no such container.
+
+        Raises:
+            EngineError: Docker cannot be read.
+        """
+        container = self._container(Handle(self.name, container_id, self.node))
+        if container is None:
+            return None
+        pairs = container.attrs.get("Config", {}).get("Env") or []
+        return dict(x.split("=", 1) for x in pairs if "=" in x)
+
     def engine_id(self) -> str:
         """The ID of the Docker engine this talks to (``docker info``'s ``ID``).
 

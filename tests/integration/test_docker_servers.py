@@ -45,13 +45,23 @@ def engine(private_docker: dockerutil.PrivateDocker) -> Iterator[DockerEngine]:
 
 
 def serve(
-    broker: Broker, client: Any, image: str, engine: DockerEngine, user: str
+    broker: Broker,
+    client: Any,
+    image: str,
+    engine: DockerEngine,
+    user: str,
+    env: dict[str, str] | None = None,
 ) -> tuple[dict, Any]:
     """A granted server lease of ``user`` whose container runs (as
-    DockerGPUSpawner records one)."""
+    DockerGPUSpawner records one: its environment names the lease, unless
+    ``env`` is given)."""
     lease = broker.request_lease(user, "", gpus=1)
     container = client.containers.run(
-        image, ["/bin/sleep", "600"], network_mode="none", detach=True
+        image,
+        ["/bin/sleep", "600"],
+        network_mode="none",
+        detach=True,
+        environment={"GPUBROKER_LEASE_ID": str(lease["id"])} if env is None else env,
     )
     broker.set_server_url(
         lease["id"], f"http://127.0.0.1:9/user/{user}/", container.id, engine.engine_id()
@@ -159,3 +169,32 @@ def test_nothing_is_released_while_docker_cannot_be_read(
             gc.collect()
     assert broker.get_lease(lease["id"])["state"] == "granted"
     container.remove(force=True)
+
+
+@pytest.mark.parametrize("env", [{}, {"GPUBROKER_LEASE_ID": "999"}])
+def test_a_container_not_of_the_lease_is_never_stopped(
+    db_url: str,
+    docker_client: Any,
+    engine: DockerEngine,
+    private_docker: dockerutil.PrivateDocker,
+    caplog: pytest.LogCaptureFixture,
+    env: dict[str, str],
+) -> None:
+    """An admin recorded another container's id on a lease (``PATCH
+    /leases/{id}``): the broker does not stop it, though the hub has lost
+    the lease's server, and says why."""
+    broker = make_broker(db_url)
+    servers = DockerServers(broker, lambda: engine, LOG)
+    lease, foreign = serve(broker, docker_client, private_docker.image, engine, "ann", env)
+    with caplog.at_level(logging.DEBUG, logger=LOG.name):
+        for _ in range(3):
+            assert reconcile(broker, servers, set()) == []
+    foreign.reload()
+    assert foreign.status == "running"
+    assert broker.get_lease(lease["id"])["state"] == "granted"
+    refused = [r for r in caplog.records if r.getMessage().startswith("Not stopping container")]
+    assert [r.levelno for r in refused] == [logging.ERROR, logging.DEBUG]  # said once loudly
+    assert f"{foreign.id[:12]} recorded on lease {lease['id']}" in refused[0].getMessage()
+    assert "GPUBROKER_LEASE_ID is " in refused[0].getMessage()
+    foreign.remove(force=True)
+    assert reconcile(broker, servers, set()) == [lease["id"]]  # gone: its lease ends
