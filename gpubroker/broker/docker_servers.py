@@ -8,8 +8,12 @@ container, not the hub's listing. Every ``GPUBrokerApp.reconcile_interval``
 it asks the engine at ``DockerEngine.docker_url`` about every recorded
 container, off the event loop, and:
 
-* releases the lease of a container that has exited or is gone, with
-  what Docker said (``"exited with status 137"``);
+* releases the lease of a container found exited or gone in two
+  reconciliations in a row, with what Docker said (``"exited with status
+  137"``): a server the hub stops is one whose container has ended just
+  before the spawner's own release (``server stopped``, or how it died),
+  which comes in between and is kept; an ended container holds no device,
+  so the wait costs nothing;
 * stops a running container (SIGTERM to its processes,
   :data:`ORPHAN_GRACE` seconds, SIGKILL) whose server the hub has not
   listed in two reconciliations in a row (a stop that failed: JupyterHub
@@ -75,6 +79,8 @@ class DockerServers:
         #: the ID of the engine asked, once it has answered
         self.here: str | None = None
         self._suspects: set[int] = set()
+        #: leases whose container the last round found ended
+        self._ended: set[int] = set()
         #: (lease id, container id) refused a stop: not the lease's container
         self._foreign: set[tuple[int, str]] = set()
 
@@ -112,6 +118,7 @@ class DockerServers:
         watched = self.watched()
         if not watched:
             self._suspects = set()
+            self._ended = set()
             return []
         docker = self.engine()
         asked = {x.id: (x.container_id or "", x.docker_engine) for x in watched.values()}
@@ -131,6 +138,9 @@ class DockerServers:
                 docker.docker_url or "from DOCKER_HOST",
             )
         running = [x for x in watched.values() if x.id not in ended and x.id not in elsewhere]
+        # found ended twice in a row: the spawner's own release had its round
+        seen, self._ended = self._ended, set(ended)
+        ended = {x: said for x, said in ended.items() if x in seen}
         doomed = self._orphans(running, alive, as_of) | self._overdue(running)
         ended.update(await self._stop_all(docker, [(watched[x], why) for x, why in doomed.items()]))
         return self.broker.reconcile_containers(ended) if ended else []

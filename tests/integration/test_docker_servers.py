@@ -103,6 +103,7 @@ def test_a_running_container_keeps_its_lease_until_the_broker_stopped_it(
     kept_container.reload()
     assert kept_container.status == "running"
     kept_container.remove(force=True)
+    assert reconcile(broker, servers, alive) == []  # the spawner's release may be on its way
     assert reconcile(broker, servers, alive) == [kept["id"]]
     assert broker.get_lease(kept["id"])["release_reason"].endswith("is gone from the Docker engine")
 
@@ -197,4 +198,33 @@ def test_a_container_not_of_the_lease_is_never_stopped(
     assert f"{foreign.id[:12]} recorded on lease {lease['id']}" in refused[0].getMessage()
     assert "GPUBROKER_LEASE_ID is " in refused[0].getMessage()
     foreign.remove(force=True)
+    assert reconcile(broker, servers, set()) == []
     assert reconcile(broker, servers, set()) == [lease["id"]]  # gone: its lease ends
+
+
+def test_a_server_stopped_by_the_hub_is_not_recorded_as_a_loss(
+    db_url: str,
+    docker_client: Any,
+    engine: DockerEngine,
+    private_docker: dockerutil.PrivateDocker,
+) -> None:
+    """The spawner stops the container, then releases the lease: a
+    reconciliation in between finds the container ended, and must leave
+    the release (and its reason) to the spawner; a container left ended
+    is released at the next round, with how it ended."""
+    broker = make_broker(db_url)
+    servers = DockerServers(broker, lambda: engine, LOG)
+    alive = {("ann", ""), ("bob", "")}
+    stopped, container = serve(broker, docker_client, private_docker.image, engine, "ann")
+    died, dead = serve(broker, docker_client, private_docker.image, engine, "bob")
+    container.stop(timeout=0)  # the spawner's stop_object()
+    dead.kill()
+    assert reconcile(broker, servers, alive) == []
+    broker.release_lease(stopped["id"], "server stopped")  # the spawner's release
+    assert reconcile(broker, servers, alive) == [died["id"]]
+    assert broker.get_lease(stopped["id"])["release_reason"] == "server stopped"
+    assert broker.get_lease(died["id"])["release_reason"] == (
+        f"reconcile: the container {dead.id[:12]} of server bob/ was ended by signal SIGKILL"
+    )
+    container.remove(force=True)
+    dead.remove(force=True)
