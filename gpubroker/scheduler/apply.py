@@ -259,27 +259,51 @@ class _Holdings:
                 self.shared_mib[part.device] = self.shared_mib.get(part.device, 0) + part.memory_mib
 
     def check(self, lease_id: int, devices: tuple[str, ...], parts: tuple[Part, ...]) -> None:
-        """Raise :class:`ApplyError` if a slot is unknown or already held."""
+        """Check one grant's slots against what is held, the grant's own
+        earlier slots included (a grant naming one device twice, or whose
+        shares together overfill a device's memory, is refused as one that
+        collides with another lease's slot would be). Changes nothing: the
+        caller :meth:`take` s the grant once it passes.
+
+        Args:
+            lease_id: the granted lease (for the message).
+            devices: the whole devices granted (UUIDs).
+            parts: the MIG instances or shares granted.
+
+        Raises:
+            ApplyError: a slot is unknown, already held (by a running lease
+                or by an earlier slot of this grant), a MIG placement
+                overlaps one in use, or shares would hold more MiB than the
+                device's memory less its reserve.
+        """
+        mine: set[str] = set()
         for uuid in devices:
-            if uuid not in self.slots or uuid in self.whole or uuid in self.parted:
+            if uuid not in self.slots or uuid in self.whole or uuid in self.parted or uuid in mine:
                 raise ApplyError(f"grant of lease {lease_id}: device {uuid} is unknown or busy")
+            mine.add(uuid)
+        mig: dict[str, list[tuple[int, int]]] = {}
+        shared_mib: dict[str, int] = {}
         for part in parts:
             slot = self.slots.get(part.device)
-            if slot is None or part.device in self.whole:
+            if slot is None or part.device in self.whole or part.device in mine:
                 raise ApplyError(
                     f"grant of lease {lease_id}: device {part.device} is unknown or held whole"
                 )
             if part.kind == SlotKind.mig.value:
                 end = part.start + part.size
-                for start, stop in self.mig.get(part.device, ()):
+                used_slices = (*self.mig.get(part.device, ()), *mig.get(part.device, ()))
+                for start, stop in used_slices:
                     if part.start < stop and start < end:
                         raise ApplyError(
                             f"grant of lease {lease_id}: MIG slices {part.start}-{end} of "
                             f"{part.device} overlap an instance in use"
                         )
-            elif slot.memory_mib:
-                used = self.shared_mib.get(part.device, 0) + part.memory_mib
-                if used > slot.memory_mib - slot.reserve_mib:
+                mig.setdefault(part.device, []).append((part.start, end))
+            else:
+                held = self.shared_mib.get(part.device, 0) + shared_mib.get(part.device, 0)
+                used = held + part.memory_mib
+                shared_mib[part.device] = shared_mib.get(part.device, 0) + part.memory_mib
+                if slot.memory_mib and used > slot.memory_mib - slot.reserve_mib:
                     raise ApplyError(
                         f"grant of lease {lease_id}: shares of {part.device} would hold "
                         f"{used} MiB, more than its {slot.memory_mib - slot.reserve_mib}"

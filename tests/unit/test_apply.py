@@ -287,3 +287,28 @@ def test_events_follow_the_lifecycle_table() -> None:
         dataclasses.replace(log[0], kind="adopted", from_state="pending", to_state="pending")
     ]
     assert replay([*adopted, *log]) == "released"
+
+
+def test_one_grant_is_checked_against_its_own_earlier_slots() -> None:
+    """Each slot of a grant counts what the grant's earlier slots took: two
+    shares that each fit a device but together overfill it, and one free
+    device named twice, are refused (they used to pass, each checked only
+    against the holdings from before the grant)."""
+    state = base_state()
+    big = Request(21, "ivy", 2, NOW, kind="share", memory_mib=50000)
+    twice = tuple(Part("s0", "share", 0.6, memory_mib=50000) for _ in range(2))
+    state2 = dataclasses.replace(state, pending=(*state.pending, big))
+    with pytest.raises(ApplyError, match="s0 would hold 100000 MiB, more than its 81000"):
+        apply(state2, Decisions(grants=(Grant(21, (), twice),)), NOW)
+    # two shares that fit together on one device still pass
+    fits = tuple(Part("s0", "share", 0.4, memory_mib=40000) for _ in range(2))
+    small = dataclasses.replace(big, memory_mib=40000)
+    state3 = dataclasses.replace(state, pending=(*state.pending, small))
+    out = apply(state3, Decisions(grants=(Grant(21, (), fits),)), NOW)
+    assert out.granted[0].parts == fits
+    # g2 is freed by the eviction in the same pass; granting it twice is a bug
+    decisions = Decisions(
+        grants=(Grant(13, ("g2", "g2")),), evictions=(Eviction(2, "preempted: grace over"),)
+    )
+    with pytest.raises(ApplyError, match="device g2 is unknown or busy"):
+        apply(state, decisions, NOW)
