@@ -6,19 +6,20 @@ memory, as Alibaba's traces count, so a whole-device part fits only an
 empty device); the broker counts the MiB a time-sliced device can still
 give as shares (:mod:`gpubroker.scheduler.sharing`). A :class:`Demand` asks
 for ``count`` devices of one node with ``units`` each, and optionally host
-CPU (milli-cores) and memory (MiB) on that node. A node is seen as a
-:class:`Node`: the free units of each of its devices, and its free CPU and
-memory (``None``: not modelled, never short).
+CPU (milli-cores) and memory (MiB) on that node, and optionally the GPU
+models it may run on (its ``gpu_spec``; none named: any). A node is seen as
+a :class:`Node`: the free units of each of its devices, its free CPU and
+memory (``None``: not modelled, never short) and its devices' model.
 
 Fragmentation (Weng et al., "Beware of Fragmentation", USENIX ATC 2023,
 section 4): for one demand ``d``, the fragment of a node is the free GPU
 capacity that ``d`` cannot use there. If ``d`` does not fit on the node at
-all (too few devices with room, or too little CPU or memory), all its free
-units are fragment; otherwise the free units of the devices that cannot
-hold one of ``d``'s parts (less than ``units`` free; for a whole device, any
-device already partly used). A *mix* weighs demands by how often they come;
-the node's expected fragmentation is the weighted sum
-(:func:`fragmentation`).
+all (too few devices with room, too little CPU or memory, or a GPU model
+``d`` does not accept), all its free units are fragment; otherwise the free
+units of the devices that cannot hold one of ``d``'s parts (less than
+``units`` free; for a whole device, any device already partly used). A
+*mix* weighs demands by how often they come; the node's expected
+fragmentation is the weighted sum (:func:`fragmentation`).
 
 Strategies, for one demand over candidate nodes (:func:`score`, lower wins):
 
@@ -67,12 +68,14 @@ class Demand:
             1..:data:`UNIT`; ``UNIT``: a whole, empty device).
         cpu: host milli-cores (0: none asked).
         memory: host memory, MiB (0: none asked).
+        models: the GPU models it may run on (empty: any model).
     """
 
     count: int
     units: int
     cpu: int = 0
     memory: int = 0
+    models: frozenset[str] = frozenset()
 
     @property
     def size(self) -> int:
@@ -88,25 +91,37 @@ class Node:
         free: free units of each device, by device index.
         cpu: free host milli-cores; ``None``: not modelled.
         memory: free host memory, MiB; ``None``: not modelled.
+        model: its devices' GPU model (``""``: not modelled; only demands
+            that accept any model fit then).
     """
 
     free: tuple[int, ...]
     cpu: int | None = None
     memory: int | None = None
+    model: str = ""
 
-    def key(self) -> tuple[tuple[int, ...], int | None, int | None]:
+    def key(self) -> tuple[tuple[int, ...], int | None, int | None, str]:
         """What fragmentation depends on (device order does not matter)."""
-        return (tuple(sorted(self.free)), self.cpu, self.memory)
+        return (tuple(sorted(self.free)), self.cpu, self.memory, self.model)
 
 
 #: a mix: demands with their weights (any positive scale)
 Mix = Sequence[tuple[Demand, float]]
 
 
+def model_fits(node: Node, demand: Demand) -> bool:
+    """Whether ``demand`` accepts the node's GPU model (it names none, or
+    names the node's)."""
+    return not demand.models or node.model in demand.models
+
+
 def host_fits(node: Node, demand: Demand) -> bool:
-    """Whether the node has the CPU and memory ``demand`` asks for."""
-    return (node.cpu is None or node.cpu >= demand.cpu) and (
-        node.memory is None or node.memory >= demand.memory
+    """Whether the node has the CPU and memory ``demand`` asks for, and a
+    GPU model it accepts (:func:`model_fits`)."""
+    return (
+        (node.cpu is None or node.cpu >= demand.cpu)
+        and (node.memory is None or node.memory >= demand.memory)
+        and model_fits(node, demand)
     )
 
 
@@ -120,7 +135,9 @@ def fits(node: Node, demand: Demand) -> bool:
 
 def fragment(node: Node, demand: Demand) -> int:
     """Free units of ``node`` that ``demand`` cannot use (the paper's node
-    fragmentation for one task)."""
+    fragmentation for one task): all of them where it does not fit (its
+    GPU model not accepted included), else those of devices with too little
+    room for one of its parts."""
     if not fits(node, demand):
         return sum(node.free)
     need = demand.units
@@ -170,7 +187,8 @@ def options(node: Node, demand: Demand) -> list[tuple[int, ...]]:
 
 def first_fit(node: Node, demand: Demand) -> tuple[int, ...] | None:
     """The ``count`` lowest device indices with room for ``demand``, or
-    ``None`` (host CPU or memory short, or too few devices)."""
+    ``None`` (host CPU or memory short, a GPU model it does not accept, or
+    too few devices)."""
     if not host_fits(node, demand):
         return None
     room = [i for i, f in enumerate(node.free) if f >= demand.units]
@@ -186,6 +204,7 @@ def after(node: Node, demand: Demand, devices: Iterable[int]) -> Node:
         tuple(free),
         None if node.cpu is None else node.cpu - demand.cpu,
         None if node.memory is None else node.memory - demand.memory,
+        node.model,
     )
 
 
@@ -212,7 +231,7 @@ class Scorer:
         #: host milli-cores and MiB per GPU unit the mix asks for
         self.cpu_per_unit = sum(w * d.cpu for d, w in self.mix) / units if units else 0.0
         self.memory_per_unit = sum(w * d.memory for d, w in self.mix) / units if units else 0.0
-        self._frag: dict[tuple[tuple[int, ...], int | None, int | None], float] = {}
+        self._frag: dict[tuple[tuple[int, ...], int | None, int | None, str], float] = {}
         self._best: dict[
             tuple[object, Demand], tuple[tuple[float, ...], tuple[int, ...]] | None
         ] = {}

@@ -88,7 +88,11 @@ class HostNode:
 
 @dataclass(frozen=True)
 class Pod:
-    """One pod of the workload: its demand and the GPU models it accepts."""
+    """One pod of the workload: its demand and the GPU models it accepts
+    (empty: any). :func:`pods_of` puts the models in the demand too
+    (:attr:`Demand.models`), which is what placement and fragmentation
+    read; a pod whose ``models`` name more than its demand's is still
+    placed only on them."""
 
     name: str
     demand: Demand
@@ -137,17 +141,21 @@ def read_openb_nodes(path: str | Path) -> list[HostNode]:
 
 def pods_of(trace: Trace, host: bool = True) -> list[Pod]:
     """The trace's GPU pods as demands (:func:`~gpubroker.simulate.readers.read_openb_pods`);
-    ``host``: keep their CPU and memory requests."""
+    ``host``: keep their CPU and memory requests. Each demand carries its
+    pod's ``gpu_spec`` models, so that fragmentation and FGD count a GPU
+    of another model as fragment for it (as the paper does)."""
     pods = []
     for job in trace.jobs:
         units = round((job.share if job.share is not None else 1.0) * UNIT)
+        models = frozenset(job.gpu_models)
         demand = Demand(
             job.gpus,
             units,
             (job.cpu_milli or 0) if host else 0,
             (job.memory_mib or 0) if host else 0,
+            models,
         )
-        pods.append(Pod(job.job_id, demand, frozenset(job.gpu_models)))
+        pods.append(Pod(job.job_id, demand, models))
     return pods
 
 
@@ -235,7 +243,7 @@ class Packer:
             raise PackingError("no nodes")
         self.nodes = list(nodes)
         self.rng = random.Random(seed)
-        self.state = [Node((UNIT,) * n.gpus, n.cpu_milli, n.memory_mib) for n in nodes]
+        self.state = [Node((UNIT,) * n.gpus, n.cpu_milli, n.memory_mib, n.model) for n in nodes]
         self.slots = [
             tuple(
                 Slot(
@@ -356,12 +364,21 @@ class Packer:
         when it fits nowhere.
 
         Raises:
-            PackingError: the placement overfills a device (a bug).
+            PackingError: the placement overfills a device, or puts the pod
+                on a GPU model outside its ``models`` (a bug).
         """
         found = self.choose(pod)
         if found is None:
             return False
         index, devices = found
+        model = self.nodes[index].model
+        if (pod.models and model not in pod.models) or (
+            pod.demand.models and model not in pod.demand.models
+        ):
+            raise PackingError(
+                f"pod {pod.name} placed on {self.nodes[index].name}, a {model}, "
+                f"outside its models {sorted(pod.models | pod.demand.models)}"
+            )
         self.hold(index, self._grant(index, pod, devices), pod.demand)
         return True
 
@@ -378,6 +395,7 @@ class Packer:
                 tuple(free),
                 None if node.cpu is None else node.cpu - demand.cpu,
                 None if node.memory is None else node.memory - demand.memory,
+                node.model,
             ),
         )
         self.leases[index].append(lease)

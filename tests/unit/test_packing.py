@@ -34,6 +34,7 @@ from gpubroker.simulate.packing import (
     read_openb_nodes,
     run_one,
     summarise,
+    workload_mix,
 )
 from gpubroker.simulate.readers import read_openb_pods
 
@@ -72,7 +73,7 @@ def test_openb_reader_without_times_and_with_gpu_spec() -> None:
     ]
     assert "a share is of one GPU" in trace.problems[0].reason
     pods = pods_of(trace)
-    assert pods[0].demand == Demand(1, 250, 4000, 1024)
+    assert pods[0].demand == Demand(1, 250, 4000, 1024, frozenset({"V100M16", "V100M32"}))
     assert pods[0].models == {"V100M16", "V100M32"}
     assert pods_of(trace, host=False)[1].demand == Demand(8, UNIT)
 
@@ -119,6 +120,58 @@ def test_fragment_follows_the_paper() -> None:
     assert fragment(node, Demand(1, 100, cpu=9000)) == 1700
     mix = [(Demand(1, 500), 3.0), (Demand(1, UNIT), 1.0)]
     assert fragmentation(node, mix) == pytest.approx((3 * 100 + 700) / 4)
+
+
+def test_a_gpu_of_a_model_the_demand_does_not_accept_is_all_fragment() -> None:
+    """The paper counts a GPU a task cannot run on for its gpu_spec as
+    fragment for that task, however much room it has."""
+    node = Node((1000, 600), model="T4")
+    assert fragment(node, Demand(1, 500, models=frozenset({"V100M32"}))) == 1600
+    assert fragment(node, Demand(1, 500, models=frozenset({"T4", "P100"}))) == 0
+    assert fragment(node, Demand(1, 500)) == 0  # no gpu_spec: any model
+    assert not fits(node, Demand(1, 100, models=frozenset({"V100M32"})))
+    assert options(node, Demand(1, 100, models=frozenset({"V100M32"}))) == []
+    mix = [(Demand(1, UNIT, models=frozenset({"V100M32"})), 1.0), (Demand(1, 500), 1.0)]
+    assert fragmentation(node, mix) == pytest.approx((1600 + 0) / 2)
+
+
+def test_fgd_keeps_the_gpu_a_model_bound_mix_needs() -> None:
+    """Most of the mix wants whole V100s (gpu_spec). A half share that runs
+    anywhere should go to the T4 (its room is fragment for the V100 pods
+    already), not break the V100, even with the V100 node first in the
+    caller's order; a model-blind score tied the two and took the V100,
+    and the V100 pod that followed failed."""
+    text = (
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+        "v1,0,0,1,1000,V100M32\nv2,0,0,1,1000,V100M32\nv3,0,0,1,1000,V100M32\n"
+        "any,0,0,1,500,\n"
+    )
+    pods = pods_of(read_openb_pods(io.StringIO(text)))
+    nodes = [HostNode("v", 1, "V100M32"), HostNode("t", 1, "T4")]
+    for strategy in ("fgd", "packing"):
+        packer = Packer(nodes, Scorer(strategy, workload_mix(pods)))
+        assert packer.place(pods[3]), strategy
+        assert [n.free for n in packer.state] == [(1000,), (500,)], strategy
+        assert packer.place(pods[0]), strategy
+
+
+def test_placement_never_takes_a_model_outside_the_pods_spec() -> None:
+    """Only T4s have room; a V100-only pod fails rather than land there,
+    under every strategy."""
+    v100 = frozenset({"V100M32"})
+    nodes = [HostNode("t0", 2, "T4"), HostNode("v", 1, "V100M32")]
+    for strategy in STRATEGIES:
+        packer = Packer(nodes, Scorer(strategy, [(Demand(1, UNIT, models=v100), 1.0)]))
+        assert packer.place(Pod("v1", Demand(1, UNIT, models=v100), v100)), strategy
+        assert [n.free for n in packer.state] == [(1000, 1000), (0,)], strategy
+        assert not packer.place(Pod("v2", Demand(1, 300, models=v100), v100)), strategy
+        # the pod's own models bind even where its demand names none
+        assert not packer.place(Pod("v3", Demand(1, 300), v100)), strategy
+    # and a chooser bug that picks a T4 for it is refused, not placed
+    packer = Packer(nodes, Scorer("best-fit"))
+    packer.choose = lambda pod: (0, (0,))  # type: ignore[method-assign]
+    with pytest.raises(PackingError, match="outside its models"):
+        packer.place(Pod("v4", Demand(1, 300, models=v100), v100))
 
 
 def test_options_offer_each_distinct_room_once() -> None:
