@@ -31,9 +31,14 @@ container, off the event loop, and:
   an error logged (an admin may have recorded another container's id on
   the lease: ``PATCH /leases/{id}``);
 * does nothing when Docker cannot be read (the state is unknown, no lease
-  is ended on it), and leaves containers of another engine, or of one the
-  spawner could not name, to the hub's reconciliation (a container this
-  engine has never seen is not thereby gone).
+  is ended on it, nor left to the hub's reconciliation: a container may
+  still run on the devices), but says so at every round with the leases
+  so held, and once as an error when Docker has not answered for
+  :data:`UNREACHABLE_ALARM` seconds (an admin must check the engine, or
+  release by hand the leases whose containers are gone);
+* leaves containers of another engine, or of one the spawner could not
+  name, to the hub's reconciliation (a container this engine has never
+  seen is not thereby gone).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
@@ -49,6 +55,10 @@ from gpubroker.engines.docker import DockerEngine
 
 ORPHAN_GRACE = 10.0
 """Seconds a container the broker stops gets between SIGTERM and SIGKILL."""
+
+UNREACHABLE_ALARM = 600.0
+"""Seconds of a Docker engine not answering after which the leases it
+holds back are reported as an error (once; warnings every round before)."""
 
 LEASE_VARIABLE = "GPUBROKER_LEASE_ID"
 """The variable of a lease's container that names the lease (its id)."""
@@ -79,6 +89,11 @@ class DockerServers:
         #: the ID of the engine asked, once it has answered
         self.here: str | None = None
         self._suspects: set[int] = set()
+        #: seconds of Docker not answering before the error (see the module)
+        self.unreachable_alarm = UNREACHABLE_ALARM
+        #: monotonic time Docker first failed to answer, in the current outage
+        self._unreachable_since: float | None = None
+        self._alarmed = False
         #: leases whose container the last round found ended
         self._ended: set[int] = set()
         #: (lease id, container id) refused a stop: not the lease's container
@@ -126,9 +141,14 @@ class DockerServers:
             here, (ended, elsewhere) = await asyncio.to_thread(self._ask, docker, asked)
         except EngineError as err:
             # the text only: the error's traceback holds the SDK's sockets
-            why = str(err)
-            self.log.warning("Cannot ask the Docker engine about servers' containers: %s", why)
+            self._unreachable(str(err))
             return []
+        if self._unreachable_since is not None:
+            self.log.info(
+                "The Docker engine answers again after %.0f s",
+                time.monotonic() - self._unreachable_since,
+            )
+            self._unreachable_since, self._alarmed = None, False
         self.here = here
         if elsewhere:
             self.log.warning(
@@ -144,6 +164,33 @@ class DockerServers:
         doomed = self._orphans(running, alive, as_of) | self._overdue(running)
         ended.update(await self._stop_all(docker, [(watched[x], why) for x, why in doomed.items()]))
         return self.broker.reconcile_containers(ended) if ended else []
+
+    def _unreachable(self, why: str) -> None:
+        """Say that Docker could not be read, with the leases it holds back
+        (a warning each round; an error once past ``unreachable_alarm``)."""
+        now = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+        out = now - self._unreachable_since
+        held = sorted(self.followed())
+        self.log.warning(
+            "Cannot ask the Docker engine about servers' containers (for %.0f s): %s; "
+            "leases %s are kept until it answers",
+            out,
+            why,
+            held,
+        )
+        if out >= self.unreachable_alarm and not self._alarmed:
+            self._alarmed = True
+            self.log.error(
+                "The Docker engine at DockerEngine.docker_url has not answered for %.0f s: "
+                "leases %s keep their devices, neither checked nor left to the hub's "
+                "reconciliation (their containers may still run); fix the engine or "
+                "DockerEngine.docker_url, or release by hand (DELETE /leases/{id}) those "
+                "whose containers are gone",
+                out,
+                held,
+            )
 
     @staticmethod
     def _ask(

@@ -153,11 +153,16 @@ def test_nothing_is_released_while_docker_cannot_be_read(
     engine: DockerEngine,
     private_docker: dockerutil.PrivateDocker,
     tmp_path: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """No lease is ended on an engine that does not answer, nor left to the
+    hub (which lists no server here): the broker says so every round, and
+    once as an error past ``unreachable_alarm``."""
     broker = make_broker(db_url)
     lease, container = serve(broker, docker_client, private_docker.image, engine, "ann")
     unreachable = DockerEngine(docker_url=f"unix://{tmp_path / 'no.sock'}")
     servers = DockerServers(broker, lambda: unreachable, LOG)
+    servers.unreachable_alarm = 0.0
     # the Docker SDK leaves the socket of a failed version probe to the
     # garbage collector (docker 7.2, APIClient.__init__): not ours to close
     with warnings.catch_warnings():
@@ -169,6 +174,11 @@ def test_nothing_is_released_while_docker_cannot_be_read(
             unreachable.close()
             gc.collect()
     assert broker.get_lease(lease["id"])["state"] == "granted"
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOG.name]
+    warned = [m for level, m in said if level == logging.WARNING]
+    assert len(warned) == 3 and all(f"leases [{lease['id']}] are kept" in m for m in warned)
+    (alarm,) = [m for level, m in said if level == logging.ERROR]
+    assert "has not answered for" in alarm and f"leases [{lease['id']}] keep" in alarm
     container.remove(force=True)
 
 
