@@ -62,7 +62,8 @@ protocol.
   ``grace`` seconds, then ``scancel`` (Slurm's SIGKILL after its
   ``KillWait``), and waits for the job to end as long as Slurm will before
   its SIGKILL plus ``stop_margin`` (``KillWait`` read once from ``scontrol
-  show config``).
+  show config``); meanwhile it asks ``squeue --jobs=ID`` about that job
+  alone, less often as it waits (0.2 s doubling up to 2 s).
 
 Units: seconds (timeouts, intervals, limits), GiB (memory), UTC.
 """
@@ -95,8 +96,9 @@ from .base import EngineError, Handle, LaunchSpec, Node, Status
 #: broker's values (UUIDs of its own choosing) are left out
 SLURM_SET = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
 
-#: seconds between looks while :meth:`SlurmEngine.stop` waits
-_STOP_POLL = 0.5
+#: seconds between looks while :meth:`SlurmEngine.stop` waits: the
+#: first, doubled after each look up to the last
+_STOP_POLL = (0.2, 2.0)
 
 #: seconds Slurm waits between SIGTERM and SIGKILL when the cluster's
 #: ``KillWait`` cannot be read (Slurm's default, slurm.conf(5))
@@ -739,12 +741,44 @@ class SlurmEngine(LoggingConfigurable):
         return seconds
 
     def _wait(self, handle: Handle, seconds: float) -> Status:
+        """The job's status once it has ended, or after ``seconds`` (then
+        still running). Meanwhile only this job is asked about (``squeue
+        --jobs=ID``, :meth:`_state`), at :data:`_STOP_POLL` intervals that
+        double from 0.2 s up to 2 s, not the whole queue; the status itself
+        is read once at the end (:meth:`poll`).
+
+        Raises:
+            EngineError: Slurm could not be asked.
+        """
         deadline = time.monotonic() + seconds
-        status = self.poll(handle, claim=False)
-        while status.running and time.monotonic() < deadline:
-            time.sleep(_STOP_POLL)
-            status = self.poll(handle, claim=False)
-        return status
+        delay, longest = _STOP_POLL
+        while True:
+            state = self._state(handle.id)
+            left = deadline - time.monotonic()
+            if state is None or not slurm_json.is_active(state) or left <= 0:
+                return self.poll(handle, claim=False)
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, longest)
+
+    def _state(self, job_id: str) -> str | None:
+        """Slurm's state of one job (``squeue --jobs=ID --states=all``,
+        text: ``squeue --json`` of 22.05 ignores ``--jobs``), upper case;
+        ``None`` once ``squeue`` no longer knows it (``Invalid job id``:
+        ended over ``MinJobAge`` seconds ago).
+
+        Raises:
+            EngineError: ``squeue`` failed for another reason.
+        """
+        try:
+            out = self._run(
+                ["squeue", "-h", "--all", "--states=all", f"--jobs={job_id}", "-o", "%T"]
+            )
+        except EngineError as err:
+            if "invalid job id" in str(err).lower():
+                return None
+            raise
+        words = out.split()
+        return words[0].upper() if words else None
 
 
 class _TimedOut(EngineError):

@@ -7,6 +7,7 @@ Slurm 22.05 documents (``SlurmEngine._run`` replaced)."""
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import os
 import pwd
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gpubroker.engines import Handle, LaunchSpec
+from gpubroker.engines import EngineError, Handle, LaunchSpec
 from gpubroker.engines.slurm import SlurmEngine
 
 
@@ -38,8 +39,10 @@ class FakeSlurm:
 
     def __call__(self, argv: Sequence[str], stdin: str | None = None, env: Any = None) -> str:
         self.calls.append(list(argv))
-        if argv[0] == "squeue":
+        if argv[0] == "squeue" and "--json" in argv:
             return json.dumps({"jobs": self.jobs, "errors": []})
+        if argv[0] == "squeue":
+            return self._squeue_text(argv)
         if argv[0] == "sinfo":
             node = {"name": "n1", "address": "10.0.0.1", "state": "idle", "gres": "gpu:h100:4"}
             return json.dumps({"nodes": [node], "errors": []})
@@ -48,6 +51,16 @@ class FakeSlurm:
         if argv[0] == "sacct":
             return self._sacct(argv)
         raise AssertionError(f"unexpected command {argv}")
+
+    def _squeue_text(self, argv: Sequence[str]) -> str:
+        """``squeue -h --jobs=IDS -o %T``: the state of each job listed;
+        one id Slurm does not know is an error (exit 1), as on 22.05."""
+        assert list(argv[-2:]) == ["-o", "%T"], argv
+        ids = next(a.partition("=")[2] for a in argv if a.startswith("--jobs=")).split(",")
+        known = [j for j in self.jobs if str(j["job_id"]) in ids]
+        if not known and len(ids) == 1:
+            raise EngineError("squeue failed (exit 1): slurm_load_jobs error: Invalid job id")
+        return "".join(f"{j['job_state']}\n" for j in known)
 
     def _sacct(self, argv: Sequence[str]) -> str:
         ids = {a.partition("=")[2] for a in argv if a.startswith("--jobs=")}
@@ -237,3 +250,36 @@ def test_stop_waits_for_the_clusters_kill_wait_not_a_fixed_30s(
     assert engine.kill_wait() == 60.0
     # read once and kept
     assert [c for c in fake.calls if c[0] == "scontrol"] == [["scontrol", "show", "config"]]
+
+
+def test_a_stop_asks_about_its_own_job_only_and_less_often_as_it_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a stop used to read the whole queue (squeue --json, every job of the
+    # cluster) twice a second for as long as it waited; several stops at
+    # once (orphaned servers) multiplied that load on slurmctld
+    from gpubroker.engines import slurm as slurm_module
+
+    clock = Clock()
+    monkeypatch.setattr(slurm_module, "time", clock)
+    fake = StubbornJob(clock, kill_wait=30)
+    engine = _engine(monkeypatch, fake)
+    times: list[float] = []
+    real_call = fake.__call__
+
+    def timed(argv: Sequence[str], stdin: str | None = None, env: Any = None) -> str:
+        if argv[0] == "squeue" and "--json" not in argv:
+            times.append(clock.now)
+        return real_call(argv, stdin, env)
+
+    monkeypatch.setattr(engine, "_run", timed)
+    status = engine.stop(Handle("slurm", "90", ""), grace=5.0)
+    assert not status.running
+    squeues = [c for c in fake.calls if c[0] == "squeue"]
+    whole = [c for c in squeues if "--json" in c]
+    # one to start, one at the end of each wait: never one per look
+    assert len(whole) <= 3, len(whole)
+    assert all("--jobs=90" in c for c in squeues if "--json" not in c)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert gaps and max(gaps) <= 2.0 + 1e-9
+    assert len(times) <= 30, len(times)  # 37 s of waiting: backed off to 2 s

@@ -87,6 +87,9 @@ class Canned:
         if argv[0] == "sinfo":
             node = {"name": "n1", "address": "10.0.0.1", "state": "mixed", "gres": self.gres}
             return json.dumps({"nodes": [node], "errors": []})
+        if argv[0] == "squeue" and "--json" not in argv:  # squeue -h --jobs=ID -o %T
+            wanted = next(a.partition("=")[2] for a in argv if a.startswith("--jobs="))
+            return "".join(f"{j['job_state']}\n" for j in self.jobs if str(j["job_id"]) == wanted)
         if argv[0] == "squeue":
             return json.dumps({"jobs": self.jobs, "errors": []})
         if argv[0] == "sbatch":
