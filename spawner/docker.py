@@ -251,7 +251,7 @@ class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
                 f"server's container {target[:12]} is gone from the Docker engine "
                 "(exit status unknown)"
             )
-            self.object_id = ""
+            # the id is kept: the hub's stop() that follows finds it gone (404)
             return 0
         except Exception as err:
             self.log.warning(
@@ -297,8 +297,8 @@ class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
         try:
             await self.stop_object()
             if self.remove:
+                # the id is kept: the hub's stop() of the failed server finds it gone
                 await self.remove_object()
-                self.object_id = ""
         except Exception as err:
             self.log.error(
                 "%s: cannot stop container %s of the start that failed: %s",

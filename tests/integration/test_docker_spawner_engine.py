@@ -74,6 +74,8 @@ async def test_a_killed_container_is_released_with_its_real_exit_status_then_rem
     assert broker.released == {12: "server exited (status 137)"}
     with pytest.raises(sdk.errors.NotFound):  # removed by the spawner once read
         client.containers.get(container.id)
+    await spawner.stop()  # the hub stops a server its poll found dead
+    assert broker.released == {12: "server exited (status 137)"}
 
 
 async def test_a_start_failing_after_docker_start_removes_the_container_before_the_release(
@@ -100,6 +102,8 @@ async def test_a_start_failing_after_docker_start_removes_the_container_before_t
     assert broker.released == {12: "server failed to start"}
     assert seen_at_release == [[]]  # nothing ran on the devices when they were released
     assert client.containers.list(all=True, filters={"name": "jupyter-ann"}) == []
+    await spawner.stop()  # as the hub cleans up a server that failed to start
+    assert broker.released == {12: "server failed to start"}
 
 
 async def test_a_failed_start_whose_container_cannot_be_stopped_keeps_the_lease(
