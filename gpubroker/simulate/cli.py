@@ -191,14 +191,72 @@ class SimulateCommand(Application):
             self.load_policy_file(self.policy_file)
 
     def load_policy_file(self, path: str) -> None:
-        """Load ``path`` with traitlets' PyFileConfigLoader; command-line options still win."""
+        """Load ``path`` with traitlets' PyFileConfigLoader; command-line options still win.
+
+        Exits (status 2, one line naming ``--policy``) when the file is
+        missing, does not run (a syntax error, any exception it raises) or
+        sets a value its option refuses.
+        """
         if not os.path.isfile(path):
-            self.log.critical("Policy config %s does not exist", path)
+            self.log.critical("--policy %s: no such file", path)
             self.exit(2)
         directory, filename = os.path.split(os.path.abspath(path))
-        config = PyFileConfigLoader(filename, path=directory, log=self.log).load_config()
-        self.update_config(config)
-        self.update_config(self.cli_config)
+        try:
+            config = PyFileConfigLoader(filename, path=directory, log=self.log).load_config()
+            self.update_config(config)
+            self.update_config(self.cli_config)
+        except Exception as err:  # the file is user code: any error is its error
+            self.log.critical("--policy %s: %s", path, _one_line(err))
+            self.exit(2)
+
+    def _check_settings(self) -> None:
+        """Build the scheduling policy and the simulator's settings once up
+        front, so that a bad value (a quota with guaranteed above its limit,
+        an unknown class) stops the run before any work, with one line
+        naming ``--policy`` (or the option) instead of a traceback."""
+        try:
+            SchedulingPolicy(parent=self).build()
+            Enrichment(parent=self)
+            SlurmLikeConfig(parent=self).settings()
+        except (TraitError, ValueError, TypeError) as err:
+            where = f"--policy {self.policy_file}" if self.policy_file else "policy"
+            self.log.critical("%s: %s", where, _one_line(err))
+            self.exit(2)
+
+    def _check_out(self, name: str) -> Path:
+        """The ``--out`` directory, checked before any work: it must be a
+        directory (or not exist yet, under a directory) this process may
+        write, and ``name`` in it must not be a directory. Exits (status 2,
+        one line naming ``--out``) otherwise."""
+        out = Path(self.out)
+        problem = ""
+        if out.exists() and not out.is_dir():
+            problem = "exists and is not a directory"
+        elif (out / name).is_dir():
+            problem = f"{out / name} is a directory"
+        else:
+            base = out
+            while not base.exists() and base != base.parent:
+                base = base.parent
+            if not base.is_dir():
+                problem = f"{base} is not a directory"
+            elif not os.access(base, os.W_OK | os.X_OK):
+                problem = f"{base} is not writable"
+        if problem:
+            self.log.critical("--out %s: %s", out, problem)
+            self.exit(2)
+        return out
+
+    def _write(self, out: Path, name: str, text: str) -> Path:
+        """Write ``text`` to ``out / name``; exits (status 2, naming ``--out``)
+        when it cannot."""
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / name).write_text(text, encoding="utf-8")
+        except OSError as err:
+            self.log.critical("--out %s: cannot write %s: %s", out, name, err.strerror or err)
+            self.exit(2)
+        return out / name
 
     # -- the run -----------------------------------------------------------------------
 
@@ -220,9 +278,13 @@ class SimulateCommand(Application):
             cluster = load_cluster(self.cluster)
             if self.topology == "dgx":
                 cluster = cluster.with_dgx_topology()
+        except ClusterError as err:
+            self.log.critical("--cluster: %s", err)
+            self.exit(2)
+        try:
             trace = read_trace(self.trace, self.trace_format)
             workload = prepare(trace, cluster, Enrichment(parent=self), self.seed)
-        except (TraceError, ClusterError, TraitError) as err:
+        except (TraceError, TraitError) as err:
             self.log.critical("%s", err)
             self.exit(2)
         return workload, cluster
@@ -262,7 +324,11 @@ class SimulateCommand(Application):
             self.log.warning("  ... and %s more", len(problems) - SHOW_PROBLEMS)
 
     def start(self) -> None:
-        """Read, replay under each scheduler, print the figures, write the outputs."""
+        """Read, replay under each scheduler, print the figures, write the outputs.
+
+        Bad options exit with status 2 and one line naming the option,
+        checked before the work where they can be (``--out``, ``--policy``).
+        """
         if self.packing:
             self._pack()
             return
@@ -272,6 +338,8 @@ class SimulateCommand(Application):
         except ValueError as err:
             self.log.critical("--until: %s", err)
             self.exit(2)
+        out = self._check_out("metrics.json")
+        self._check_settings()
         workload, cluster = self._load()
         self._log_problems(workload)
         for note in workload.notes:
@@ -301,10 +369,7 @@ class SimulateCommand(Application):
             quiet=self.quiet or not sys.stderr.isatty(),
         )
         data = report(workload, cluster, results, until, self._settings())
-        out = Path(self.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        written = [out / "metrics.json"]
+        written = [self._write(out, "metrics.json", json.dumps(data, indent=2) + "\n")]
         if self.plots and importlib.util.find_spec("matplotlib") is None:
             self.log.warning("No plots: they need matplotlib (pip install 'gpubroker[sim]')")
         elif self.plots:
@@ -322,6 +387,7 @@ class SimulateCommand(Application):
         if self.trace_format != "openb" or not self.trace:
             self.log.critical("--packing needs an openb pod list: --trace FILE --format openb")
             self.exit(2)
+        out = self._check_out("packing.json")
         try:
             strategies = packing_cli.parse_strategies(self.strategies)
             marks = packing_cli.parse_checkpoints(self.packing)
@@ -329,11 +395,18 @@ class SimulateCommand(Application):
         except (PackingError, TraceError, ClusterError) as err:
             self.log.critical("%s", err)
             self.exit(2)
-        out = Path(self.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "packing.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        written = self._write(out, "packing.json", json.dumps(data, indent=2) + "\n")
         print(packing_cli.table(data))
-        print(f"wrote {out / 'packing.json'}")
+        print(f"wrote {written}")
+
+
+def _one_line(err: BaseException) -> str:
+    """``err`` in one line: a value error's message, else its type's name
+    and message (``SyntaxError: '(' was never closed (p.py, line 1)``)."""
+    text = " ".join(str(err).split())
+    if text and isinstance(err, (TraitError, ValueError)) and not isinstance(err, UnicodeError):
+        return text  # their messages name the value or the option
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _number(value: float | None, spec: str) -> str:

@@ -130,10 +130,19 @@ def read_file(path: Path) -> Cluster:
     """A cluster from a file: per line a spec or ``NAME GPUS [MODEL]``.
 
     Raises:
-        ClusterError: a line does not parse, a name repeats, or no GPUs.
+        ClusterError: unreadable or not UTF-8, a line does not parse, a
+            name repeats, or no GPUs.
     """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ClusterError(f"cannot read cluster file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ClusterError(
+            f"cluster file {path} is not UTF-8 text ({err.reason} at byte {err.start})"
+        ) from None
     nodes: list[Node] = []
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue

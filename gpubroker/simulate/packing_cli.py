@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..scheduler.packing import STRATEGIES
-from .cluster import load_cluster
+from .cluster import ClusterError, load_cluster
 from .packing import (
     HostNode,
     PackingError,
@@ -17,7 +17,7 @@ from .packing import (
     read_openb_nodes,
     summarise,
 )
-from .readers import read_openb_pods
+from .readers import TraceError, read_openb_pods
 
 
 def load_nodes(spec: str) -> list[HostNode]:
@@ -27,13 +27,17 @@ def load_nodes(spec: str) -> list[HostNode]:
     are then not modelled).
 
     Raises:
-        TraceError, ClusterError: the list or spec cannot be read.
+        PackingError: the list or spec cannot be read (the message names
+            ``--cluster``).
     """
-    if spec.endswith(".csv"):
-        if not Path(spec).is_file():
-            raise PackingError(f"--cluster {spec}: no such file")
-        return read_openb_nodes(spec)
-    return [HostNode(n.name, n.gpus, n.model) for n in load_cluster(spec).nodes]
+    try:
+        if spec.endswith(".csv"):
+            if not Path(spec).is_file():
+                raise PackingError(f"--cluster {spec}: no such file")
+            return read_openb_nodes(spec)
+        return [HostNode(n.name, n.gpus, n.model) for n in load_cluster(spec).nodes]
+    except (TraceError, ClusterError) as err:
+        raise PackingError(f"--cluster: {err}") from None
 
 
 def parse_strategies(text: str) -> list[str]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,3 +245,78 @@ def test_jobs_per_second_counts_only_the_jobs_replayed(tmp_path: Path) -> None:
     assert 0 < sim["jobs_replayed"] < 300
     assert sim["jobs_per_s"] == pytest.approx(sim["jobs_replayed"] / sim["wall_s"])
     assert submitted >= sim["jobs_replayed"]
+
+
+GPUBROKER = Path(sys.executable).with_name("gpubroker")
+
+
+def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``gpubroker simulate ARGV`` as a user runs it (the console script)."""
+    return subprocess.run(
+        [str(GPUBROKER), "simulate", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cluster=bad.txt"], "--cluster: cluster file bad.txt is not UTF-8 text"),
+        (["--out=taken"], "--out taken: exists and is not a directory"),
+        (["--out=taken/sub"], "--out taken/sub: taken is not a directory"),
+        (["--out=held"], "--out held: held/metrics.json is a directory"),
+        (["--policy=syntax.py"], "--policy syntax.py: SyntaxError: '(' was never closed"),
+        (["--policy=quota.py"], "--policy quota.py: user_quotas['3']: need 0 <= guaranteed"),
+        (["--policy=shape.py"], "--policy shape.py: user_quotas['3']: must be {"),
+        (["--policy=raises.py"], "--policy raises.py: RuntimeError: boom"),
+        (["--policy=absent.py"], "--policy absent.py: no such file"),
+        (
+            ["--packing=1.0", "--format=openb", f"--trace={DATA / 'openb_default_first400.csv'}"],
+            "--cluster: cluster file bad.txt is not UTF-8 text",
+        ),
+        (
+            ["--packing=1.0", "--format=openb", f"--trace={DATA / 'openb_default_first400.csv'}"],
+            "--out taken: exists and is not a directory",
+        ),
+    ],
+)
+def test_bad_options_are_one_line_errors_before_any_work(
+    tmp_path: Path, argv: list[str], message: str
+) -> None:
+    """A non-UTF-8 cluster file, an --out that cannot take the outputs, and
+    a policy file that does not run or sets a bad quota each stop the real
+    command with status 2 and one line naming the option, before the
+    replay (they were tracebacks; a bad --out only after the whole run)."""
+    (tmp_path / "bad.txt").write_bytes(b"n\xff 8\n")
+    (tmp_path / "taken").write_text("")
+    (tmp_path / "held" / "metrics.json").mkdir(parents=True)
+    (tmp_path / "syntax.py").write_text("c.SchedulingPolicy.max_reservations = (\n")
+    (tmp_path / "quota.py").write_text(
+        "c.SchedulingPolicy.user_quotas = {'3': {'guaranteed': 5, 'limit': 1}}\n"
+    )
+    (tmp_path / "shape.py").write_text("c.SchedulingPolicy.user_quotas = {'3': 'lots'}\n")
+    (tmp_path / "raises.py").write_text("raise RuntimeError('boom')\n")
+    base = {
+        "--trace": f"--trace={PHILLY}",
+        "--format": "--format=philly",
+        "--cluster": "--cluster=4x8",
+        "--out": "--out=out",
+    }
+    if "bad.txt" in message:
+        base["--cluster"] = "--cluster=bad.txt"
+    if "taken:" in message and "--packing=1.0" in argv:
+        base["--out"] = "--out=taken"
+    for arg in argv:
+        base[arg.split("=", 1)[0]] = arg
+    done = _cli([*base.values(), "--quiet", "--no-plots", "--schedulers=fifo"], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert message in done.stderr
+    critical = [line for line in done.stderr.splitlines() if "CRITICAL" in line]
+    assert len(critical) == 1, done.stderr
+    assert "Replaying" not in done.stderr and not done.stdout  # no work was done
+    assert not (tmp_path / "out").exists()
