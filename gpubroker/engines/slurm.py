@@ -276,6 +276,9 @@ class SlurmEngine(LoggingConfigurable):
             # Slurm 22.05 exits 0 with an empty list and "errors" when
             # slurmctld does not answer: that list is not the truth
             raise EngineError(f"{argv[0]} --json failed: {errors}")
+        # Slurm 23.02+ (data_parser v0.0.39+): lists of state flags, numbers
+        # as objects; read into 22.05's shape, which the engine reads
+        value = slurm_json.as_v38(value)
         unread = slurm_json.unsupported_format(value)
         if unread:
             raise EngineError(f"{argv[0]} --json: {unread}")
@@ -284,13 +287,21 @@ class SlurmEngine(LoggingConfigurable):
     # -- inventory -------------------------------------------------------------
 
     def nodes(self) -> list[Node]:
-        """The cluster's nodes with their GPUs (``sinfo --json``), and the
-        GPUs Slurm jobs not launched by this engine hold (``squeue --json``).
+        """The cluster's nodes with their GPUs (``sinfo --json``; on Slurm
+        23.02 and later, whose ``sinfo --json`` lists grouped rows, ``scontrol
+        show nodes --json``), and the GPUs Slurm jobs not launched by this
+        engine hold (``squeue --json``). The JSON of Slurm 22.05 to 24.11
+        is read (:func:`~gpubroker.engines.slurm_json.as_v38`).
 
         Raises:
             EngineError: either command failed (the inventory is unknown).
         """
         info = self._json(["sinfo", "--json"])
+        if "nodes" not in info and "sinfo" in info:
+            # Slurm 23.02+: sinfo --json lists rows of nodes grouped as sinfo
+            # prints them (a row's GRES is its first node's); scontrol lists
+            # each node, as 22.05's sinfo --json does
+            info = self._json(["scontrol", "show", "nodes", "--json"])
         # no --states: a job being set up (CONFIGURING) holds its GPUs too
         jobs = self._json(["squeue", "--json", "--all"])
         outside = self._outside(jobs.get("jobs") or [])

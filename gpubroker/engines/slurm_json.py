@@ -2,7 +2,13 @@
 
 Pure functions (no I/O, no clock) over the JSON of ``sinfo --json`` and
 ``squeue --json`` (Slurm 22.05, OpenAPI plugin v0.0.38) and the parsable
-text of ``sacct -P``: node states, GRES strings (``gpu:h100:4``,
+text of ``sacct -P``. The JSON of later Slurm releases (``data_parser``
+v0.0.39 of 23.02, v0.0.40 of 23.11, v0.0.41 of 24.05, v0.0.42 of 24.11:
+states as lists of flags, numbers as ``{"set", "infinite", "number"}``
+objects, exit codes as ``{"status", "return_code", "signal"}``) is read
+into 22.05's shape first (:func:`as_v38`); there ``sinfo --json`` lists
+grouped rows (``"sinfo"``), and the nodes come from ``scontrol show nodes
+--json`` instead. Read here: node states, GRES strings (``gpu:h100:4``,
 ``gpu:h100:2(IDX:0-1)``), host lists (``n[1-3,7]``), job states and exit
 codes. Used by :class:`gpubroker.engines.slurm.SlurmEngine`.
 
@@ -190,27 +196,132 @@ def node_state(state: str, flags: Iterable[str]) -> NodeState:
 
 
 #: fields that data_parser v0.0.38 (Slurm 22.05) gives as a string or a
-#: number, and later ones (v0.0.39+, Slurm 23.02+) as a list or an object
-_SCALAR_FIELDS = ("state", "job_state", "exit_code", "start_time", "end_time")
+#: number, and later ones (v0.0.39+, Slurm 23.02+) as a list or an object;
+#: :func:`as_v38` reads them back into v0.0.38's shape
+_SCALAR_FIELDS = ("state", "job_state", "exit_code", "start_time", "end_time", "submit_time")
+
+#: job state flags in the order Slurm's ``job_state_string()`` names a job
+#: by them before its base state (src/common/slurm_protocol_defs.c, 22.05
+#: to 24.11): v0.0.38 prints that one word, v0.0.40+ the base state and
+#: every flag (``["CANCELLED", "COMPLETING"]``)
+_JOB_FLAG_ORDER = (
+    "COMPLETING",
+    "STAGE_OUT",
+    "CONFIGURING",
+    "RESIZING",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "SPECIAL_EXIT",
+    "STOPPED",
+    "REVOKED",
+    "RESV_DEL_HOLD",
+    "SIGNALING",
+)
+
+
+def number(value: Any) -> int | None:
+    """A number of Slurm's JSON: v0.0.38's plain ``5``, or v0.0.39+'s
+    ``{"set": true, "infinite": false, "number": 5}``; ``None`` when not
+    set, infinite or not a number."""
+    if isinstance(value, Mapping):
+        if not value.get("set", True) or value.get("infinite"):
+            return None
+        value = value.get("number")
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def job_state_word(state: Any) -> str:
+    """A job's state as one word, as v0.0.38 (Slurm 22.05) prints it:
+    v0.0.39's string as is; v0.0.40+'s list (``["PENDING",
+    "REQUEUE_HOLD"]``) as Slurm's ``job_state_string()`` names it: its
+    first flag of :data:`_JOB_FLAG_ORDER`, else its base state."""
+    if not isinstance(state, list | tuple):
+        return str(state or "")
+    words = [str(w).upper() for w in state]
+    for flag in _JOB_FLAG_ORDER:
+        if flag in words:
+            return flag
+    return words[0] if words else ""
+
+
+def raw_exit_code(value: Any) -> int:
+    """A job's exit status as v0.0.38 gives it, a raw wait status (exit
+    code in the high byte, the signal in the low 7 bits), from any shape:
+    v0.0.38's number; v0.0.39's ``{"set", "infinite", "number"}`` of that
+    wait status; v0.0.40+'s ``{"status": [...], "return_code": {...},
+    "signal": {"id": {...}, "name": ...}}``. Not set: 0."""
+    if not isinstance(value, Mapping) or "number" in value:
+        return number(value) or 0
+    signal = value.get("signal")
+    signum = number(signal.get("id")) if isinstance(signal, Mapping) else None
+    if signum:
+        return signum & 0x7F
+    return ((number(value.get("return_code")) or 0) & 0xFF) << 8
+
+
+def as_v38(answer: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``--json`` ``answer`` of ``sinfo``, ``scontrol show nodes`` or
+    ``squeue`` in v0.0.38's (Slurm 22.05's) shape, which the rest of this
+    module reads; an answer already in it is returned as it is. Nodes: a
+    list ``state`` (``["IDLE", "DRAIN"]``, v0.0.39+) becomes ``state``
+    (its first word, lower case) and ``state_flags`` (the others). Jobs:
+    ``job_state`` one word (:func:`job_state_word`), ``exit_code`` a raw
+    wait status (:func:`raw_exit_code`), times plain epochs (0: not set)."""
+    fixed = dict(answer)
+    nodes = answer.get("nodes")
+    if isinstance(nodes, list):
+        fixed["nodes"] = [_node_v38(n) if isinstance(n, Mapping) else n for n in nodes]
+    jobs = answer.get("jobs")
+    if isinstance(jobs, list):
+        fixed["jobs"] = [_job_v38(j) if isinstance(j, Mapping) else j for j in jobs]
+    return fixed
+
+
+def _node_v38(node: Mapping[str, Any]) -> dict[str, Any]:
+    fixed = dict(node)
+    state = node.get("state")
+    if isinstance(state, list | tuple):
+        words = [str(w) for w in state]
+        fixed["state"] = words[0].lower() if words else ""
+        fixed["state_flags"] = [*words[1:], *(node.get("state_flags") or [])]
+    return fixed
+
+
+def _job_v38(job: Mapping[str, Any]) -> dict[str, Any]:
+    fixed = dict(job)
+    if "job_state" in job:
+        fixed["job_state"] = job_state_word(job["job_state"])
+    if "exit_code" in job:
+        fixed["exit_code"] = raw_exit_code(job["exit_code"])
+    for key in ("start_time", "end_time", "submit_time"):
+        if isinstance(job.get(key), Mapping):
+            fixed[key] = number(job[key]) or 0
+    return fixed
 
 
 def unsupported_format(answer: Mapping[str, Any]) -> str:
-    """Why the ``--json`` ``answer`` of ``sinfo``/``squeue`` is in a format
-    this module does not read (``""``: it is v0.0.38's, Slurm 22.05's).
-    Slurm 23.02 and later give states as lists (``["IDLE", "DRAIN"]``) and
-    numbers as objects (``{"set": true, "number": 0}``): read as strings,
-    a drained node would look up and an ended job running, so such an
-    answer is refused instead of misread."""
-    for key in ("nodes", "jobs", "sinfo"):
+    """Why the ``--json`` ``answer`` of ``sinfo``/``squeue``, as
+    :func:`as_v38` leaves it, is in a format this module does not read
+    (``""``: v0.0.38's shape). A field still a list or an object would be
+    misread (a drained node up, an ended job running), so such an answer
+    is refused instead."""
+    for key in ("nodes", "jobs"):
         for item in answer.get(key) or []:
             if not isinstance(item, Mapping):
                 continue
             for field in _SCALAR_FIELDS:
                 if isinstance(item.get(field), list | Mapping):
-                    release = ((answer.get("meta") or {}).get("Slurm") or {}).get("release")
+                    meta = answer.get("meta") or {}
+                    release = (meta.get("Slurm") or meta.get("slurm") or {}).get("release")
                     return (
-                        f"{key}[].{field} is a {type(item[field]).__name__}: the JSON of Slurm "
-                        f"{release or '23.02 or later'} is not read yet (tested with 22.05)"
+                        f"{key}[].{field} is a {type(item[field]).__name__}: this shape of "
+                        f"Slurm {release or '?'}'s JSON is not read"
                     )
     return ""
 

@@ -337,22 +337,33 @@ def test_a_node_slurm_powered_down_to_save_power_takes_new_work() -> None:
     assert sj.node_state("idle", ["POWERED_DOWN", "DRAIN"]) == "drained"
 
 
-def test_json_of_a_newer_slurm_is_refused_not_misread() -> None:
+def test_json_of_a_newer_slurm_is_read_not_misread() -> None:
     """Slurm 23.02+ gives states as lists and numbers as objects: read as
     strings, a drained node looked up (``"['IDLE', 'DRAIN']"`` matched no
-    state) and an ended job looked running."""
+    state) and an ended job looked running. They are read into 22.05's
+    shape (tests/unit/test_slurm_json_versions.py has whole answers); a
+    shape still unknown is refused, not misread."""
     from gpubroker.engines import slurm_json
 
-    newer_sinfo = {
-        "meta": {"Slurm": {"release": "23.11.4"}},
-        "nodes": [{"name": "n1", "state": ["IDLE", "DRAIN"], "gres": "gpu:h100:4"}],
-    }
-    said = slurm_json.unsupported_format(newer_sinfo)
-    assert "nodes[].state is a list" in said and "Slurm 23.11.4 is not read yet" in said
-    newer_squeue = {"jobs": [{"job_id": 4, "job_state": "RUNNING", "exit_code": {"number": 0}}]}
-    assert "jobs[].exit_code is a dict" in slurm_json.unsupported_format(newer_squeue)
+    newer_sinfo = slurm_json.as_v38(
+        {
+            "meta": {"slurm": {"release": "23.11.4"}},
+            "nodes": [{"name": "n1", "state": ["IDLE", "DRAIN"], "gres": "gpu:h100:4"}],
+        }
+    )
+    node = newer_sinfo["nodes"][0]
+    assert slurm_json.node_state(node["state"], node["state_flags"]) == "drained"
+    assert slurm_json.unsupported_format(newer_sinfo) == ""
+    newer_squeue = slurm_json.as_v38(
+        {"jobs": [{"job_id": 4, "job_state": ["COMPLETED"], "exit_code": {"number": 0}}]}
+    )
+    assert not slurm_json.job_status(newer_squeue["jobs"][0]).running
+    unknown = {"meta": {"slurm": {"release": "99.1"}}, "nodes": [{"state": {"base": "IDLE"}}]}
+    said = slurm_json.unsupported_format(slurm_json.as_v38(unknown))
+    assert "nodes[].state is a dict" in said and "Slurm 99.1" in said
     v38 = {
         "nodes": [{"name": "n1", "state": "idle", "state_flags": ["DRAIN"]}],
         "jobs": [{"job_id": 4, "job_state": "RUNNING", "exit_code": 0, "start_time": 1}],
     }
+    assert slurm_json.as_v38(v38) == v38
     assert slurm_json.unsupported_format(v38) == ""
