@@ -395,6 +395,12 @@ class SimulateCommand(Application):
         except (PackingError, TraceError, ClusterError) as err:
             self.log.critical("%s", err)
             self.exit(2)
+        defaulted = data["defaulted"]
+        if defaulted and data["host_modelled"]:
+            self.log.warning(
+                "Pods with a host request empty, packed as asking none of it: %s",
+                ", ".join(f"{n} without {name}" for name, n in defaulted.items()),
+            )
         written = self._write(out, "packing.json", json.dumps(data, indent=2) + "\n")
         print(packing_cli.table(data))
         print(f"wrote {written}")

@@ -101,10 +101,13 @@ class Pod:
 
 def read_openb_nodes(path: str | Path) -> list[HostNode]:
     """The openb node list (``sn, cpu_milli, memory_mib, gpu, model``);
-    nodes without GPUs are left out.
+    nodes without GPUs are left out. Names and models are stripped of
+    spaces.
 
     Raises:
-        TraceError: unreadable, or a column missing or not a number.
+        TraceError: unreadable, a column missing or not a number, a name
+            repeated, or a node with GPUs but no model (placement and
+            fragmentation match models against pods' ``gpu_spec``).
     """
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
@@ -123,12 +126,18 @@ def read_openb_nodes(path: str | Path) -> list[HostNode]:
         try:
             gpus = int(row["gpu"])
             node = HostNode(
-                row["sn"], gpus, row["model"], int(row["cpu_milli"]), int(row["memory_mib"])
+                (row["sn"] or "").strip(),
+                gpus,
+                (row["model"] or "").strip(),
+                int(row["cpu_milli"]),
+                int(row["memory_mib"]),
             )
         except (TypeError, ValueError):
             raise TraceError(f"{where}: not numbers: {row}") from None
         if min(gpus, node.cpu_milli or 0, node.memory_mib or 0) < 0:
             raise TraceError(f"{where}: gpu, cpu_milli and memory_mib must be >= 0: {row}")
+        if gpus > 0 and not node.model:
+            raise TraceError(f"{where}: node {node.name} has {gpus} GPUs but no model")
         if node.name in names:
             raise TraceError(f"{where}: node {node.name} is listed twice")
         names.add(node.name)
@@ -141,7 +150,8 @@ def read_openb_nodes(path: str | Path) -> list[HostNode]:
 
 def pods_of(trace: Trace, host: bool = True) -> list[Pod]:
     """The trace's GPU pods as demands (:func:`~gpubroker.simulate.readers.read_openb_pods`);
-    ``host``: keep their CPU and memory requests. Each demand carries its
+    ``host``: keep their CPU and memory requests (an empty one counts as 0;
+    the reader counts such pods in :attr:`Trace.defaulted`). Each demand carries its
     pod's ``gpu_spec`` models, so that fragmentation and FGD count a GPU
     of another model as fragment for it (as the paper does)."""
     pods = []

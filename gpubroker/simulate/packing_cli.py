@@ -86,7 +86,8 @@ def run(
     host: bool = True,
 ) -> dict[str, Any]:
     """The experiment's figures as JSON-able data (see :func:`summarise`),
-    with what was read and left out.
+    with what was read, left out, and kept with a host request empty
+    (``defaulted``: pods by field, packed as asking 0 of it).
 
     Raises:
         PackingError, TraceError, ClusterError: bad input.
@@ -102,6 +103,7 @@ def run(
         "trace": read.source,
         "pods": len(pods),
         "left_out": [str(p) for p in read.problems],
+        "defaulted": dict(read.defaulted),
         "notes": read.notes,
         "nodes": len(nodes),
         "gpus": sum(n.gpus for n in nodes),

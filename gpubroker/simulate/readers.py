@@ -131,6 +131,9 @@ class Trace:
         problems: the bad rows.
         notes: what the format lacks or how it was interpreted, for the output.
         fractional: whether some request asks for a fraction of a GPU.
+        defaulted: rows kept with an optional field empty, by field name
+            (``openb``: ``cpu_milli``, ``memory_mib``, which the packing
+            experiment then counts as 0 asked); only fields with such rows.
     """
 
     source: str
@@ -139,6 +142,7 @@ class Trace:
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     fractional: bool = False
+    defaulted: dict[str, int] = field(default_factory=dict)
 
 
 # -- field parsing -------------------------------------------------------------------
@@ -353,6 +357,12 @@ def _openb_times(row: Mapping[str, Any]) -> tuple[float, float]:
     return _seconds(row, "creation_time"), end - start
 
 
+def _models(spec: str) -> tuple[str, ...]:
+    """The models of a ``gpu_spec`` (``V100M16|V100M32``), each stripped of
+    spaces, empty entries and repeats left out, in order."""
+    return tuple(dict.fromkeys(m.strip() for m in spec.split("|") if m.strip()))
+
+
 def _optional_count(row: Mapping[str, Any], name: str) -> int | None:
     return _count(row, name) if _text(row, name) else None
 
@@ -380,7 +390,7 @@ def _openb_pod(line: int, row: Mapping[str, Any], timed: bool) -> TraceJob:
         gpu_request=num_gpu * milli / 1000.0,
         qos=_text(row, "qos") or None,
         share=milli / 1000.0,
-        gpu_models=tuple(m for m in spec.split("|") if m),
+        gpu_models=_models(spec),
         cpu_milli=_optional_count(row, "cpu_milli"),
         memory_mib=_optional_count(row, "memory_mib"),
     )
@@ -394,6 +404,16 @@ def _read_openb(trace: Trace, stream: TextIO, timed: bool = True) -> None:
     _read_rows(trace, _csv_rows(stream, columns, "openb"), parse)
     fractional = sum(1 for job in trace.jobs if job.share is not None and job.share < 1)
     trace.fractional = fractional > 0
+    for name in ("cpu_milli", "memory_mib"):
+        empty = sum(1 for job in trace.jobs if getattr(job, name) is None)
+        if empty:
+            trace.defaulted[name] = empty
+    if trace.defaulted:
+        counts = ", ".join(f"{n} without {name}" for name, n in trace.defaulted.items())
+        trace.notes.append(
+            f"openb: pods kept with a host request empty: {counts}; the packing experiment "
+            "counts an empty request as 0 (it asks for none of that resource)"
+        )
     trace.notes += [
         "openb: submit = creation_time, run time = deletion_time - scheduled_time; "
         "pods still Running at the end of the trace run until its end; CPU-only pods "

@@ -78,6 +78,34 @@ def test_openb_reader_without_times_and_with_gpu_spec() -> None:
     assert pods_of(trace, host=False)[1].demand == Demand(8, UNIT)
 
 
+def test_openb_gpu_spec_is_stripped_and_empty_host_requests_are_counted(
+    tmp_path: Path,
+) -> None:
+    """Spaces around gpu_spec models are not part of the model (a pod with
+    `` V100M32`` used to fit no V100M32), and pods whose cpu_milli or
+    memory_mib is empty are counted and reported, not silently packed as 0."""
+    text = (
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+        "a,4000,1024,1,250, V100M16 | V100M32 |V100M16\n"
+        "b,,1024,1,1000,\n"
+        "c,,,1,1000,\n"
+        "d,4000,1024,1,1000,\n"
+    )
+    trace = read_openb_pods(io.StringIO(text))
+    assert trace.jobs[0].gpu_models == ("V100M16", "V100M32")
+    assert trace.defaulted == {"cpu_milli": 2, "memory_mib": 1}
+    assert any("2 without cpu_milli, 1 without memory_mib" in n for n in trace.notes)
+    pods = pods_of(trace)
+    packer = Packer([HostNode("v", 1, "V100M32", 8000, 4096)], Scorer("best-fit"))
+    assert packer.place(pods[0])
+    trace_file = tmp_path / "pods.csv"
+    trace_file.write_text(text)
+    from gpubroker.simulate import packing_cli
+
+    data = packing_cli.run(str(trace_file), "1x2xV100M32", [1.0], 1, ["best-fit"])
+    assert data["defaulted"] == {"cpu_milli": 2, "memory_mib": 1}
+
+
 def test_openb_node_list() -> None:
     nodes = read_openb_nodes(DATA / "openb_nodes_sample.csv")
     assert nodes[0] == HostNode("openb-node-0000", 2, "P100", 64000, 262144)
@@ -92,6 +120,7 @@ def test_openb_node_list() -> None:
         (b"sn,cpu_milli,memory_mib,gpu,model\na,x,10,1,T4\n", "not numbers"),
         (b"sn,cpu_milli,memory_mib,gpu,model\n\xff,1,10,1,T4\n", "not UTF-8"),
         (b"sn,gpu\na,1\n", "not an openb node list"),
+        (b"sn,cpu_milli,memory_mib,gpu,model\na,1,10,2, \n", "node a has 2 GPUs but no model"),
     ],
 )
 def test_bad_node_lists_are_refused_with_the_line(

@@ -320,3 +320,30 @@ def test_bad_options_are_one_line_errors_before_any_work(
     assert len(critical) == 1, done.stderr
     assert "Replaying" not in done.stderr and not done.stdout  # no work was done
     assert not (tmp_path / "out").exists()
+
+
+def test_packing_warns_of_pods_with_an_empty_host_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pods = tmp_path / "pods.csv"
+    pods.write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+        "a,,1024,1,500,\nb,2000,,1,500,\nc,2000,1024,1,1000,\n"
+    )
+    run(
+        [
+            f"--trace={pods}",
+            "--format=openb",
+            "--packing=1.0",
+            "--seeds=1",
+            "--strategies=best-fit",
+            f"--cluster={DATA / 'openb_nodes_sample.csv'}",
+            f"--out={tmp_path / 'out'}",
+        ]
+    )
+    assert (
+        "packed as asking none of it: 1 without cpu_milli, 1 without memory_mib"
+        in capsys.readouterr().err
+    )
+    data = json.loads((tmp_path / "out" / "packing.json").read_text())
+    assert data["defaulted"] == {"cpu_milli": 1, "memory_mib": 1}
