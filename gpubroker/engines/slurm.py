@@ -14,7 +14,10 @@ protocol.
   UUIDs). ``squeue --json`` says which GPU indices every job that has not
   ended holds (running, suspended, completing, being set up): those of
   jobs this engine did not launch are *outside* the broker (a job someone
-  ran with ``sbatch`` directly), so the broker never grants them.
+  ran with ``sbatch`` directly), so the broker never grants them. A job
+  launched or polled here is this engine's own only until it is seen
+  ended or stopped (:meth:`SlurmEngine._forget`): Slurm may give its id to
+  someone else's job later, and a job a stop could not end is no lease's.
 * **Launch** (:meth:`SlurmEngine.launch`): ``sbatch --parsable
   --nodelist=NODE --gres=gpu:TYPE:N`` (the GRES type of the leased GPUs,
   so a node with several types binds the leased one) of a batch script
@@ -116,6 +119,10 @@ SUBMIT_SKEW = 60.0
 
 _SACCT_FIELDS = slurm_json.SACCT_FIELDS
 
+#: how many jobs' ``sacct`` marks (name, submit time) are kept, the oldest
+#: dropped first: a job is polled again after its end only briefly
+_MARKS_KEPT = 4096
+
 
 class SlurmEngine(LoggingConfigurable):
     """Runs holders' processes as Slurm jobs (see the module's docstring).
@@ -189,7 +196,8 @@ class SlurmEngine(LoggingConfigurable):
         self._lock = threading.Lock()
         #: the cluster's KillWait in seconds, once read
         self._kill_wait: float | None = None
-        #: job ids this engine launched or was asked to poll (its own jobs)
+        #: job ids this engine launched or was asked to poll (its own jobs),
+        #: until it sees them end or stops them (:meth:`_forget`)
         self._ours: set[str] = set()
         #: server jobs the broker's leases name now (replaced by each adopt)
         self._servers: set[str] = set()
@@ -510,7 +518,7 @@ class SlurmEngine(LoggingConfigurable):
             raise EngineError(f"sbatch answered no job id: {out.strip()[:200]!r}")
         with self._lock:
             self._ours.add(job_id)
-            self._marks[job_id] = (f"{JOB_NAME_PREFIX}{spec.lease_id}", asked)
+            self._mark({job_id: (f"{JOB_NAME_PREFIX}{spec.lease_id}", asked)})
         self.log.info(
             "Slurm job %s submitted for lease %s on %s (%s GPUs)",
             job_id,
@@ -580,7 +588,10 @@ class SlurmEngine(LoggingConfigurable):
         """
         job_id = self._check(handle, claim)
         view = self._views({job_id}).get(job_id)
-        return view.status if view is not None else self._accounted(job_id)
+        status = view.status if view is not None else self._accounted(job_id)
+        if not status.running:
+            self._forget([job_id])
+        return status
 
     def poll_many(self, handles: Iterable[Handle], claim: bool = True) -> dict[str, Status]:
         """The status of each job of ``handles``, by job id, from one
@@ -596,10 +607,22 @@ class SlurmEngine(LoggingConfigurable):
         if not wanted:
             return {}
         views = self._views(wanted)
-        return {
+        statuses = {
             job_id: views[job_id].status if job_id in views else self._accounted(job_id)
             for job_id in sorted(wanted, key=int)
         }
+        self._forget(job_id for job_id, status in statuses.items() if not status.running)
+        return statuses
+
+    def _forget(self, job_ids: Iterable[str]) -> None:
+        """``job_ids`` are no longer this engine's own: they have ended (a
+        later job Slurm gives the same id, after a reset of its state, is
+        someone else's, and its GPUs are *outside*), or a stop gave up on
+        them (:meth:`stop`: the broker ends their lease, so GPUs they still
+        hold are outside). A poll with ``claim`` counts a job again."""
+        with self._lock:
+            for job_id in job_ids:
+                self._ours.discard(job_id)
 
     def describe(self, handle: Handle) -> slurm_json.JobView | None:
         """What ``squeue`` says of the job: state, reason, node, the port
@@ -637,7 +660,17 @@ class SlurmEngine(LoggingConfigurable):
                 marks[str(job.get("job_id"))] = (name, submitted)
         if marks:
             with self._lock:
-                self._marks.update(marks)
+                self._mark(marks)
+
+    def _mark(self, marks: Mapping[str, tuple[str, dt.datetime]]) -> None:
+        """Record ``marks`` (under the lock), keeping the newest
+        :data:`_MARKS_KEPT` only: they outlive the jobs' end (a job may be
+        polled again once ended), not for ever."""
+        for job_id, mark in marks.items():
+            self._marks.pop(job_id, None)
+            self._marks[job_id] = mark
+        for job_id in list(self._marks)[: max(0, len(self._marks) - _MARKS_KEPT)]:
+            del self._marks[job_id]
 
     def _accounted(self, job_id: str) -> Status:
         """The final status ``sacct`` records of a job ``squeue`` (which
@@ -706,7 +739,10 @@ class SlurmEngine(LoggingConfigurable):
         """SIGTERM to every process of the job, ``grace`` seconds, then
         ``scancel`` (Slurm kills what is left after its ``KillWait``); waits
         up to the cluster's ``KillWait`` (:meth:`kill_wait`) plus
-        ``stop_margin`` seconds more for the job to end. A job whose
+        ``stop_margin`` seconds more for the job to end. Afterwards the job
+        is no longer this engine's own (:meth:`_forget`), also where the stop
+        failed or the job still runs: its caller ends the job's lease, so
+        GPUs it still holds count as *outside*. A job whose
         batch script has not started (pending, held, requeued, being set
         up) has no processes, and ``scancel --signal`` on it hangs until
         the command's timeout on 22.05: it is cancelled at once.
@@ -714,6 +750,20 @@ class SlurmEngine(LoggingConfigurable):
         Raises:
             EngineError: not a Slurm handle, or Slurm could not be asked.
         """
+        try:
+            status = self._stop(handle, grace)
+        except EngineError:
+            self._forget([handle.id])
+            raise
+        if status.running:
+            self.log.warning(
+                "Slurm job %s still runs after its stop: its GPUs count as outside the broker",
+                handle.id,
+            )
+        self._forget([handle.id])
+        return status
+
+    def _stop(self, handle: Handle, grace: float) -> Status:
         view = self.describe(handle)  # one squeue: the state and the status
         status = view.status if view is not None else self._accounted(handle.id)
         if not status.running:

@@ -197,6 +197,8 @@ class StubbornJob(FakeSlurm):
         self.clock = clock
         self.kill_wait = kill_wait
         self.killed_at: float | None = None
+        #: its node hangs: Slurm never ends it
+        self.hung = False
 
     def _state(self) -> str:
         if self.killed_at is not None and self.clock.now >= self.killed_at:
@@ -214,7 +216,7 @@ class StubbornJob(FakeSlurm):
             )
         if argv[0] == "scancel":
             self.calls.append(list(argv))
-            if not any(a.startswith("--signal") for a in argv) and self.killed_at is None:
+            if not any(a.startswith("--signal") for a in argv) and not self.hung:
                 self.killed_at = self.clock.now + self.kill_wait + 2
             return ""
         state = self._state()
@@ -283,3 +285,101 @@ def test_a_stop_asks_about_its_own_job_only_and_less_often_as_it_waits(
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert gaps and max(gaps) <= 2.0 + 1e-9
     assert len(times) <= 30, len(times)  # 37 s of waiting: backed off to 2 s
+
+
+def _gpu_job(job_id: int, user: str, state: str, index: int) -> dict[str, Any]:
+    return {
+        "job_id": job_id,
+        "name": "gpubroker-lease-5" if user != "bob" else "train",
+        "user_name": user,
+        "job_state": state,
+        "nodes": "n1",
+        "batch_host": "n1",
+        "gres_detail": [f"gpu:h100:1(IDX:{index})"],
+        "exit_code": 0,
+        "start_time": 1796281000,
+        "end_time": 0 if state == "RUNNING" else 1796281690,
+    }
+
+
+def _outside(engine: SlurmEngine) -> set[int]:
+    (node,) = engine.nodes()
+    return {d.index for d in node.devices if d.uuid in node.outside}
+
+
+def test_a_batch_job_stops_being_the_brokers_once_it_has_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # job 77 of the broker ends; slurmctld's state is reset and bob's new
+    # job gets id 77 on GPU 2. It is bob's, outside the broker: counted as
+    # the broker's own for ever, its GPU would be granted a second time
+    me = pwd.getpwuid(os.getuid()).pw_name
+    fake = FakeSlurm()
+    engine = _engine(monkeypatch, fake)
+    (node,) = engine.nodes()
+    handle = engine.launch(
+        LaunchSpec(
+            argv=("true",), env={}, cwd="/tmp", user=me, lease_id=5, devices=(node.devices[0].uuid,)
+        )
+    )
+    fake.jobs = [_gpu_job(77, me, "RUNNING", 0)]
+    assert _outside(engine) == set()
+    assert engine.poll(handle).running
+    fake.jobs = [_gpu_job(77, me, "COMPLETED", 0)]
+    assert not engine.poll(handle).running
+    fake.jobs = [_gpu_job(77, "bob", "RUNNING", 2)]
+    assert _outside(engine) == {2}
+    # the same through poll_many (the job service's tick)
+    fake.jobs = [_gpu_job(77, me, "RUNNING", 0)]
+    assert engine.poll_many([handle])["77"].running
+    assert _outside(engine) == set()
+    fake.jobs = [_gpu_job(77, me, "FAILED", 0)]
+    assert not engine.poll_many([handle])["77"].running
+    fake.jobs = [_gpu_job(77, "bob", "RUNNING", 2)]
+    assert _outside(engine) == {2}
+
+
+def test_a_batch_job_a_stop_could_not_end_is_outside_the_broker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the job service ends the job and its lease whatever the stop gave
+    # (JobService._tick_running, _stop_quietly): a job Slurm did not end
+    # holds its GPUs outside the broker, which must not grant them again
+    from gpubroker.engines import slurm as slurm_module
+
+    clock = Clock()
+    monkeypatch.setattr(slurm_module, "time", clock)
+    fake = StubbornJob(clock, kill_wait=10)
+    engine = _engine(monkeypatch, fake)
+    fake.hung = True  # Slurm does not end it (a node that hangs)
+    handle = Handle("slurm", "90", "")
+    assert engine.poll(handle).running  # claimed: the broker's own
+    real_call = fake.__call__
+
+    def with_gpus(argv: Sequence[str], stdin: str | None = None, env: Any = None) -> str:
+        out = real_call(argv, stdin, env)
+        if argv[0] == "squeue" and "--json" in argv:
+            answer = json.loads(out)
+            for job in answer["jobs"]:
+                job["gres_detail"] = ["gpu:h100:1(IDX:3)"]
+            out = json.dumps(answer)
+        return out
+
+    monkeypatch.setattr(engine, "_run", with_gpus)
+    assert _outside(engine) == set()
+    assert engine.stop(handle, grace=1.0).running
+    assert _outside(engine) == {3}
+
+    # a stop that fails (slurmctld not answering scancel) too
+    engine.poll(handle)
+    assert _outside(engine) == set()
+
+    def refusing(argv: Sequence[str], stdin: str | None = None, env: Any = None) -> str:
+        if argv[0] == "scancel":
+            raise EngineError("scancel failed (exit 1): Unable to contact slurm controller")
+        return with_gpus(argv, stdin, env)
+
+    monkeypatch.setattr(engine, "_run", refusing)
+    with pytest.raises(EngineError, match="Unable to contact"):
+        engine.stop(handle, grace=1.0)
+    assert _outside(engine) == {3}
