@@ -464,9 +464,16 @@ def run_one(
     """Place ``pods`` drawn for the largest checkpoint with ``seed`` under
     ``strategy``; read the allocation at each checkpoint.
 
-    ``fgd`` scores with the drawn workload's mix (known in advance, as in
-    the paper); ``packing`` learns its mix online (``online``: window and
-    refresh, arrivals).
+    ``fgd`` scores with the workload's mix known in advance, as in the
+    paper: the mix of ``pods``, the population the draw samples (each
+    demand weighted by how often it is in ``pods``, the expected mix of any
+    draw), so that a checkpoint's figure does not depend on which larger
+    checkpoints are asked for; ``packing`` learns its mix online
+    (``online``: window and refresh, arrivals). The allocation at each
+    checkpoint depends only on the pods drawn up to it (the draws of a
+    longer run begin with those of a shorter one); the fragmentation is
+    read at the end, after the largest checkpoint's arrivals, under the
+    same population mix.
 
     Raises:
         PackingError: bad strategy or checkpoints, no nodes or pods.
@@ -478,7 +485,9 @@ def run_one(
         raise PackingError("checkpoints must be > 0")
     capacity = UNIT * sum(n.gpus for n in nodes)
     drawn = draw(pods, capacity, marks[-1], seed)
-    full_mix = workload_mix(drawn)
+    # the population's mix, not the draw's: the draw's depends on its length,
+    # so FGD's placements up to 100 % changed with the largest checkpoint
+    full_mix = workload_mix(pods)
     learner = OnlineMix(*online) if strategy == "packing" else None
     packer = Packer(nodes, Scorer(strategy, full_mix if strategy == "fgd" else ()), seed)
     result = PackRun(strategy, seed)
