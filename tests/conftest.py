@@ -39,6 +39,7 @@ BOTH_DATABASES = {
     "test_sharing_core",
     "test_mig",
     "test_usage_ledger",
+    "test_usage_review",
     "test_jobs",
 }
 _numbers = itertools.count()

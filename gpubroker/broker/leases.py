@@ -313,9 +313,10 @@ class Leases:
                 if stopping is not None:  # the broker asked for this stop: its reason
                     reason = f"{stopping.reason} (server stopped)"
                     cause = stopping.cause or "release"
-                    # and its actor: the broker's part, or who asked for the stop
-                    # (an admin, the user), not the spawner that reports it
-                    actor = CAUSE_ACTORS.get(cause) or _stop_asked_by(repo, lease.id)
+                    # and its actor: who asked for the stop (the scheduler,
+                    # the culler, an admin, the user), not the spawner that
+                    # reports it
+                    actor = self.stops.asked_by(repo, lease.id) or CAUSE_ACTORS.get(cause)
                 self.release(lease, reason, now, cause, actor)
                 repo.flush()
                 self.scheduling.schedule(repo, now, lazy=lazy)
@@ -452,7 +453,7 @@ class Leases:
                 stopping = self.stops.open_stop(lease.id)
                 if stopping is not None:
                     reason, cause = f"{stopping.reason} ({reason})", stopping.cause or cause
-                    actor = CAUSE_ACTORS.get(cause) or _stop_asked_by(repo, lease.id)
+                    actor = self.stops.asked_by(repo, lease.id) or CAUSE_ACTORS.get(cause)
                 self.release(lease, reason, now, cause, actor)
                 released.append(lease.id)
             if released:
@@ -579,10 +580,3 @@ def _devices_to_prefer(previous: Lease, kind: str, count: int) -> list[str] | No
         return None
     devices = [a.device_uuid for a in previous.allocations if a.kind == "device"]
     return devices if len(devices) == count else None
-
-
-def _stop_asked_by(repo: Repository, lease_id: int) -> str | None:
-    """Who asked for the open stop of lease ``lease_id``: the actor of its
-    latest ``stopping`` transition (``None``: none recorded)."""
-    stops = [e for e in repo.events_of(lease_id) if e.kind == "stopping"]
-    return stops[-1].actor if stops else None

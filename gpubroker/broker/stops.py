@@ -101,10 +101,18 @@ class ServerStops:
             if lease.id in self.followed():
                 return False  # its engine stops the holder first
             reason, cause = intent.reason, intent.cause or cause
-            actor = CAUSE_ACTORS.get(cause, actor)
+            actor = self.asked_by(repo, lease.id) or CAUSE_ACTORS.get(cause, actor)
         self.release(lease, reason, now, cause, actor)
         self.log.warning("Evicted lease %s of %s: %s", lease.id, lease.user, reason)
         return True
+
+    def asked_by(self, repo: Repository, lease_id: int) -> str | None:
+        """Who asked for the stop of lease ``lease_id``'s server: the actor
+        of its latest ``stopping`` transition (the scheduler, the culler, an
+        admin, the user), ``None`` when none is recorded. Its release
+        carries that actor, not the one who reports the server stopped."""
+        stops = [e for e in repo.events_of(lease_id) if e.kind == "stopping"]
+        return stops[-1].actor if stops else None
 
     def asked_at(self, lease_id: int) -> dt.datetime | None:
         """When the open stop of ``lease_id``'s server was first asked

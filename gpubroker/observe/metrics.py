@@ -33,8 +33,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ..model.jobs import FINAL
 from ..model.lifecycle import Event
-from ..usage.intervals import event_cause
+from ..usage.intervals import CAUSES, event_cause
+
+#: the causes a ``released`` event can carry (:func:`event_cause`)
+RELEASE_CAUSES = tuple(c for c in CAUSES if c not in ("granted", "broker-down"))
 
 #: the histogram's buckets, seconds (1 s to 1 day)
 WAIT_BUCKETS = (1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400)
@@ -75,6 +79,15 @@ class BrokerMetrics:
             registry=self.registry,
         )
         self.registry.register(_StateCollector(broker, ledger))
+        # every known label value has its series from the first scrape, at 0:
+        # increase() over a counter's first event needs the 0 before it
+        for klass in broker.priority_classes():
+            self.grants.labels(klass)
+            self.waits.labels(klass)
+        for cause in RELEASE_CAUSES:
+            self.releases.labels(cause)
+        for outcome in sorted(FINAL):
+            self.jobs.labels(outcome)
 
     def on_event(self, event: Event) -> None:
         """Count one lifecycle event (an event-bus subscriber)."""
@@ -147,7 +160,7 @@ class _StateCollector(Collector):
         # every class has a series, 0 when nothing waits (a gap is not a 0)
         queue: Tally[str] = Tally(dict.fromkeys(self.broker.priority_classes(), 0))
         for lease in self.broker.list_leases():
-            leases[(lease["state"], lease["priority_class"], lease["pool"] or "")] += 1
+            leases[(lease["state"], lease["priority_class"], self._pool_of(lease))] += 1
             if lease["state"] == "pending":
                 queue[lease["priority_class"]] += 1
         family = GaugeMetricFamily(
@@ -162,6 +175,15 @@ class _StateCollector(Collector):
         for klass, n in sorted(queue.items()):
             family.add_metric([klass], n)
         yield family
+
+    def _pool_of(self, lease: dict[str, Any]) -> str:
+        """The ``pool`` label of a lease: a granted lease's devices' pool,
+        as ``gpubroker_slots_held`` labels its slots; else the pool it asked
+        for (``""``: any)."""
+        devices = lease.get("devices") or []
+        if lease["state"] == "granted" and devices:
+            return str(self.broker.pool_spec(devices[0]["uuid"]).name)
+        return str(lease["pool"] or "")
 
     def _telemetry(self) -> Iterator[GaugeMetricFamily]:
         if self.ledger is None:

@@ -287,54 +287,103 @@ def aggregate(
     seconds.
 
     Each row: ``key``, ``model``, ``allocated`` (GPU-seconds: weight *
-    overlap), ``used`` (GPU-seconds, pro rata of the overlap), ``wait``
-    (seconds waited in the queue), ``leases`` (leases with a slot
-    interval in the range), ``jobs``, ``culls`` and ``preemptions`` (ends in
-    the range), ``idle_culled`` (GPU-seconds: weight * idle seconds of the
-    culled), ``holders`` (distinct leases; for counting across models).
+    overlap), ``used`` (GPU-seconds, pro rata of the overlap),
+    ``sampled`` (the GPU-seconds of ``allocated`` whose use was sampled,
+    pro rata as ``used``: the base of an efficiency), ``wait`` (seconds
+    waited in the queue), ``idle_culled`` (GPU-seconds: weight * idle
+    seconds of the culled). The counts of leases are per key alone, not
+    per model: :func:`counts`.
     """
     c = _T.c
-    lo, hi = literal(start_s), literal(end_s)
-    end = func.coalesce(c.end_s, literal(now_s))
-    a = case((c.start_s > lo, c.start_s), else_=lo)
-    b = case((end < hi, end), else_=hi)
-    overlap = case((b > a, b - a), else_=literal(0.0))
-    length = case((end > c.start_s, end - c.start_s), else_=literal(0.0))
-    is_slot = c.slot_kind != WAIT
-    ended_here = and_(c.end_s.is_not(None), c.end_s >= lo, c.end_s < hi)
+    r = _Range(start_s, end_s, now_s)
     group_key = KEYS[key] if key else literal("all")
+    pro_rata = and_(r.is_slot, r.length > 0)
     columns = [
         group_key.label("key"),
         c.model.label("model"),
-        func.sum(case((is_slot, c.weight * overlap), else_=0.0)).label("allocated"),
+        func.sum(case((r.is_slot, c.weight * r.overlap), else_=0.0)).label("allocated"),
+        func.sum(case((pro_rata, c.used_gpu_seconds * r.overlap / r.length), else_=0.0)).label(
+            "used"
+        ),
+        func.sum(case((pro_rata, c.weight * c.sampled_s * r.overlap / r.length), else_=0.0)).label(
+            "sampled"
+        ),
+        func.sum(case((r.is_slot, 0.0), else_=r.overlap)).label("wait"),
         func.sum(
-            case((and_(is_slot, length > 0), c.used_gpu_seconds * overlap / length), else_=0.0)
-        ).label("used"),
-        func.sum(case((is_slot, 0.0), else_=overlap)).label("wait"),
-        func.count(func.distinct(case((and_(is_slot, overlap > 0), c.lease_id)))).label("leases"),
-        func.count(
-            func.distinct(case((and_(is_slot, overlap > 0, c.holder_kind == "job"), c.lease_id)))
-        ).label("jobs"),
-        func.count(
-            func.distinct(case((and_(is_slot, ended_here, c.end_cause == "cull"), c.lease_id)))
-        ).label("culls"),
-        func.count(
-            func.distinct(
-                case((and_(is_slot, ended_here, c.end_cause == "preemption"), c.lease_id))
+            case(
+                (and_(r.is_slot, r.ended_here, c.end_cause == "cull"), c.weight * c.idle_s),
+                else_=0.0,
             )
-        ).label("preemptions"),
-        func.sum(
-            case((and_(is_slot, ended_here, c.end_cause == "cull"), c.weight * c.idle_s), else_=0.0)
         ).label("idle_culled"),
     ]
+    stmt = select(*columns).where(r.touches).group_by(group_key, c.model)
+    if user is not None:
+        stmt = stmt.where(c.user == user)
+    return [dict(row._mapping) for row in session.execute(stmt)]
+
+
+def counts(
+    session: Session,
+    start_s: float,
+    end_s: float,
+    now_s: float,
+    key: str | None,
+    user: str | None = None,
+) -> dict[Any, dict[str, int]]:
+    """Distinct leases per ``key`` (as :func:`aggregate`'s, over the same
+    intervals): ``leases`` (with a slot interval in the range), ``jobs``
+    (those held by batch jobs), ``culls`` and ``preemptions`` (ends in the
+    range). A lease on devices of two models counts once. All in UTC
+    epoch seconds.
+
+    Returns:
+        key value (``"all"`` for ``key`` ``None``) -> the four counts.
+    """
+    c = _T.c
+    r = _Range(start_s, end_s, now_s)
+    group_key = KEYS[key] if key else literal("all")
+
+    def distinct(*when: Any) -> Any:
+        return func.count(func.distinct(case((and_(r.is_slot, *when), c.lease_id))))
+
     stmt = (
-        select(*columns)
-        .where(and_(c.start_s < hi, or_(c.end_s.is_(None), c.end_s >= lo)))
-        .group_by(group_key, c.model)
+        select(
+            group_key.label("key"),
+            distinct(r.overlap > 0).label("leases"),
+            distinct(r.overlap > 0, c.holder_kind == "job").label("jobs"),
+            distinct(r.ended_here, c.end_cause == "cull").label("culls"),
+            distinct(r.ended_here, c.end_cause == "preemption").label("preemptions"),
+        )
+        .where(r.touches)
+        .group_by(group_key)
     )
     if user is not None:
         stmt = stmt.where(c.user == user)
-    return [dict(r._mapping) for r in session.execute(stmt)]
+    return {
+        row.key: {n: int(row._mapping[n]) for n in ("leases", "jobs", "culls", "preemptions")}
+        for row in session.execute(stmt)
+    }
+
+
+class _Range:
+    """SQL expressions of the intervals against ``[start_s, end_s)``, an
+    open interval counting up to ``now_s`` (UTC epoch seconds)."""
+
+    def __init__(self, start_s: float, end_s: float, now_s: float) -> None:
+        c = _T.c
+        lo, hi = literal(start_s), literal(end_s)
+        end = func.coalesce(c.end_s, literal(now_s))
+        a = case((c.start_s > lo, c.start_s), else_=lo)
+        b = case((end < hi, end), else_=hi)
+        #: seconds of the interval within the range
+        self.overlap = case((b > a, b - a), else_=literal(0.0))
+        #: the interval's length, seconds
+        self.length = case((end > c.start_s, end - c.start_s), else_=literal(0.0))
+        self.is_slot = c.slot_kind != WAIT
+        #: it ended within the range
+        self.ended_here = and_(c.end_s.is_not(None), c.end_s >= lo, c.end_s < hi)
+        #: the intervals read: overlapping, or ending exactly at ``start_s``
+        self.touches = and_(c.start_s < hi, or_(c.end_s.is_(None), c.end_s >= lo))
 
 
 def interval_rows(

@@ -40,12 +40,16 @@ def build_report(
         upto = repo.counted_until(session, now.timestamp())
         for label, lo, hi in buckets(request):
             key = None if request.by == "day" else request.by
-            sums = repo.aggregate(session, lo.timestamp(), hi.timestamp(), upto, key, user)
+            span = (lo.timestamp(), hi.timestamp(), upto, key, user)
+            sums = repo.aggregate(session, *span)
+            counted = repo.counts(session, *span)
             if request.by == "day":
-                rows.extend(combine([(label, s) for s in sums], prices) or [_empty(label)])
+                day = {label: counted.get("all", {})}
+                rows.extend(combine([(label, s) for s in sums], prices, day) or [_empty(label)])
             else:
                 empty = _EMPTY.get(request.by, "")
-                rows.extend(combine([(s["key"] or empty, s) for s in sums], prices))
+                named = {k or empty: v for k, v in counted.items()}
+                rows.extend(combine([(s["key"] or empty, s) for s in sums], prices, named))
     return rows
 
 
@@ -80,7 +84,7 @@ def series(
         for label, lo, hi in buckets(daily):
             days.append(label)
             sums = repo.aggregate(session, lo.timestamp(), hi.timestamp(), upto, "user", user)
-            per_day.append(combine([(s["key"], s) for s in sums], {}))
+            per_day.append(combine([(s["key"], s) for s in sums], {}, {}))  # no counts plotted
             for row in per_day[-1]:
                 totals[row.key] = totals.get(row.key, 0.0) + row.gpu_hours_allocated
         users = sorted(totals, key=lambda u: (-totals[u], u))[:top]

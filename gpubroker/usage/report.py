@@ -36,6 +36,8 @@ Nothing here reads a clock or a database.
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import zoneinfo
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -130,8 +132,11 @@ def parse_request(
     zone = zone_of(tz or "UTC")
     local_now = now.astimezone(zone)
     first = dt.datetime(local_now.year, local_now.month, 1, tzinfo=zone)
-    lo = parse_time("from", start, zone) if start else first
-    hi = parse_time("to", end, zone) if end else now
+    utc = dt.timezone.utc
+    # compared as instants: two times of one zone compare by wall clock,
+    # which a daylight-saving gap or fold turns around
+    lo = (parse_time("from", start, zone) if start else first).astimezone(utc)
+    hi = (parse_time("to", end, zone) if end else now).astimezone(utc)
     if lo >= hi:
         raise ReportError("from", f"must be before to ({_iso(lo)} is not before {_iso(hi)})")
     if hi - lo > dt.timedelta(days=MAX_DAYS):
@@ -141,8 +146,7 @@ def parse_request(
         raise ReportError(
             "to", f"a report by day or in HTML may cover at most {MAX_DAILY_DAYS} days"
         )
-    utc = dt.timezone.utc
-    return ReportRequest(lo.astimezone(utc), hi.astimezone(utc), by, tz or "UTC", fmt)
+    return ReportRequest(lo, hi, by, tz or "UTC", fmt)
 
 
 def zone_of(name: str) -> ZoneInfo:
@@ -152,11 +156,27 @@ def zone_of(name: str) -> ZoneInfo:
         ReportError: (``tz``) not an IANA time-zone name.
     """
     try:
+        if name not in _iana_names():
+            raise ZoneInfoNotFoundError(name)
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, TypeError, OSError):
         raise ReportError(
             "tz", f"unknown time zone {echo(name)} (use an IANA name such as Europe/Berlin)"
         ) from None
+
+
+@functools.cache
+def _iana_names() -> frozenset[str]:
+    """The IANA time-zone names of this host's tz database, without the
+    files that are not zones of a place: ``localtime`` (the host's own
+    setting, so a report would differ between hosts), ``posixrules``,
+    ``Factory`` and the ``posix/`` and ``right/`` copies."""
+    return frozenset(
+        name
+        for name in zoneinfo.available_timezones()
+        if name not in {"localtime", "posixrules", "Factory"}
+        and not name.startswith(("posix/", "right/"))
+    )
 
 
 def parse_time(param: str, text: str, zone: dt.tzinfo) -> dt.datetime:
@@ -174,11 +194,7 @@ def parse_time(param: str, text: str, zone: dt.tzinfo) -> dt.datetime:
     if value.tzinfo is None:
         value = value.replace(tzinfo=zone)
     lo, hi = YEARS
-    try:
-        year = value.astimezone(dt.timezone.utc).year
-    except (OverflowError, ValueError):
-        year = value.year
-    if not lo <= year <= hi or not lo <= value.year <= hi:
+    if not lo <= value.year <= hi:  # the year as written (1 January 1970 in any zone)
         raise ReportError(param, f"must be between the years {lo} and {hi}, got {echo(text)}")
     return value
 
@@ -239,30 +255,37 @@ def price_of(model: str, prices: Mapping[str, float]) -> float | None:
 
 
 def combine(
-    sums: Iterable[tuple[str, Mapping[str, Any]]], prices: Mapping[str, float]
+    sums: Iterable[tuple[str, Mapping[str, Any]]],
+    prices: Mapping[str, float],
+    counts: Mapping[str, Mapping[str, int]],
 ) -> list[ReportRow]:
     """Report rows from the store's sums.
 
     Args:
         sums: (key, sums) pairs, a key appearing once per device model; the
             sums as :func:`gpubroker.store.ledger_repo.aggregate` gives them
-            (``model``, ``allocated``, ``used``, ``wait`` in seconds and
-            GPU-seconds; ``leases``, ``jobs``, ``culls``, ``preemptions``;
-            ``idle_culled`` GPU-seconds).
+            (``model``, ``allocated``, ``used``, ``sampled``, ``wait`` in
+            seconds and GPU-seconds; ``idle_culled`` GPU-seconds).
         prices: price per GPU-hour by model name (``*``: any other model).
+        counts: ``leases``, ``jobs``, ``culls``, ``preemptions`` per key,
+            each lease once (:func:`gpubroker.store.ledger_repo.counts`); a
+            key missing: 0.
 
     Returns:
-        One row per key, sorted by allocated GPU-hours (most first), then key.
+        One row per key, sorted by allocated GPU-hours (most first), then
+        key. ``efficiency`` is used ÷ the allocated GPU-hours whose use was
+        sampled (``None`` when none was: no GPU use is known).
     """
     acc: dict[str, dict[str, float]] = {}
     priced: dict[str, bool] = {}
     for key, s in sums:
-        a = acc.setdefault(key, dict.fromkeys(("alloc", "used", "wait", "idle", "cost"), 0.0))
-        for name in ("leases", "jobs", "culls", "preemptions"):
-            a[name] = a.get(name, 0.0) + float(s[name] or 0)
+        a = acc.setdefault(
+            key, dict.fromkeys(("alloc", "used", "sampled", "wait", "idle", "cost"), 0.0)
+        )
         hours = float(s["allocated"] or 0) / 3600
         a["alloc"] += hours
         a["used"] += float(s["used"] or 0) / 3600
+        a["sampled"] += float(s["sampled"] or 0) / 3600
         a["wait"] += float(s["wait"] or 0) / 3600
         a["idle"] += float(s["idle_culled"] or 0) / 3600
         price = price_of(str(s["model"] or ""), prices) if hours > 0 else None
@@ -274,15 +297,22 @@ def combine(
             key=key,
             gpu_hours_allocated=round(a["alloc"], 6),
             gpu_hours_used=round(a["used"], 6),
-            efficiency=round(a["used"] / a["alloc"], 6) if a["alloc"] > 0 else None,
+            efficiency=_efficiency(a["used"], a["sampled"]),
             wait_hours=round(a["wait"], 6),
-            leases=int(a["leases"]),
-            jobs=int(a["jobs"]),
-            culls=int(a["culls"]),
-            preemptions=int(a["preemptions"]),
+            leases=counts.get(key, {}).get("leases", 0),
+            jobs=counts.get(key, {}).get("jobs", 0),
+            culls=counts.get(key, {}).get("culls", 0),
+            preemptions=counts.get(key, {}).get("preemptions", 0),
             idle_gpu_hours_culled=round(a["idle"], 6),
             cost=round(a["cost"], 2) if priced.get(key) else None,
         )
         for key, a in acc.items()
     ]
     return sorted(rows, key=lambda r: (-r.gpu_hours_allocated, r.key))
+
+
+def _efficiency(used: float, sampled: float) -> float | None:
+    """Used ÷ sampled GPU-hours; ``None`` when nothing was sampled."""
+    if sampled <= 1e-9:
+        return None
+    return round(used / sampled, 6)
