@@ -59,6 +59,12 @@ def _shown(value: Any) -> str:
     return text if len(text) <= MAX_SHOWN else f"{text[: MAX_SHOWN - 3]}..."
 
 
+def _key(name: Any) -> str:
+    """An option's name for an error message, cut to :data:`MAX_SHOWN` characters."""
+    text = str(name)
+    return text if len(text) <= MAX_SHOWN else f"{text[: MAX_SHOWN - 3]}..."
+
+
 def check_gpu_options(
     user_options: dict[str, Any] | None, limit: int | None, default: int = 0
 ) -> int:
@@ -82,7 +88,9 @@ def check_gpu_options(
     options = dict(user_options or {})
     unknown = sorted(set(options) - set(OPTION_KEYS), key=str)
     if unknown:
-        raise OptionsError(f"{unknown[0]}: unknown option (allowed: {', '.join(OPTION_KEYS)})")
+        raise OptionsError(
+            f"{_key(unknown[0])}: unknown option (allowed: {', '.join(OPTION_KEYS)})"
+        )
     gpus = requested_gpus(options, default)
     between = f"between 0 and {limit}" if limit is not None else "0 or more"
     if isinstance(gpus, bool) or not isinstance(gpus, int):
@@ -233,7 +241,7 @@ def select_profile(
             raise OptionsError(f"{key}: choose a profile (profile: {slugs})")
     unknown = sorted(set(options) - {"profile"}, key=str)
     if unknown:
-        raise OptionsError(f"{unknown[0]}: unknown option (allowed: profile)")
+        raise OptionsError(f"{_key(unknown[0])}: unknown option (allowed: profile)")
     slug = options.get("profile")
     if slug is None:
         return _profiles.default_profile(profiles)
@@ -244,7 +252,7 @@ def select_profile(
     for profile in profiles:
         if profile["slug"] == slug:
             return profile
-    raise OptionsError(f"profile: unknown profile {slug!r} (choices: {slugs})")
+    raise OptionsError(f"profile: unknown profile '{_key(slug)}' (choices: {slugs})")
 
 
 def _article(word: str) -> str:
