@@ -48,7 +48,7 @@ MAX_FORM_DIGITS = 6
 MAX_SHOWN = 40
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """``value`` as JSON for an error message, cut to :data:`MAX_SHOWN` characters."""
     try:
         text = json.dumps(value)
@@ -94,10 +94,10 @@ def check_gpu_options(
     gpus = requested_gpus(options, default)
     between = f"between 0 and {limit}" if limit is not None else "0 or more"
     if isinstance(gpus, bool) or not isinstance(gpus, int):
-        raise OptionsError(f"gpus: must be an integer {between}, got {_shown(gpus)}")
+        raise OptionsError(f"gpus: must be an integer {between}, got {shown(gpus)}")
     if gpus < 0 or (limit is not None and gpus > limit):
         most = " (the most this server may have)" if limit is not None else ""
-        raise OptionsError(f"gpus: must be {between}{most}, got {_shown(gpus)}")
+        raise OptionsError(f"gpus: must be {between}{most}, got {shown(gpus)}")
     return gpus
 
 
@@ -247,7 +247,7 @@ def select_profile(
         return _profiles.default_profile(profiles)
     if not isinstance(slug, str):
         raise OptionsError(
-            f"profile: must be the slug of a profile (choices: {slugs}), got {_shown(slug)}"
+            f"profile: must be the slug of a profile (choices: {slugs}), got {shown(slug)}"
         )
     for profile in profiles:
         if profile["slug"] == slug:

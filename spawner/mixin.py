@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import html
-import json
 import os
 import re
 import time
@@ -61,6 +60,8 @@ BROKER_RETRY_MESSAGE = "GPU broker restarting, retrying\u2026"
 FIRST_RETRY_DELAY = 0.25
 #: release reason of a lease this server still had when it was started again
 REPLACED_REASON = "replaced by a new start of the server"
+#: seconds a cancelled spawn spends releasing a lease it was not told of
+UNANSWERED_TIMEOUT = 10.0
 #: background release retries, held here so the event loop keeps them alive
 _BACKGROUND_RELEASES: set[asyncio.Future[None]] = set()
 
@@ -332,9 +333,10 @@ class GPUSpawnerMixin(LoggingConfigurable):
         broker as a dry run, so a refusal (e.g. quota) is the hub's answer.
 
         Options the hub reused from its database (the spawn named none, see
-        :meth:`_options_are_saved`) that fail the checks here fall back to
-        the defaults, with a notice in the progress and the log, and the
-        saved options are replaced by ``{}``.
+        :meth:`_options_are_saved`) that fail the checks here, or that the
+        broker's dry run refuses (4xx: a quota, a MIG profile no pool offers
+        any more), fall back to the defaults, with a notice in the progress
+        and the log, and the saved options are replaced by ``{}``.
 
         When the broker is unavailable (unreachable or 5xx), only the local
         checks run (types, not negative); the GPU limit and the dry run are
@@ -350,17 +352,35 @@ class GPUSpawnerMixin(LoggingConfigurable):
                 broker refuses the spawner's own call for the GPU limit.
         """
         options = dict(user_options or {})
-        self._gpu_checks_deferred = False
         try:
-            request = await self._checked_request(options)
+            return await self._admitted(options)
         except form.OptionsError as err:
             if not options or not self._options_are_saved():
                 raise web.HTTPError(400, str(err)) from None
-            try:
-                request = await self._checked_request({})
-            except form.OptionsError as again:
-                raise web.HTTPError(400, str(again)) from None
-            self._saved_options_refused(options, err)
+            refused = str(err)
+        except web.HTTPError as err:
+            if not options or not self._options_are_saved() or err.status_code >= 500:
+                raise
+            refused = err.log_message or str(err)
+        try:
+            request = await self._admitted({})
+        except form.OptionsError as again:
+            raise web.HTTPError(400, str(again)) from None
+        self._saved_options_refused(options, refused)
+        return request
+
+    async def _admitted(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The request ``options`` stand for, checked (:meth:`_checked_request`)
+        and tried on the broker as a dry run (put off when the broker is
+        unavailable).
+
+        Raises:
+            form.OptionsError: the options are malformed or out of range.
+            tornado.web.HTTPError: as :meth:`_checked_request`, or the
+                broker's 4xx refusal of the dry run (the profile is undone).
+        """
+        self._gpu_checks_deferred = False
+        request = await self._checked_request(options)
         if request and not self._gpu_checks_deferred:
             try:
                 await self._admission(request)
@@ -441,21 +461,23 @@ class GPUSpawnerMixin(LoggingConfigurable):
         query = set(getattr(request, "query_arguments", {}) or {}) - {"next", "display_name"}
         return request.method == "GET" and not query
 
-    def _saved_options_refused(self, options: dict[str, Any], err: form.OptionsError) -> None:
+    def _saved_options_refused(self, options: dict[str, Any], err: str) -> None:
         """Tell the user (progress) and the admin (log) that saved options
-        fell back to the defaults, and replace the saved options by ``{}``."""
+        fell back to the defaults (``err``: why they were refused), and
+        replace the saved options by ``{}``. The options are quoted cut to
+        :data:`form.MAX_SHOWN` characters."""
         if self.gpu_profiles:
             instead = f"the default profile {self.gpu_profile!r}"
         else:
             instead = f"the default ({self.default_gpus} GPUs)"
         message = (
-            f"Your saved spawn options {json.dumps(options, sort_keys=True)} are no "
+            f"Your saved spawn options {form.shown(options)} are no "
             f"longer offered ({err}); starting with {instead} instead."
         )
         self.log.warning(
             "%s: saved user_options %s refused (%s); using %s",
             self._log_name,
-            json.dumps(options, sort_keys=True),
+            form.shown(options),
             err,
             instead,
         )
@@ -505,6 +527,17 @@ class GPUSpawnerMixin(LoggingConfigurable):
             self.log.info(
                 "%s: profile %s sets %s", self._log_name, slug, ", ".join(sorted(override))
             )
+
+    async def apply_group_overrides(self) -> None:
+        """Set back the last profile's settings, then apply JupyterHub's
+        ``group_overrides`` (JupyterHub 5.3+ calls this before the user
+        options): a setting the previous spawn's profile changed is undone
+        before the groups' overrides apply, not after them, which would
+        put back the value of before that profile over the group's."""
+        self._undo_gpu_profile()
+        parent = getattr(super(), "apply_group_overrides", None)
+        if parent is not None:
+            await parent()
 
     def _undo_gpu_profile(self) -> None:
         """Set back the settings the last applied profile changed."""
@@ -766,6 +799,9 @@ class GPUSpawnerMixin(LoggingConfigurable):
             lease = await self._request_lease(fields)
         except BrokerClientError as err:
             raise spawn_error(f"GPU request refused: {err.message}", "gpu-refused") from err
+        except asyncio.CancelledError:
+            await self._release_unanswered()
+            raise
         self.gpu_lease_id = lease["id"]
         if self.gpu_restart_of is not None:
             self.log.info(
@@ -849,6 +885,32 @@ class GPUSpawnerMixin(LoggingConfigurable):
                     self.log.error("Could not release lease %s: %s", stale, release_err)
                     raise err from None
         return await request()
+
+    async def _release_unanswered(self) -> None:
+        """The spawn was cancelled (the user stopped the pending server, the
+        hub's ``start_timeout``) while ``POST /leases`` was on its way: the
+        broker may have made the lease without this spawner learning its
+        id. Release this server's active lease, if the broker has one,
+        before the cancelled start ends (so no new start of the server can
+        have asked for one meanwhile). Errors are logged, not raised; at
+        most ``UNANSWERED_TIMEOUT`` seconds (then the next start's 409 or
+        the broker's reconciliation ends it)."""
+        reason = "spawn cancelled while the GPU request was on its way"
+
+        async def release() -> None:
+            for lease in await self.broker.list_leases(self.user.name):
+                if lease["holder_kind"] == "server" and lease["server_name"] == self.name:
+                    await self._release_call(lease["id"], reason, note_end=False)
+
+        try:
+            await asyncio.wait_for(release(), UNANSWERED_TIMEOUT)
+        except (BrokerClientError, asyncio.TimeoutError) as err:
+            self.log.warning(
+                "%s: %s; could not release the lease it may have made: %s",
+                self._log_name,
+                reason,
+                err,
+            )
 
     def _own_active_lease(self, err: BrokerClientError) -> int | None:
         """The id of the active lease of this server (this user, this server
