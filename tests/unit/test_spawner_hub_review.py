@@ -14,14 +14,13 @@ import pytest
 from jupyterhub.objects import Hub
 from jupyterhub.spawner import LocalProcessSpawner
 from tornado import web
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.httpserver import HTTPServer
 
 from gpubroker.client import BrokerClient
 from gpubroker_spawner import SimpleLocalGPUSpawner
 
 from .test_spawner_profiles import StubBroker, broker  # noqa: F401
-from .test_spawner_review import bound, broker_url, fake_start, hub_api  # noqa: F401
+from .test_spawner_review import broker_url, fake_start, forwarding_proxy, hub_api  # noqa: F401
 from .test_spawner_review import make_spawner as make_served_spawner
 
 PROFILES = [
@@ -70,33 +69,12 @@ def slow_proxy(target: str, delay: float, seen: asyncio.Event) -> tuple[HTTPServ
     """Forwards to ``target``; the answer to ``POST /leases`` (not a dry
     run) comes ``delay`` seconds after the broker made the lease."""
 
-    class Forward(web.RequestHandler):
-        async def _any(self) -> None:
-            path = self.request.uri.split("/b/", 1)[1]
-            method = self.request.method
-            answer = await AsyncHTTPClient().fetch(
-                HTTPRequest(
-                    target + path,
-                    method=method,
-                    headers=dict(self.request.headers),
-                    body=self.request.body if method != "GET" else None,
-                    allow_nonstandard_methods=True,
-                ),
-                raise_error=False,
-            )
-            if method == "POST" and path == "api/v1/leases":
-                seen.set()
-                await asyncio.sleep(delay)
-            self.set_status(answer.code)
-            self.set_header("Content-Type", "application/json")
-            self.finish(answer.body)
+    async def late(handler: web.RequestHandler) -> bool:
+        seen.set()
+        await asyncio.sleep(delay)
+        return False
 
-        get = post = delete = _any
-
-    server = HTTPServer(web.Application([(r"/b/.*", Forward)]))
-    sock, port = bound()
-    server.add_sockets([sock])
-    return server, f"http://127.0.0.1:{port}/b/"
+    return forwarding_proxy(target, late)
 
 
 async def test_a_spawn_cancelled_while_its_request_is_on_its_way_leaves_no_lease(

@@ -9,7 +9,7 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -109,10 +109,15 @@ async def one_gpu_url(tmp_path: Any, hub_api: str) -> AsyncIterator[str]:
     server.stop()
 
 
-def lossy_proxy(target: str) -> tuple[HTTPServer, str]:
-    """Forwards to ``target``, but answers the first lease request 502
-    after the broker made it (its answer lost, as while the broker restarts)."""
-    lost: list[int] = []
+#: run on an answer of the broker to ``POST /leases`` before the proxy passes
+#: it on; True: it answered the client itself
+LeasePostHook = Callable[[web.RequestHandler], Awaitable[bool]]
+
+
+def forwarding_proxy(target: str, on_lease_post: LeasePostHook) -> tuple[HTTPServer, str]:
+    """A proxy at ``/b/`` that forwards every call to ``target``; once the
+    broker has answered a lease request (``POST /leases``, the lease made),
+    ``on_lease_post`` runs before the answer is passed on."""
 
     class Forward(web.RequestHandler):
         async def _any(self) -> None:
@@ -128,10 +133,7 @@ def lossy_proxy(target: str) -> tuple[HTTPServer, str]:
                 ),
                 raise_error=False,
             )
-            if method == "POST" and path == "api/v1/leases" and not lost:
-                lost.append(1)
-                self.set_status(502)
-                self.finish(json.dumps({"status": 502, "message": "bad gateway"}))
+            if method == "POST" and path == "api/v1/leases" and await on_lease_post(self):
                 return
             self.set_status(answer.code)
             self.set_header("Content-Type", "application/json")
@@ -143,6 +145,22 @@ def lossy_proxy(target: str) -> tuple[HTTPServer, str]:
     sock, port = bound()
     server.add_sockets([sock])
     return server, f"http://127.0.0.1:{port}/b/"
+
+
+def lossy_proxy(target: str) -> tuple[HTTPServer, str]:
+    """Forwards to ``target``, but answers the first lease request 502
+    after the broker made it (its answer lost, as while the broker restarts)."""
+    lost: list[int] = []
+
+    async def lose_first(handler: web.RequestHandler) -> bool:
+        if lost:
+            return False
+        lost.append(1)
+        handler.set_status(502)
+        handler.finish(json.dumps({"status": 502, "message": "bad gateway"}))
+        return True
+
+    return forwarding_proxy(target, lose_first)
 
 
 def make_spawner(url: str, **kwargs: Any) -> SimpleLocalGPUSpawner:
