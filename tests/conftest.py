@@ -40,6 +40,7 @@ BOTH_DATABASES = {
     "test_mig",
     "test_usage_ledger",
     "test_usage_review",
+    "test_ledger_rebind",
     "test_jobs",
 }
 _numbers = itertools.count()

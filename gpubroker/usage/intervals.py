@@ -39,6 +39,7 @@ CAUSES = (
     "reconcile",
     "granted",
     "broker-down",
+    "rebound",
 )
 
 #: who decides a release of each cause the broker itself decides
@@ -219,8 +220,10 @@ def fold(
         entries: the log's entries after the ledger's mark, in id order.
         holders: every lease an entry names (leases not given are skipped:
             a lease the store no longer has).
-        slots: the slots of each lease granted in ``entries`` (all of its
-            allocations: a lease is granted once).
+        slots: the slots of each lease granted or rebound in ``entries``
+            (all of its allocations: a lease is granted once; a ``rebound``
+            note moves its allocations to the devices its engine bound, and
+            its slot intervals close there and open anew on them).
 
     Returns:
         The changes; intervals opened and closed within the batch come
@@ -273,6 +276,11 @@ def _fold_one(
         parts: tuple[Slot | None, ...] = slots if entry.to_state == "granted" else (None,)
         for part in parts:
             open_(holder, part, at)
+    elif kind == "rebound" and slots:
+        # its engine bound it to other devices (Slurm): charged to them from now
+        close(holder.lease_id, False, at, "rebound")
+        for slot in slots:
+            open_(holder, slot, at)
     elif kind == "released":
         cause = event_cause(entry.detail, entry.reason, entry.actor, entry.from_state)
         close(holder.lease_id, entry.from_state == "pending", at, cause)
