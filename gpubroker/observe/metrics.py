@@ -35,10 +35,7 @@ from prometheus_client.registry import Collector
 
 from ..model.jobs import FINAL
 from ..model.lifecycle import Event
-from ..usage.intervals import CAUSES, event_cause
-
-#: the causes a ``released`` event can carry (:func:`event_cause`)
-RELEASE_CAUSES = tuple(c for c in CAUSES if c not in ("granted", "broker-down"))
+from ..usage.intervals import RELEASE_CAUSES, event_cause
 
 #: the histogram's buckets, seconds (1 s to 1 day)
 WAIT_BUCKETS = (1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400)

@@ -29,18 +29,12 @@ from typing import Any
 #: the ``slot_kind`` of a wait in the queue
 WAIT = "wait"
 
-#: every end cause an interval can carry
-CAUSES = (
-    "release",
-    "cancel",
-    "cull",
-    "preemption",
-    "time-limit",
-    "reconcile",
-    "granted",
-    "broker-down",
-    "rebound",
-)
+#: the causes a release records (its ``released`` event's)
+RELEASE_CAUSES = ("release", "cancel", "cull", "preemption", "time-limit", "reconcile")
+
+#: every end cause an interval can carry: a release's, or a wait ended by
+#: its grant, an interval the broker's downtime ended, a slot left by a move
+CAUSES = (*RELEASE_CAUSES, "granted", "broker-down", "rebound")
 
 #: who decides a release of each cause the broker itself decides
 CAUSE_ACTORS = {
@@ -204,7 +198,7 @@ def event_cause(detail: Mapping[str, Any], reason: str, actor: str, from_state: 
     """The cause of a ``released`` event: the one it records (never a
     caller's words), else :func:`release_cause`."""
     cause = detail.get("cause")
-    if isinstance(cause, str) and cause in CAUSES:
+    if isinstance(cause, str) and cause in RELEASE_CAUSES:
         return cause
     return release_cause(reason, actor, from_state)
 
