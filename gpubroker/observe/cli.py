@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from traitlets import Bool, Integer, Unicode
+from traitlets import Bool, Integer, Unicode, default
 
 from ..usage.cli import StoreCommand
 
@@ -23,6 +23,7 @@ class AuditCommand(StoreCommand):
         "since": "AuditCommand.since",
         "until": "AuditCommand.until",
         "limit": "AuditCommand.limit",
+        "service-name": "AuditCommand.service_name",
         "db-url": "AuditCommand.db_url",
         "config": "AuditCommand.config_file",
         "log-level": "Application.log_level",
@@ -37,6 +38,16 @@ class AuditCommand(StoreCommand):
     until = Unicode("", help="Up to this time (exclusive).").tag(config=True)
     limit = Integer(100, help="Most entries to print (1-10000).").tag(config=True)
     as_json = Bool(False, help="Print JSON, one entry per line.").tag(config=True)
+    service_name = Unicode(
+        help="The broker's JupyterHub service name: the hub's spawner acts for users through "
+        "it, so its requests and releases are not admin actions (default: "
+        "$JUPYTERHUB_SERVICE_NAME, else 'gpubroker'; set it in the config file when the "
+        "service has another name)."
+    ).tag(config=True)
+
+    @default("service_name")
+    def _default_service_name(self) -> str:
+        return os.environ.get("JUPYTERHUB_SERVICE_NAME") or "gpubroker"
 
     def start(self) -> None:
         """Print the entries."""
@@ -61,7 +72,7 @@ class AuditCommand(StoreCommand):
             self.user or None,
             self.kind or None,
             self.limit,
-            on_behalf=(os.environ.get("JUPYTERHUB_SERVICE_NAME", "gpubroker"),),
+            on_behalf=(self.service_name,),
         )
         for entry in entries:
             if self.as_json:

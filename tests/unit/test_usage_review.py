@@ -179,3 +179,25 @@ def test_a_server_stopped_for_an_admins_preemption_and_found_gone_names_the_admi
     entries = audit.query(broker.session_factory, kind="preemption", on_behalf=("gpubroker",))
     released = [e for e in entries if e["action"] == "released"]
     assert [e["actor"] for e in released] == ["root"], released
+
+
+def test_the_audit_command_takes_the_brokers_service_name_from_its_option(db_url: str) -> None:
+    """A broker registered as ``gpu-svc``: the spawner's requests and
+    releases, made through that service for the user, are no admin actions
+    when the admin's shell names the service (before: only through
+    ``$JUPYTERHUB_SERVICE_NAME``, which a shell does not have)."""
+    import json
+
+    from .test_usage_ledger import _cli
+
+    broker = make_broker(db_url)
+    lease = broker.request_lease("ann", "", 1, actor="gpu-svc")
+    broker.release_lease(lease["id"], "server stopped", actor="gpu-svc")
+
+    def actors(*args: str) -> set[str]:
+        done = _cli("audit", f"--db-url={db_url}", "--json", *args)
+        assert done.returncode == 0, done.stderr
+        return {json.loads(line)["actor"] for line in done.stdout.splitlines()}
+
+    assert "gpu-svc" in actors()  # taken for an admin acting on ann's lease
+    assert "gpu-svc" not in actors("--service-name=gpu-svc")
