@@ -643,9 +643,36 @@ class SlurmEngine(LoggingConfigurable):
         # already purged (MinJobAge), which would read as "unknown" forever;
         # --all: jobs in hidden partitions too
         answer = self._json(["squeue", "--json", "--all", "--states=all"])
-        jobs = [job for job in answer.get("jobs") or [] if str(job.get("job_id")) in job_ids]
+        listed = [job for job in answer.get("jobs") or [] if str(job.get("job_id")) in job_ids]
+        jobs = [job for job in listed if self._listed_is_ours(job)]
         self._remember(jobs)
         return {str(job.get("job_id")): slurm_json.job_view(job, self.cluster) for job in jobs}
+
+    def _listed_is_ours(self, job: Mapping[str, Any]) -> bool:
+        """Whether a job ``squeue`` lists under an id of this engine's is
+        this engine's job, not another that Slurm gave the same id after a
+        reset of its state (as :meth:`_accounted` tells ``sacct``'s
+        records apart): named :data:`JOB_NAME_PREFIX` plus a lease id, the
+        very name and no earlier submit time than this engine saw, where
+        it saw them. A job that is not is left out (logged): the id's job
+        is then looked for in ``sacct``."""
+        job_id = str(job.get("job_id"))
+        name = str(job.get("name") or "")
+        with self._lock:
+            want, since = self._marks.get(job_id, (None, None))
+        submitted = slurm_json.utc(job.get("submit_time"))
+        ours = name.startswith(JOB_NAME_PREFIX) and (want is None or name == want)
+        if ours and since is not None and submitted is not None:
+            ours = submitted >= since
+        if not ours:
+            self.log.warning(
+                "Slurm job %s in squeue is %r submitted %s, not this engine's job of that id "
+                "(Slurm reused the id): looked for in sacct",
+                job_id,
+                name,
+                submitted,
+            )
+        return ours
 
     def _remember(self, jobs: Iterable[Mapping[str, Any]]) -> None:
         """Note the name and submit time (``squeue``'s, UTC) of each of

@@ -383,3 +383,38 @@ def test_a_batch_job_a_stop_could_not_end_is_outside_the_broker(
     with pytest.raises(EngineError, match="Unable to contact"):
         engine.stop(handle, grace=1.0)
     assert _outside(engine) == {3}
+
+
+def test_squeue_lists_a_job_that_reused_the_id_as_another_jobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the broker's job 77 (lease 5) failed; slurmctld's state is reset and
+    # someone's later job gets id 77 and runs: squeue lists that one under
+    # our id. It is not ours: our job's end comes from sacct
+    me = pwd.getpwuid(os.getuid()).pw_name
+    fake = FakeSlurm()
+    engine = _engine(monkeypatch, fake)
+    now = dt.datetime.now(dt.timezone.utc)
+    handle = engine.launch(
+        LaunchSpec(argv=("true",), env={}, cwd="/tmp", user=me, lease_id=5, devices=())
+    )
+    later = int((now + dt.timedelta(hours=2)).timestamp())
+    impostor = {"job_id": 77, "name": "train", "job_state": "RUNNING", "submit_time": later}
+    fake.jobs = [impostor]
+    fake.records = [
+        _record("77", "gpubroker-lease-5", now, "FAILED", "3:0"),
+        _record("77", "train", now + dt.timedelta(hours=2), "RUNNING", "0:0"),
+    ]
+    status = engine.poll(handle)
+    assert (status.state, status.exit_code) == ("exited", 3)
+    assert engine.poll_many([handle])["77"].exit_code == 3
+    assert engine.describe(handle) is None
+    # another lease's name under our id, or ours submitted before our sbatch
+    fake.jobs = [impostor | {"name": "gpubroker-lease-6"}]
+    assert engine.poll(handle).exit_code == 3
+    early = int((now - dt.timedelta(hours=5)).timestamp())
+    fake.jobs = [impostor | {"name": "gpubroker-lease-5", "submit_time": early}]
+    assert engine.poll(handle).exit_code == 3
+    # our own job as squeue lists it is read from there
+    fake.jobs = [impostor | {"name": "gpubroker-lease-5", "submit_time": int(now.timestamp())}]
+    assert engine.poll(handle).running

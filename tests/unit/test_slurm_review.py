@@ -117,7 +117,14 @@ def test_stop_cancels_a_job_that_has_not_started_without_signalling_it(
 ) -> None:
     # scancel --signal on a job without processes hangs on 22.05 (the
     # command timeout, then an error): such a job is cancelled at once
-    canned = Canned([{"job_id": 41, "job_state": state, "nodes": "", "exit_code": 0}])
+    job = {
+        "job_id": 41,
+        "name": "gpubroker-lease-4",
+        "job_state": state,
+        "nodes": "",
+        "exit_code": 0,
+    }
+    canned = Canned([job])
     engine = _engine(monkeypatch, canned)
     status = engine.stop(Handle("slurm", "41", ""), grace=0.0)
     assert not status.running
@@ -199,6 +206,7 @@ def test_a_server_job_the_broker_failed_to_stop_is_outside_once_its_lease_is_gon
     # outside, not as the broker's own for ever
     job = {
         "job_id": 60,
+        "name": "gpubroker-lease-6",
         "job_state": "RUNNING",
         "user_name": "ann",
         "nodes": "n1",
@@ -241,7 +249,8 @@ def _slow_sbatch(
         if queued:
             comment = next(a for a in argv if a.startswith("--comment="))
             user = pwd.getpwuid(os.getuid()).pw_name
-            job = {"job_id": 88, "job_state": "PENDING", "user_name": user, "nodes": ""}
+            job = {"job_id": 88, "name": "gpubroker-lease-8", "job_state": "PENDING"}
+            job |= {"user_name": user, "nodes": ""}
             canned.jobs.append(job | {"comment": comment.partition("=")[2]})
         with monkeypatch.context() as patch:
             patch.setattr(subprocess, "run", timing_out)
