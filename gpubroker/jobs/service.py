@@ -802,7 +802,9 @@ class JobService(LoggingConfigurable):
     async def tick(self) -> int:
         """Start the queued jobs whose lease is granted, warn and record the
         ends of running ones, cancel queued jobs whose lease ended. Engine
-        calls run in a worker thread. Returns how many jobs changed."""
+        calls run in a worker thread. A job whose step fails is logged and
+        tried again next round; the jobs after it are still checked.
+        Returns how many jobs changed."""
         with self.sessions() as session:
             pending = [
                 (j.id, j.state, j.lease_id, _handle(j), _Watch.of(j))
@@ -825,6 +827,11 @@ class JobService(LoggingConfigurable):
                     changed += await self._tick_running(
                         job_id, lease, handle, watch, polled.get((handle.engine, handle.id))
                     )
+            except Exception:
+                # one job's failure (an engine that does not answer, a record
+                # the store refuses) is that job's: the others go on, and
+                # its step is tried again at the next round
+                self.log.exception("Jobs: the check of job %s failed; tried again", job_id)
             finally:
                 self._busy.discard(job_id)
         return changed
@@ -992,10 +999,7 @@ class JobService(LoggingConfigurable):
         record = _exit_record(f"{log}.exit", _uid_of(user)) if log else None
         if record is None:
             return None
-        try:
-            return Status("exited", exit_code=int(record))
-        except ValueError:
-            return Status("lost")
+        return _exit_status(record) or Status("lost")
 
     async def _stop_quietly(self, job_id: int, handle: Handle) -> Status | None:
         """Stop a job's process (SIGTERM, SIGKILL after ``stop_grace``) in a
@@ -1049,11 +1053,15 @@ class JobService(LoggingConfigurable):
         state_now = model.outcome(status.exit_code, status.signal, status.timed_out, lost)
         preempted = lease is not None and lease["state"] == "granted" and lease.get("preemption")
         ended_itself = state_now not in (model.SUCCEEDED, model.TIMED_OUT)
-        if preempted and ended_itself and self._restarts_left(job_id, True):
-            # it ended in its grace period (on the warning, checkpointed): run it again
+        if preempted and ended_itself:
+            # it ended in its grace period (on the warning, checkpointed): run
+            # it again, or, with no restarts left, end it as a stop would
             why = str(lease["preemption"].get("reason") or "preempted")  # type: ignore[index]
             self.broker.release_lease(lease["id"], f"job {job_id} {why}", actor="broker")
-            self._requeue(job_id, why, status)
+            if self._restarts_left(job_id, True):
+                self._requeue(job_id, why, status)
+            else:
+                self._finish(job_id, model.FAILED, f"its lease ended: {why}", status)
             return 1
         if lease is not None and lease["state"] == "granted":
             self.broker.release_lease(lease["id"], f"job {job_id} {state_now}", actor="broker")
@@ -1369,13 +1377,27 @@ def _recorded(status: Any, job_id: int, sessions: Any, owner: int | None) -> Any
     with sessions() as session:
         job = repo.get(session, job_id)
         path = f"{job.log_path}.exit" if job is not None and job.log_path else ""
-    try:
-        code = int(_exit_record(path, owner) or "") if path else None
-    except ValueError:
-        code = None
-    if code is None:
+    recorded = _exit_status(_exit_record(path, owner) or "") if path else None
+    if recorded is None:
         return status
-    return dataclasses.replace(status, state="exited", exit_code=code)
+    return dataclasses.replace(
+        status, state="exited", exit_code=recorded.exit_code, signal=recorded.signal
+    )
+
+
+def _exit_status(text: str) -> Status | None:
+    """The end a job's shell wrote to its exit file (its ``$?``): an exit
+    code 0-255, where 129-192 means the signal ``code - 128`` ended the
+    program (as a POSIX shell reports it); ``None`` for anything else. The
+    file is in the user's directory and the job can write it: a number of
+    any size or a word is not an end."""
+    text = text.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 3) or int(text) > 255:
+        return None
+    code = int(text)
+    if 128 < code <= 128 + 64:
+        return Status("exited", signal=code - 128)
+    return Status("exited", exit_code=code)
 
 
 def _exit_record(path: str, owner: int | None) -> str | None:

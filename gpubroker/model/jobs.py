@@ -20,12 +20,15 @@ kept apart, as ``sacct`` shows ``ExitCode`` as ``code:signal``.
 from __future__ import annotations
 
 import json
+import keyword
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
+
+from .echo import echo
 
 QUEUED = "queued"
 RUNNING = "running"
@@ -125,8 +128,8 @@ def parse_params(items: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
         raise JobError("param", f"at most {MAX_PARAMS} parameters, got {len(pairs)}")
     params = {}
     for name, value in pairs:
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise JobError("param", f"{name!r} is not a Python name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or keyword.iskeyword(name):
+            raise JobError("param", f"{echo(name)} is not a Python name (or is a keyword)")
         if _has_non_finite(value):
             raise JobError("param", f"{name}: a number must be finite (at most ~1.8e308)")
         params[name] = value
@@ -242,7 +245,7 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
         raise JobError("notebook", "give exactly one of notebook and command")
     env = data.get("env") or {}
     if not isinstance(env, Mapping) or not all(
-        isinstance(k, str) and _NAME.match(k) and isinstance(v, str) for k, v in env.items()
+        isinstance(k, str) and _NAME.fullmatch(k) and isinstance(v, str) for k, v in env.items()
     ):
         raise JobError("env", "must map variable names to strings")
     if any(k.startswith(("GPUBROKER_", "CUDA_", "NVIDIA_")) for k in env):

@@ -40,8 +40,9 @@ def restarted(db_url: str, jobs: JobService) -> JobService:
     return service
 
 
-class Crash(RuntimeError):
-    """The broker stops here."""
+class Crash(BaseException):
+    """The broker stops here (a BaseException, as a process's death is no
+    error the job supervisor handles: it logs and goes on after those)."""
 
 
 def crash_after_launch(jobs: JobService, monkeypatch: pytest.MonkeyPatch) -> None:

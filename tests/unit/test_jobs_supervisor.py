@@ -1,0 +1,197 @@
+"""A review of the batch job supervisor: one job's failing step does not
+stall the others; the exit file a restarted broker reads (the user can
+write it) gives at most 0-255, 128 + N read as signal N; a parameter named
+like a Python keyword is refused; a preempted job with no restarts left
+ends failed however it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpubroker.engines.base import EngineError, Handle
+from gpubroker.jobs.service import JobService
+from gpubroker.store import jobs_repo
+
+from ..conftest import make_broker
+
+
+@pytest.fixture
+def jobs(db_url: str, home: Path) -> Iterator[JobService]:
+    """The shared fixture's job service, which ends afterwards every process
+    the test's jobs left (by their recorded pid)."""
+    broker = make_broker(db_url)
+    service = JobService(broker, broker.engine, run_as_self=True, poll_interval=0.2)
+    service.root_dir_template = str(home / "{username}")
+    service.stop_grace = 1.0
+    yield service
+    with service.sessions() as session:
+        handles = [
+            Handle(j.handle_engine, j.handle_id, j.handle_node)
+            for j in jobs_repo.listed(session, None)
+            if j.handle_id.isdigit()
+        ]
+    for handle in handles:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(handle.id), signal.SIGKILL)
+        with contextlib.suppress(EngineError):
+            service.engines["local"].stop(handle, 0.1)  # reaps it
+    service.close()
+
+
+def _pid(jobs: JobService, job_id: int) -> int:
+    with jobs.sessions() as session:
+        return int(jobs_repo.get(session, job_id).handle_id)
+
+
+def _alive(pid: int) -> bool:
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
+    return out.stdout.strip() not in ("", "Z")
+
+
+def test_one_jobs_failing_stop_does_not_stall_the_other_jobs(jobs: JobService, home: Path) -> None:
+    """Job A runs; an admin releases its lease; stopping A's process fails
+    (Docker/Slurm unreachable for a moment, a pid the local engine refuses
+    to signal). Job B, submitted later and granted, must still start: the
+    supervisor's loop must not abort at A on every tick."""
+    for user in ("ann", "bob"):
+        (home / user).mkdir(parents=True)
+    a = jobs.submit("ann", {"command": ["sleep", "60"], "gpus": 1})
+    asyncio.run(jobs.tick())
+    assert jobs.get(a["id"])["state"] == "running"
+    engine = jobs.engines["local"]
+    real_stop = engine.stop
+
+    def failing_stop(handle: Handle, grace: float) -> Any:
+        raise EngineError("cannot stop: engine unreachable")
+
+    engine.stop = failing_stop
+    try:
+        jobs.broker.release_lease(a["lease_id"], "freed by an admin", actor="admin")
+        b = jobs.submit("bob", {"command": ["sleep", "60"], "gpus": 1})
+
+        async def ticks() -> None:
+            for _ in range(3):
+                with contextlib.suppress(EngineError):  # what run() logs and swallows
+                    await jobs.tick()
+
+        asyncio.run(ticks())
+        assert jobs.get(b["id"])["state"] == "running", jobs.get(b["id"])
+    finally:
+        engine.stop = real_stop
+
+
+def test_a_restarted_broker_records_a_signal_apart_from_the_exit_code(
+    db_url: str, jobs: JobService, home: Path
+) -> None:
+    """The exit code and the signal are recorded apart (docs/jobs.md). A job
+    its process ended by a signal while the broker was away is read from the
+    exit file, where the shell wrote 128 + N: it must read as signal N, as
+    the first broker (and the docker engine's _status) would record it."""
+    (home / "ann").mkdir(parents=True)
+    job = jobs.submit("ann", {"command": "sleep 1; kill -KILL $$", "gpus": 1})
+    asyncio.run(jobs.tick())
+    assert jobs.get(job["id"])["state"] == "running"
+    pid = _pid(jobs, job["id"])
+    for _ in range(100):
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    again = make_broker(db_url)
+    service = JobService(again, again.engine, run_as_self=True)
+    service.root_dir_template = jobs.root_dir_template
+    asyncio.run(service.tick())
+    done = service.get(job["id"])
+    assert done["state"] == "failed", done
+    assert (done["exit_code"], done["signal"]) == (None, 9), (done["exit_code"], done["signal"])
+    with jobs.sessions() as session:  # the first engine reaps its child
+        row = jobs_repo.get(session, job["id"])
+        jobs.engines["local"].poll(Handle(row.handle_engine, row.handle_id, row.handle_node))
+
+
+def test_a_parameter_named_like_a_python_keyword_is_a_400(jobs: JobService, home: Path) -> None:
+    """``class=1`` passes the NAME check, papermill injects ``class = 1``,
+    and the job fails at run time with a SyntaxError in the injected cell
+    instead of a 400 naming ``param``."""
+    from gpubroker.errors import BadRequest
+
+    from ..nbutil import write_notebook
+
+    write_notebook(home / "ann" / "p.ipynb", ["x = 1"])
+    for name in ("class", "lambda", "None"):
+        with pytest.raises(BadRequest, match=r"^param: "):
+            jobs.submit("ann", {"notebook": "p.ipynb", "gpus": 1, "params": [f"{name}=1"]})
+
+
+def test_a_preempted_job_past_max_restarts_ends_failed_however_it_ended(
+    db_url: str, home: Path
+) -> None:
+    """max_restarts: 'Most times a preempted job is queued again (then it
+    ends failed)'. Stopped at the end of the grace period it does; but when
+    it ends itself on the warning (docs: counted as the preemption), the
+    failure branch requeues it again, spending a failure retry."""
+    from .test_jobs import reclaiming_service
+
+    broker, service = reclaiming_service(db_url, home, grace=60)
+    service.max_restarts = 0
+    (home / "kim").mkdir(parents=True)
+    script = "trap 'exit 1' USR1; while true; do sleep 0.1; done"
+    job = service.submit(
+        "kim", {"command": script, "gpus": 1, "group": "B", "retries": 1}, groups=["B"]
+    )
+    asyncio.run(service.tick())
+    assert service.get(job["id"])["state"] == "running"
+    time.sleep(0.5)  # its trap is set
+    alice = broker.request_lease("alice", "", 1, holder_kind="external", groups=["A"], group="A")
+    assert alice["queue"]["reason"] == "Preempting"
+    asyncio.run(service.tick())  # the warning: it exits 1 in its grace period
+    time.sleep(0.8)
+    asyncio.run(service.tick())
+    view = service.get(job["id"])
+    try:
+        assert view["state"] == "failed", (view["state"], view["reason"])
+    finally:
+        asyncio.run(service.cancel(job["id"], "done", actor="kim"))
+
+
+def test_an_exit_file_with_a_huge_number_does_not_wedge_the_supervisor(
+    db_url: str, jobs: JobService, home: Path
+) -> None:
+    """The exit file is in the user's directory and the job may write it.
+    A restarted broker reads it (``_recorded``/``_launched``: ``int(text)``,
+    unbounded) and stores it in ``jobs.exit_code`` (INTEGER): a number past
+    64 bits (SQLite; past 32 bits on PostgreSQL) makes the commit raise, so
+    tick() fails at that job on every round and no later job is handled."""
+    for user in ("ann", "bob"):
+        (home / user).mkdir(parents=True)
+    script = 'echo 99999999999999999999 > "$GPUBROKER_JOB_EXIT_FILE"; kill -KILL $PPID'
+    job = jobs.submit("ann", {"command": script, "gpus": 1})
+    asyncio.run(jobs.tick())
+    pid = _pid(jobs, job["id"])
+    for _ in range(100):
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    again = make_broker(db_url)
+    service = JobService(again, again.engine, run_as_self=True)
+    service.root_dir_template = jobs.root_dir_template
+    other = service.submit("bob", {"command": ["sleep", "60"], "gpus": 1})
+    try:
+        with contextlib.suppress(Exception):  # what run() logs and swallows
+            asyncio.run(service.tick())
+        assert service.get(job["id"])["state"] == "failed", service.get(job["id"])["state"]
+        assert service.get(other["id"])["state"] == "running"
+    finally:
+        asyncio.run(service.cancel(other["id"], "done", actor="bob"))
+        with jobs.sessions() as session:
+            row = jobs_repo.get(session, job["id"])
+            jobs.engines["local"].poll(Handle(row.handle_engine, row.handle_id, row.handle_node))
