@@ -112,6 +112,15 @@ except BaseException as exc:
 """
 
 
+@dataclass(frozen=True)
+class _Mark:
+    """What every process of one launch carries: its :data:`TAG_VARIABLE`
+    value, and the real uid it runs as."""
+
+    tag: str
+    uid: int
+
+
 @dataclass
 class _Proc:
     """A process this engine started and still remembers."""
@@ -119,6 +128,7 @@ class _Proc:
     popen: subprocess.Popen[bytes]
     spec: LaunchSpec
     started: datetime
+    mark: _Mark
     ended: datetime | None = None
     timed_out: bool = False
     timers: list[threading.Timer] = field(default_factory=list)
@@ -194,6 +204,66 @@ def _launched_here(pid: int) -> bool | None:
     return any(v.startswith(prefix) for v in variables)
 
 
+def _uid_and_stat(pid: int) -> tuple[int, list[bytes]] | None:
+    """``pid``'s real uid and the fields of ``/proc/PID/stat`` after its
+    ``comm`` (state, ppid, pgrp, ...); ``None`` when it is gone or they
+    cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            uids = next((ln for ln in status if ln.startswith(b"Uid:")), b"").split()
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    if len(uids) < 2 or not fields:
+        return None
+    return int(uids[1]), fields
+
+
+def _mark_of(pid: int) -> _Mark | None:
+    """The :class:`_Mark` of the launch ``pid`` belongs to, from its
+    ``/proc`` entry; ``None`` when it is gone, has no :data:`TAG_VARIABLE`
+    or cannot be read."""
+    found = _uid_and_stat(pid)
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            variables = environ.read().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{TAG_VARIABLE}=".encode()
+    tag = next((v[len(prefix) :] for v in variables if v.startswith(prefix)), None)
+    if found is None or not tag:
+        return None
+    return _Mark(tag=tag.decode(errors="surrogateescape"), uid=found[0])
+
+
+def _marked(mark: _Mark) -> list[int]:
+    """The pids of every live process (zombies excluded) whose real uid is
+    ``mark.uid`` and whose environment has :data:`TAG_VARIABLE` ``=
+    mark.tag``, whatever its session or process group; never this
+    process. Processes whose environment cannot be read are skipped; an
+    unreadable ``/proc`` (not Linux) gives ``[]``."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    entry = f"{TAG_VARIABLE}={mark.tag}".encode()
+    pids: list[int] = []
+    for name in entries:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        found = _uid_and_stat(int(name))
+        if found is None or found[0] != mark.uid or found[1][0] == b"Z":
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as environ:
+                if entry in environ.read().split(b"\0"):
+                    pids.append(int(name))
+        except OSError:
+            continue  # it just went, or may not be read
+    return pids
+
+
 def _tagged(entry: bytes, uid: int) -> int | None:
     """The pid of the oldest live process-group leader whose real uid is
     ``uid`` and whose environment has ``entry`` (``NAME=value``); ``None``
@@ -213,15 +283,11 @@ def _tagged(entry: bytes, uid: int) -> int | None:
         if not name.isdigit():
             continue
         pid = int(name)
-        try:
-            with open(f"/proc/{pid}/status", "rb") as status:
-                uids = next((ln for ln in status if ln.startswith(b"Uid:")), b"").split()
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                # "pid (comm) state ppid pgrp ... starttime (field 22)"
-                fields = stat.read().rpartition(b")")[2].split()
-        except OSError:
+        read = _uid_and_stat(pid)  # fields: "state ppid pgrp ... starttime (field 22)"
+        if read is None:
             continue  # it just went
-        if len(uids) < 2 or int(uids[1]) != uid or len(fields) < 20:
+        real_uid, fields = read
+        if real_uid != uid or len(fields) < 20:
             continue
         if fields[0] == b"Z" or int(fields[2]) != pid:  # a zombie, or not a group leader
             continue
@@ -395,6 +461,7 @@ class LocalEngine:
         # none): a restarted engine adopts only processes that carry one
         # (:func:`_launched_here`), never another process given a reused pid
         env[TAG_VARIABLE] = spec.tag or f"untagged-{secrets.token_hex(8)}"
+        mark = _Mark(tag=env[TAG_VARIABLE], uid=account.pw_uid)
         if account.pw_uid == os.geteuid():
             popen = self._popen_as_self(spec, env)
         elif os.geteuid() == 0:
@@ -405,7 +472,7 @@ class LocalEngine:
                 f"cannot launch lease {spec.lease_id} as {spec.user!r}: the broker runs as"
                 f" {me!r}, which may only start processes as itself (run it as root)"
             )
-        proc = _Proc(popen=popen, spec=spec, started=_utcnow())
+        proc = _Proc(popen=popen, spec=spec, started=_utcnow(), mark=mark)
         with self._lock:
             self._procs[popen.pid] = proc
             if spec.time_limit is not None:
@@ -583,18 +650,20 @@ class LocalEngine:
                 return
             proc.timed_out = True
             log.info("lease %d (pid %d): time limit passed, SIGTERM", proc.spec.lease_id, pid)
-            self._killpg(pid, signal_module.SIGTERM)
+            self._kill_launch(pid, proc.mark, signal_module.SIGTERM)
             self._start_timer(proc, self.time_limit_grace, self._on_time_limit_kill, pid)
 
     def _on_time_limit_kill(self, pid: int) -> None:
         with self._lock:
             proc = self._procs.get(pid)
-            if proc is None or (proc.popen.poll() is not None and not _group_alive(pid)):
+            if proc is None or (
+                proc.popen.poll() is not None and not self._launch_alive(pid, proc.mark)
+            ):
                 return
             log.info(
                 "lease %d (pid %d): still running after SIGTERM, SIGKILL", proc.spec.lease_id, pid
             )
-            self._killpg(pid, signal_module.SIGKILL)
+            self._kill_launch(pid, proc.mark, signal_module.SIGKILL)
 
     # --- poll, signal, stop -------------------------------------------------------------
 
@@ -657,17 +726,23 @@ class LocalEngine:
             self._killpg(pid, signum)
 
     def stop(self, handle: Handle, grace: float) -> Status:
-        """End ``handle``'s process group: SIGTERM, then SIGKILL after ``grace`` seconds.
+        """End every process of ``handle``'s launch: SIGTERM, then SIGKILL after ``grace`` seconds.
 
-        Waits up to ``grace`` seconds for the process and the rest of its
-        group to exit after SIGTERM; then SIGKILL to the group and waits up
-        to :data:`KILL_WAIT` more seconds for the process. This is the one
-        call that waits: run it off the event loop
+        The processes of a launch are its process group and every other
+        process of the launch's uid whose environment carries the launch's
+        :data:`TAG_VARIABLE` (``/proc/PID/environ``), in whatever session
+        (a notebook's kernel runs in one of its own, with its children).
+        Waits up to ``grace`` seconds for them all to exit after SIGTERM;
+        then SIGKILL to those left and waits up to :data:`KILL_WAIT` more
+        seconds for the process. This is the one call that waits: run it
+        off the event loop
         (``await asyncio.to_thread(engine.stop, handle, grace)``). A process
-        that has already ended just gets its status (stragglers left in its
-        group are still ended). An unknown pid (after a broker restart) is
-        stopped only while it leads its own process group; its final status
-        is ``lost`` (the exit status is not known).
+        that has already ended just gets its status (stragglers of its
+        launch are still ended). An unknown pid (after a broker restart) is
+        stopped only while it leads its own process group, with the tag and
+        uid read from its ``/proc`` entry (its group only when they cannot
+        be read); its final status is ``lost`` (the exit status is not
+        known).
 
         Returns:
             The final status, as :meth:`poll` gives it.
@@ -680,22 +755,17 @@ class LocalEngine:
             proc = self._procs.get(pid)
         deadline = time.monotonic() + max(grace, 0.0)
         if proc is None:
-            if not self._adoptable(pid, handle):
-                return self.poll(handle)
-            self._killpg(pid, signal_module.SIGTERM)
-            self._wait_until(deadline, lambda: not _pid_alive(pid) and not _group_alive(pid))
-            if _pid_alive(pid) or _group_alive(pid):
-                self._killpg(pid, signal_module.SIGKILL)
-                self._wait_until(time.monotonic() + KILL_WAIT, lambda: not _pid_alive(pid))
+            if self._adoptable(pid, handle):
+                self._stop_adopted(pid, _mark_of(pid), deadline)
             return self.poll(handle)
-        popen = proc.popen
-        if popen.poll() is None or _group_alive(pid):
-            self._killpg(pid, signal_module.SIGTERM)
+        popen, mark = proc.popen, proc.mark
+        if popen.poll() is None or self._launch_alive(pid, mark):
+            self._kill_launch(pid, mark, signal_module.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            self._wait_until(deadline, lambda: not _group_alive(pid))
-            if popen.poll() is None or _group_alive(pid):
-                self._killpg(pid, signal_module.SIGKILL)
+            self._wait_until(deadline, lambda: not self._launch_alive(pid, mark))
+            if popen.poll() is None or self._launch_alive(pid, mark):
+                self._kill_launch(pid, mark, signal_module.SIGKILL)
                 try:
                     popen.wait(timeout=KILL_WAIT)
                 except subprocess.TimeoutExpired:
@@ -710,6 +780,25 @@ class LocalEngine:
             status.signal,
         )
         return status
+
+    def _stop_adopted(self, pid: int, mark: _Mark | None, deadline: float) -> None:
+        """:meth:`stop` for a launch this engine did not start: SIGTERM to
+        its processes, SIGKILL at ``deadline`` (a :func:`time.monotonic`
+        time, seconds) to those left; then waits up to :data:`KILL_WAIT`
+        seconds for ``pid``.
+
+        Raises:
+            EngineError: as :meth:`_killpg`.
+        """
+
+        def alive() -> bool:
+            return _pid_alive(pid) or self._launch_alive(pid, mark)
+
+        self._kill_launch(pid, mark, signal_module.SIGTERM)
+        self._wait_until(deadline, lambda: not alive())
+        if alive():
+            self._kill_launch(pid, mark, signal_module.SIGKILL)
+            self._wait_until(time.monotonic() + KILL_WAIT, lambda: not _pid_alive(pid))
 
     def forget(self, handle: Handle) -> None:
         """Drop an ended process from memory (later polls see it as ``lost``).
@@ -776,6 +865,34 @@ class LocalEngine:
             )
             return False
         return True
+
+    @staticmethod
+    def _launch_alive(pgid: int, mark: _Mark | None) -> bool:
+        """Whether a process of the launch is left (zombies do not count):
+        in process group ``pgid``, or marked with ``mark`` (:func:`_marked`)."""
+        return _group_alive(pgid) or (mark is not None and bool(_marked(mark)))
+
+    @classmethod
+    def _kill_launch(cls, pgid: int, mark: _Mark | None, signum: int) -> None:
+        """Send ``signum`` to process group ``pgid`` and to every other
+        process marked with ``mark`` (:func:`_marked`: same uid and tag, in
+        another group), so each gets it once; a marked process that may not
+        be signalled is logged and skipped.
+
+        Raises:
+            EngineError: the group may not be signalled (:meth:`_killpg`).
+        """
+        cls._killpg(pgid, signum)
+        if mark is None:
+            return
+        for pid in _marked(mark):
+            try:
+                if os.getpgid(pid) != pgid:
+                    os.kill(pid, signum)
+            except ProcessLookupError:
+                pass  # it just went
+            except PermissionError as exc:
+                log.warning("launch %s: not permitted to signal pid %s: %s", mark.tag, pid, exc)
 
     @staticmethod
     def _killpg(pgid: int, signum: int) -> None:
