@@ -605,7 +605,9 @@ class JobService(LoggingConfigurable):
 
     async def cancel(self, job_id: int, reason: str, actor: str) -> dict[str, Any]:
         """Cancel a queued job (its lease ends) or stop a running one
-        (SIGTERM, then SIGKILL after ``stop_grace``, in a worker thread).
+        (SIGTERM, then SIGKILL after ``stop_grace``, in a worker thread);
+        a process its engine cannot stop raises :class:`Unavailable` (503)
+        and nothing changes.
         Idempotent: a job that has ended is left as it is. A job the
         supervisor is acting on (a launch, a preemption's stop and requeue)
         is cancelled once that step is done, from the state it left: so the
@@ -631,7 +633,7 @@ class JobService(LoggingConfigurable):
                     found = None
                 handle = found if isinstance(found, Handle) else None
             if handle is not None and (state == model.RUNNING or intent is not None):
-                status = await self._stop_quietly(job_id, handle)
+                status = await self._stop_or_refuse(job_id, handle)
             self._finish(job_id, model.CANCELLED, reason, status)
         finally:
             self._cancelling.discard(job_id)
@@ -1000,6 +1002,22 @@ class JobService(LoggingConfigurable):
         if record is None:
             return None
         return _exit_status(record) or Status("lost")
+
+    async def _stop_or_refuse(self, job_id: int, handle: Handle) -> Status:
+        """Stop a job's process for a cancel (:meth:`_stop_quietly`).
+
+        Raises:
+            Unavailable: its engine could not stop it (logged): the job and
+                its lease are left as they are, so its devices are not given
+                to anyone while it may still run on them; cancel again later.
+        """
+        status = await self._stop_quietly(job_id, handle)
+        if status is None or status.running:
+            raise Unavailable(
+                f"job {job_id}: its engine could not stop its process now; the job keeps "
+                "running and its GPUs, cancel it again later"
+            )
+        return status
 
     async def _stop_quietly(self, job_id: int, handle: Handle) -> Status | None:
         """Stop a job's process (SIGTERM, SIGKILL after ``stop_grace``) in a

@@ -195,3 +195,35 @@ def test_an_exit_file_with_a_huge_number_does_not_wedge_the_supervisor(
         with jobs.sessions() as session:
             row = jobs_repo.get(session, job["id"])
             jobs.engines["local"].poll(Handle(row.handle_engine, row.handle_id, row.handle_node))
+
+
+def test_a_cancel_that_cannot_stop_the_process_does_not_free_its_devices(
+    jobs: JobService, home: Path
+) -> None:
+    from gpubroker.errors import Unavailable
+
+    (home / "ann").mkdir(parents=True)
+    job = jobs.submit("ann", {"command": ["sleep", "60"], "gpus": 1})
+    asyncio.run(jobs.tick())
+    assert jobs.get(job["id"])["state"] == "running"
+    pid = _pid(jobs, job["id"])
+    engine = jobs.engines["local"]
+    real_stop = engine.stop
+
+    def failing_stop(handle: Handle, grace: float) -> Any:
+        raise EngineError("cannot stop: engine unreachable")
+
+    engine.stop = failing_stop
+    try:
+        with pytest.raises(Unavailable, match="cancel it again later"):
+            asyncio.run(jobs.cancel(job["id"], "cancelled by ann", actor="ann"))
+    finally:
+        engine.stop = real_stop
+    assert _alive(pid)
+    assert jobs.get(job["id"])["state"] == "running"
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "granted"
+    # once its engine answers, the cancel goes through
+    assert asyncio.run(jobs.cancel(job["id"], "cancelled by ann", actor="ann"))["state"] == (
+        "cancelled"
+    )
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "released"
