@@ -191,17 +191,25 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _launched_here(pid: int) -> bool | None:
-    """Whether ``pid``'s environment holds :data:`TAG_VARIABLE` (which every
-    launch of this engine sets); ``None`` when it cannot be read (gone, or
-    the broker may not read it: then nothing is concluded)."""
+def _tag_of(pid: int) -> bytes | None:
+    """The value of :data:`TAG_VARIABLE` in ``pid``'s environment (``b""``
+    when it has none); ``None`` when the environment cannot be read (gone,
+    or the broker may not read it)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as environ:
             variables = environ.read().split(b"\0")
     except OSError:
         return None
     prefix = f"{TAG_VARIABLE}=".encode()
-    return any(v.startswith(prefix) for v in variables)
+    return next((v[len(prefix) :] for v in variables if v.startswith(prefix)), b"")
+
+
+def _launched_here(pid: int) -> bool | None:
+    """Whether ``pid``'s environment holds :data:`TAG_VARIABLE` (which every
+    launch of this engine sets); ``None`` when it cannot be read (gone, or
+    the broker may not read it: then nothing is concluded)."""
+    tag = _tag_of(pid)
+    return None if tag is None else bool(tag)
 
 
 def _uid_and_stat(pid: int) -> tuple[int, list[bytes]] | None:
@@ -225,13 +233,7 @@ def _mark_of(pid: int) -> _Mark | None:
     ``/proc`` entry; ``None`` when it is gone, has no :data:`TAG_VARIABLE`
     or cannot be read."""
     found = _uid_and_stat(pid)
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as environ:
-            variables = environ.read().split(b"\0")
-    except OSError:
-        return None
-    prefix = f"{TAG_VARIABLE}=".encode()
-    tag = next((v[len(prefix) :] for v in variables if v.startswith(prefix)), None)
+    tag = _tag_of(pid)
     if found is None or not tag:
         return None
     return _Mark(tag=tag.decode(errors="surrogateescape"), uid=found[0])
