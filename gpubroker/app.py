@@ -333,14 +333,15 @@ class ServeCommand(_Command):
     description = "Run the broker service."
 
     def start(self) -> None:
+        from .hub_tls import TLSConfigError
         from .service import BrokerService
         from .store.db import UnknownSchema
         from .store.lock import DatabaseLocked, DatabaseUnavailable
 
-        service = BrokerService(app=self.broker_app, log=self.broker_app.log)
         try:
+            service = BrokerService(app=self.broker_app, log=self.broker_app.log)
             asyncio.run(service.run())
-        except (DatabaseLocked, DatabaseUnavailable, UnknownSchema) as err:
+        except (DatabaseLocked, DatabaseUnavailable, UnknownSchema, TLSConfigError) as err:
             self.broker_app.log.critical("Not starting: %s", err)
             self.exit(2)
         if service.exit_code:

@@ -38,11 +38,21 @@ class BrokerClient:
         token: a JupyterHub token with access to the service (default:
             ``$GPUBROKER_API_TOKEN``, else ``$JUPYTERHUB_API_TOKEN``).
         timeout: seconds for a call without long-polling.
+        ssl_options: TLS context of the calls (``None``: Tornado's
+            default); the spawner passes the hub's own certificate and trust
+            bundle when the hub runs with ``internal_ssl``.
     """
 
-    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 20):
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        timeout: float = 20,
+        ssl_options: Any = None,
+    ):
         self.url, self.token = api_base(url, token)
         self.timeout = timeout
+        self.ssl_options = ssl_options
 
     async def _call(
         self,
@@ -62,6 +72,7 @@ class BrokerClient:
             request_timeout=timeout or self.timeout,
             # a redirect is an error: Tornado would send the token on with it
             follow_redirects=False,
+            ssl_options=self.ssl_options,
         )
         try:
             response = await AsyncHTTPClient().fetch(request)

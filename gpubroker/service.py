@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from jupyterhub.services.auth import HubAuth, HubOAuth
-from tornado.httpclient import HTTPClientError
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 from tornado.httpserver import HTTPServer
 
 from .api.app import make_app
@@ -31,6 +31,7 @@ from .devices import load_backend
 from .engines.base import EngineError, Node
 from .engines.docker import DockerEngine
 from .hub import HubClient, parse_time
+from .hub_tls import InternalTLS, from_environment
 from .jobs.service import JobService
 from .observe.metrics import BrokerMetrics
 from .share_guard import ShareGuard
@@ -60,6 +61,8 @@ class BrokerService:
         self._stop = asyncio.Event()
         #: the process's exit status: 0, or 3 (hub gone), 4 (database lock lost)
         self.exit_code = 0
+        #: JupyterHub's internal TLS (``internal_ssl``), if the hub turned it on
+        self.tls: InternalTLS | None = from_environment(os.environ)
 
     async def _take_lock(self) -> None:
         """One writer per database: the lock, before any migration, adoption
@@ -229,7 +232,32 @@ class BrokerService:
         return groups
 
     def _url(self) -> str:
-        return f"http://{self.app.ip}:{self.app.port}{self.app.base_url}"
+        scheme = "https" if self.tls and self._serves_https() else "http"
+        return f"{scheme}://{self.app.ip}:{self.app.port}{self.app.base_url}"
+
+    @staticmethod
+    def _serves_https() -> bool:
+        """Whether the hub reaches the broker at an ``https`` URL."""
+        return os.environ.get("JUPYTERHUB_SERVICE_URL", "").startswith("https:")
+
+    def _use_tls(self) -> dict[str, Any]:
+        """With the hub's internal TLS: every request of this process
+        (the hub's API, servers' kernels) presents the broker's certificate
+        and trusts only the hub's bundle; the broker serves HTTPS when its
+        service URL (``JUPYTERHUB_SERVICE_URL``) is ``https``, plain HTTP
+        otherwise. Returns the HTTP server's TLS arguments (none for HTTP)."""
+        if self.tls is None:
+            return {}
+        AsyncHTTPClient.configure(None, defaults={"ssl_options": self.tls.client_context()})
+        if not self._serves_https():
+            self.log.info(
+                "JupyterHub internal TLS: calling the hub with %s; serving plain HTTP "
+                "(the service URL is not https)",
+                self.tls.certfile,
+            )
+            return {}
+        self.log.info("JupyterHub internal TLS: serving HTTPS with %s", self.tls.certfile)
+        return {"ssl_options": self.tls.server_context()}
 
     async def run(self) -> None:
         """Start everything, serve until SIGTERM/SIGINT (or until the hub is
@@ -280,14 +308,14 @@ class BrokerService:
             panel_refresh=self.app.panel_refresh,
             hub_url=os.environ.get("JUPYTERHUB_BASE_URL", "/").rstrip("/") + "/hub/",
         )
-        server = HTTPServer(web_app, xheaders=True, max_body_size=self.app.max_body_bytes)
+        server = HTTPServer(
+            web_app, xheaders=True, max_body_size=self.app.max_body_bytes, **self._use_tls()
+        )
         server.listen(self.app.port, self.app.ip)
         self.log.info(
-            "gpubroker %s listening on http://%s:%s%s (backend %s%s)",
+            "gpubroker %s listening on %s (backend %s%s)",
             self.app.version,
-            self.app.ip,
-            self.app.port,
-            self.app.base_url,
+            self._url(),
             self.backend.kind,
             ", SIMULATED GPUs" if self.backend.simulated else "",
         )

@@ -55,6 +55,10 @@ config on free ports):
   profiles: Slurm cannot split GPUs the broker's way).
   ``GPUBROKER_DEMO_INVENTORY_INTERVAL``: seconds between the broker's reads
   of Slurm's inventory (default 30).
+- ``GPUBROKER_DEMO_INTERNAL_SSL``: ``1``: JupyterHub's internal TLS
+  (``internal_ssl``): the hub's API, the proxy's API and the servers answer
+  HTTPS with certificates the hub makes (in ``internal-ssl/`` of the state
+  dir); the broker calls the hub with its own (docs/admin.md, "Internal TLS").
 
 At shutdown (Ctrl-C) the hub stops the servers before the broker
 (:func:`gpubroker_spawner.shutdown.stop_servers_before_services`), so their
@@ -373,6 +377,12 @@ def set_simulated_mig_mode(
 
 
 broker_port = _port("BROKER_PORT", 10101)
+try:
+    # JupyterHub's internal TLS: the hub, the proxy, the broker and the servers
+    # talk HTTPS with certificates the hub makes (docs/admin.md, "Internal TLS")
+    internal_ssl = _switch("GPUBROKER_DEMO_INTERNAL_SSL", False)
+except ValueError as err:
+    _fail(str(err))
 broker_url = f"http://127.0.0.1:{broker_port}/services/gpubroker/"
 broker_token = _secret("gpubroker-service-token")
 
@@ -394,7 +404,11 @@ c.Authenticator.admin_users = {"admin"}
 
 proxy = repo / "node_modules" / ".bin" / "configurable-http-proxy"
 c.ConfigurableHTTPProxy.command = [str(proxy) if proxy.exists() else "configurable-http-proxy"]
-c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{_port('PROXY_API_PORT', 8001)}"
+proxy_api_scheme = "https" if internal_ssl else "http"
+c.ConfigurableHTTPProxy.api_url = f"{proxy_api_scheme}://127.0.0.1:{_port('PROXY_API_PORT', 8001)}"
+if internal_ssl:
+    c.JupyterHub.internal_ssl = True
+    c.JupyterHub.internal_certs_location = str(state / "internal-ssl")
 c.ConfigurableHTTPProxy.auth_token = _secret("proxy-token")
 c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
 
@@ -457,6 +471,7 @@ if slurm_conf:
 c.JupyterHub.services = [
     {
         "name": "gpubroker",
+        # plain HTTP on loopback, also with internal TLS (docs/admin.md)
         "url": f"http://127.0.0.1:{broker_port}",
         "api_token": broker_token,
         # the panel: Services -> gpubroker; a panel login carries the admin

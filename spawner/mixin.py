@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from jupyterhub.utils import maybe_future
+from jupyterhub.utils import make_ssl_context, maybe_future
 from tornado import web
 from traitlets import Dict, Float, Integer, List, TraitError, Unicode, default, validate
 from traitlets.config import LoggingConfigurable
@@ -90,6 +90,17 @@ class GPUSpawnerMixin(LoggingConfigurable):
         help="""Base URL of the broker service as the hub reaches it, e.g.
         http://127.0.0.1:10101/services/gpubroker/ (default: $GPUBROKER_URL).
         It is also passed to servers as GPUBROKER_URL.""",
+    ).tag(config=True)
+
+    broker_url_for_servers = Unicode(
+        "",
+        help="""Base URL servers and their kernels reach the broker at (their
+        GPUBROKER_URL: the notebook magics, `gpubroker-job`); empty means
+        broker_url. Set it when servers cannot use broker_url: on other
+        hosts (Docker, Slurm) where 127.0.0.1 is not the broker's, or with
+        JupyterHub's internal_ssl, where the broker accepts only the hub's
+        and the proxy's certificates: then use the broker's URL through the
+        hub's proxy, e.g. https://hub.example.org/services/gpubroker/.""",
     ).tag(config=True)
 
     broker_api_token = Unicode(
@@ -272,8 +283,22 @@ class GPUSpawnerMixin(LoggingConfigurable):
 
     @property
     def broker(self) -> BrokerClient:
-        """A client of the broker with the spawner's token."""
-        return BrokerClient(self.broker_url, self.broker_api_token)
+        """A client of the broker with the spawner's token (and, with the
+        hub's ``internal_ssl``, the hub's certificate: :meth:`_broker_tls`)."""
+        return BrokerClient(self.broker_url, self.broker_api_token, ssl_options=self._broker_tls())
+
+    def _broker_tls(self) -> Any:
+        """The TLS context of calls to an ``https`` broker_url when the hub
+        runs with ``internal_ssl``: the hub's own key, certificate and trust
+        bundle (the broker asks every client for a certificate the hub's
+        authorities signed: :mod:`gpubroker.hub_tls`). ``None`` otherwise
+        (Tornado's default: the system's authorities)."""
+        hub = getattr(self, "hub", None)
+        if not getattr(self, "internal_ssl", False) or hub is None:
+            return None
+        if not self.broker_url.startswith("https:") or not hub.certfile:
+            return None
+        return make_ssl_context(hub.keyfile, hub.certfile, cafile=hub.cafile)
 
     async def gpu_limit(self) -> int:
         """The most GPUs this server may ask for now (broker limit, ``max_gpus``)."""
@@ -686,7 +711,7 @@ class GPUSpawnerMixin(LoggingConfigurable):
             ours = gpu_env["PYTHONPATH"].split(os.pathsep)
             gpu_env["PYTHONPATH"] = os.pathsep.join([*ours, *(p for p in theirs if p not in ours)])
         env.update(gpu_env)
-        env["GPUBROKER_URL"] = self.broker_url
+        env["GPUBROKER_URL"] = self.broker_url_for_servers or self.broker_url
         return env
 
     # -- start, progress, stop ---------------------------------------------------------
