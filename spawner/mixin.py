@@ -87,9 +87,10 @@ class GPUSpawnerMixin(LoggingConfigurable):
     """
 
     broker_url = Unicode(
-        help="""Base URL of the broker service as the hub reaches it, e.g.
-        http://127.0.0.1:10101/services/gpubroker/ (default: $GPUBROKER_URL).
-        It is also passed to servers as GPUBROKER_URL.""",
+        help="""Base URL of the broker service as the hub reaches it (default:
+        $GPUBROKER_URL, else http://127.0.0.1:10101/services/gpubroker/).
+        It is also passed to servers as GPUBROKER_URL, unless
+        broker_url_for_servers is set.""",
     ).tag(config=True)
 
     broker_url_for_servers = Unicode(
