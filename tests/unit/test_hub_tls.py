@@ -119,3 +119,53 @@ def test_the_brokers_requests_trust_only_the_hubs_bundle(certs: dict[str, Intern
     assert broker.verify_mode == ssl.CERT_REQUIRED and broker.check_hostname
     with pytest.raises((ssl.SSLError, OSError)):
         asyncio.run(_fetch(certs["stranger"], broker))
+
+
+# -- the spawner's side -----------------------------------------------------------
+
+
+def _spawner(certs: dict[str, InternalTLS], url: str, internal_ssl: bool, **kw: object):
+    from types import SimpleNamespace
+
+    from jupyterhub.objects import Hub
+
+    from gpubroker_spawner import SimpleLocalGPUSpawner
+
+    hub_files = certs["hub"]
+    hub = Hub(ip="127.0.0.1", port=8081, base_url="/hub/")
+    if internal_ssl:
+        hub.keyfile, hub.certfile, hub.cafile = (
+            hub_files.keyfile,
+            hub_files.certfile,
+            hub_files.cafile,
+        )
+    user = SimpleNamespace(name="ann", url="/user/ann/", escaped_name="ann")
+    return SimpleLocalGPUSpawner(
+        user=user, hub=hub, broker_url=url, internal_ssl=internal_ssl, **kw
+    )
+
+
+def test_the_spawner_calls_an_https_broker_with_the_hubs_certificate(
+    certs: dict[str, InternalTLS],
+) -> None:
+    spawner = _spawner(certs, "https://127.0.0.1:10101/services/gpubroker/", internal_ssl=True)
+    context = spawner.broker.ssl_options
+    assert isinstance(context, ssl.SSLContext) and context.verify_mode == ssl.CERT_REQUIRED
+    # it works against a broker serving the hub's internal TLS
+    assert asyncio.run(_fetch(certs["broker"], context)) == b"hello"
+
+
+def test_the_spawner_keeps_tornados_defaults_otherwise(certs: dict[str, InternalTLS]) -> None:
+    plain = _spawner(certs, "http://127.0.0.1:10101/services/gpubroker/", internal_ssl=True)
+    assert plain.broker.ssl_options is None  # an http broker URL
+    outside = _spawner(certs, "https://broker.example.org/", internal_ssl=False)
+    assert outside.broker.ssl_options is None  # no internal TLS: the system's authorities
+
+
+def test_servers_get_their_own_broker_url_when_one_is_set(certs: dict[str, InternalTLS]) -> None:
+    hub_url = "http://127.0.0.1:10101/services/gpubroker/"
+    assert _spawner(certs, hub_url, internal_ssl=False).get_env()["GPUBROKER_URL"] == hub_url
+    proxied = "https://hub.example.org/services/gpubroker/"
+    spawner = _spawner(certs, hub_url, internal_ssl=False, broker_url_for_servers=proxied)
+    assert spawner.get_env()["GPUBROKER_URL"] == proxied
+    assert spawner.broker.url.startswith(hub_url.rstrip("/"))  # the hub's own calls keep theirs
