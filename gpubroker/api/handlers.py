@@ -483,6 +483,12 @@ class LeaseHandler(APIHandler):
         if not isinstance(reason, str) or len(reason) > 1000:
             raise validation.BadRequest("reason: must be a string of at most 1000 characters")
         actor = self.me
+        if lease["state"] == "granted" and lease["holder_kind"] == HolderKind.job.value:
+            # a job's process is stopped first; the job service releases the
+            # lease once it has ended (its GPUs are never given while it runs)
+            self.broker.stop_lease(lease["id"], reason, actor=actor)
+            self.write_json(self.broker.get_lease(lease["id"]))
+            return
         granted = lease["state"] == "granted" and lease["holder_kind"] == HolderKind.server.value
         running = granted and not self.admin
         if running:

@@ -311,7 +311,8 @@ class Leases:
                 stopping = self.stops.open_stop(lease.id)
                 cause, actor = "release", None
                 if stopping is not None:  # the broker asked for this stop: its reason
-                    reason = f"{stopping.reason} (server stopped)"
+                    holder = "job" if lease.holder_kind == HolderKind.job.value else "server"
+                    reason = f"{stopping.reason} ({holder} stopped)"
                     cause = stopping.cause or "release"
                     # and its actor: who asked for the stop (the scheduler,
                     # the culler, an admin, the user), not the spawner that

@@ -62,6 +62,19 @@ class ServerStops:
         #: set by the service): past ``evict_timeout`` they are not released
         #: here; the engine's reconciliation stops the holder, then releases
         self.followed: Callable[[], Collection[int]] = lambda: ()
+        #: whether a job lease's process is stopped first, as a hub server is
+        #: (set by the job service): its evicted lease keeps its devices, with
+        #: an open stop, until the job service has seen the process end and
+        #: releases it, however long that takes (never at ``evict_timeout``)
+        self.jobs_stopped_first = False
+
+    def _stopped_first(self, lease: Lease) -> bool:
+        """Whether ``lease``'s holder is stopped before its devices are freed:
+        a hub server (when the hub is asked, :attr:`on_evict`) or a job (when
+        a job service stops it, :attr:`jobs_stopped_first`)."""
+        if lease.holder_kind == HolderKind.job.value:
+            return self.jobs_stopped_first
+        return lease.holder_kind == HolderKind.server.value and self.on_evict is not None
 
     def evict(
         self,
@@ -78,8 +91,9 @@ class ServerStops:
         The stop is a stored intent (``intents``, kind ``stop-server``): a
         restarted broker asks the hub again (:meth:`resume`, at ``Broker.adopt``), and the first
         reason stays the release reason."""
-        if lease.holder_kind == HolderKind.server.value and self.on_evict is not None:
+        if self._stopped_first(lease):
             repo = self.world.repo
+            job = lease.holder_kind == HolderKind.job.value
             intent = self.open_stop(lease.id)
             if intent is None:
                 intent = Intent(
@@ -94,8 +108,12 @@ class ServerStops:
                 repo.add(intent)
                 self.world.stops[lease.id] = intent
                 self.runner.rec(repo, now, actor).note(lease, "stopping", reason)
-                self.log.warning("Stopping server of lease %s: %s", lease.id, reason)
-                self._ask_hub(lease_view(lease) | {"release_reason": reason})
+                holder = "job" if job else "server"
+                self.log.warning("Stopping %s of lease %s: %s", holder, lease.id, reason)
+                if not job:  # the job service sees the open stop at its next check
+                    self._ask_hub(lease_view(lease) | {"release_reason": reason})
+            if job:
+                return False  # the job service releases it once its process ended
             if (now - intent.created).total_seconds() < self.evict_timeout():
                 return False
             if lease.id in self.followed():
@@ -135,6 +153,13 @@ class ServerStops:
             if intent.lease_id in followed:
                 continue  # its engine stops the holder first
             lease = repo.lease(intent.lease_id)
+            if (
+                lease is not None
+                and lease.holder_kind == HolderKind.job.value
+                and lease.state == LeaseState.granted.value
+                and self.jobs_stopped_first
+            ):
+                continue  # the job service releases it once its process ended
             if lease is not None and lease.state == LeaseState.granted.value:
                 self.log.warning(
                     "Server of lease %s did not stop in %s s; releasing it",
@@ -156,6 +181,8 @@ class ServerStops:
             lease = repo.lease(intent.lease_id)
             if lease is None or lease.state != LeaseState.granted.value:
                 continue
+            if lease.holder_kind != HolderKind.server.value:
+                continue  # a job's stop: the job service resumes it
             intent.attempts += 1
             self.log.warning(
                 "Resuming the stop of lease %s's server (asked %s): %s",
@@ -178,7 +205,9 @@ class ServerStops:
     @command("culler")
     def stop_lease(self, lease_id: int, reason: str, cause: str = "release") -> None:
         """End a granted server lease the way an eviction does: its hub server
-        is stopped first, then the lease is released with ``reason``.
+        is stopped first, then the lease is released with ``reason``. A job
+        lease's process is stopped first in the same way, by the job service
+        (:attr:`jobs_stopped_first`), which then releases the lease.
 
         Used by the culler (``cause`` ``cull``), and for a user who releases
         the lease of her running server (``DELETE /leases/{id}``): she keeps

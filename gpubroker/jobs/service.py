@@ -39,6 +39,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import json
 import os
 import pwd
@@ -165,7 +166,18 @@ class JobService(LoggingConfigurable):
         return name
 
     stop_grace = Float(
-        30.0, help="Seconds between SIGTERM and SIGKILL when a job is cancelled."
+        30.0,
+        help="Seconds between SIGTERM and SIGKILL when a job is cancelled, or stopped "
+        "because its lease ends (a preemption's end, an admin's release).",
+    ).tag(config=True)
+
+    cancel_wait = Float(
+        5.0,
+        min=0.0,
+        help="Most seconds a cancel (DELETE /jobs/{id}) waits for the job's process to "
+        "end before it answers; a process that takes longer (up to stop_grace) is "
+        "answered as still running, being cancelled, and the stop goes on. Keep it "
+        "well below the clients' 20 s timeout.",
     ).tag(config=True)
 
     def __init__(self, broker: Any, engine: Any, **kwargs: Any) -> None:
@@ -192,6 +204,23 @@ class JobService(LoggingConfigurable):
         self._checking_lock = threading.Lock()
         #: jobs the supervisor is acting on (across its awaits)
         self._busy: set[int] = set()
+        #: stops of job processes (SIGTERM, up to stop_grace, SIGKILL) run on
+        #: workers of their own, off the supervisor's round: at most
+        #: STOP_WORKERS at once, the others wait their turn
+        self._stoppers = concurrent.futures.ThreadPoolExecutor(
+            STOP_WORKERS, thread_name_prefix="gpubroker-job-stop"
+        )
+        #: stops under way and stops done (their final status, or why they
+        #: failed) not yet recorded, by job id, under ``_stops_lock``
+        self._stops_lock = threading.Lock()
+        self._stop_futures: dict[int, concurrent.futures.Future[Status]] = {}
+        self._stop_results: dict[int, Status | str] = {}
+        #: wakes the supervisor's loop when a stop ends (:meth:`run`)
+        self._wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        # a job lease's devices are freed only once its process has ended: the
+        # broker keeps an evicted job lease granted, with an open stop, until
+        # this service has stopped the process and released it
+        broker.stops.jobs_stopped_first = True
 
     def _engine(self, name: str) -> Any:
         """The engine ``name`` (``local``, ``docker``).
@@ -310,14 +339,17 @@ class JobService(LoggingConfigurable):
         Raises:
             BadRequest: naming the bad field; nothing is queued.
             Forbidden: ``user`` has no POSIX account on the broker's host, or
-                one below :attr:`min_uid` (root, system accounts); or from the
-                lease request (quota, limits).
+                one below :attr:`min_uid` (root, system accounts); a
+                non-admin asked for a class above :attr:`default_priority_class`;
+                or from the lease request (quota, limits).
             Conflict: from the lease request.
         """
         spec, note, language, paths = checked if checked is not None else self.check(user, data)
         lease_args = {k: data[k] for k in LEASE_FIELDS if data.get(k) is not None}
         if not any(k in lease_args for k in ("gpus", "mig_profile", "memory_gib")):
             raise BadRequest("gpus: a job asks for gpus, mig_profile or memory_gib")
+        if not admin and isinstance(data.get("priority_class"), str):
+            self._class_for_user(data["priority_class"])
         now = dt.datetime.now(dt.timezone.utc)
         priority_class = data.get("priority_class") or self.default_priority_class
         # the lease it asks for, and the groups it was charged by, for a requeue
@@ -352,6 +384,26 @@ class JobService(LoggingConfigurable):
             view = self._view(job, lease)
         self.log.info("Job %s of %s queued on lease %s", job_id, user, lease["id"])
         return view
+
+    def _class_for_user(self, name: str) -> None:
+        """A user's job may ask for :attr:`default_priority_class` or a lower
+        class, never a preempting one: the servers' rule (the default class
+        or lower), with the jobs' default; admins choose freely. A class the
+        policy does not have is left to the lease request (a 400).
+
+        Raises:
+            Forbidden: naming ``priority_class``, the class and the limit.
+        """
+        policy = self.broker.scheduling.policy()
+        if name not in policy.classes:
+            return
+        cls, default = policy.class_of(name), policy.class_of(self.default_priority_class)
+        if cls.preempting or cls.rank > default.rank:
+            raise Forbidden(
+                f"priority_class: {name!r} (rank {cls.rank}) is above the jobs' default "
+                f"class {default.name!r} (rank {default.rank}); only broker admins may ask "
+                "for it"
+            )
 
     def _check_account(self, user: str) -> None:
         """Refuse a job that would run as no account or as root or a system
@@ -422,7 +474,9 @@ class JobService(LoggingConfigurable):
         if python and self.runner != "local":
             note = f"python {python} not used by the {self.runner} runner: the notebook's kernel"
             python = ""
-        check_kernel = bool(spec.kernel) and self.runner != "docker"
+        # the kernels are listed where a kernel of this host runs the notebook:
+        # the one it names, or its metadata's when neither it nor a python does
+        check_kernel = self.runner != "docker"
         asked = {"python": python, "notebook": str(paths["notebook"]), "kernels": check_kernel}
         answer = self._probe(user, self._base_env(user, spec.env, self.runner), asked)
         if answer is None:  # not known: the job's own run will tell
@@ -438,11 +492,18 @@ class JobService(LoggingConfigurable):
             )
             python = ""
         kernel_language = ""
+        meta = answer.get("notebook")
         if check_kernel:
             listed = answer.get("kernels")
             kernels: dict[str, Any] = listed if isinstance(listed, dict) else {}
             specs = kernels.get("specs")
-            if isinstance(specs, dict):
+            own = str(meta.get("kernel") or "") if isinstance(meta, dict) else ""
+            if not isinstance(specs, dict):
+                if spec.kernel or not python:
+                    self.log.warning(
+                        "Jobs: cannot list the kernels of %s: %s", user, kernels.get("error")
+                    )
+            elif spec.kernel:
                 if spec.kernel not in specs:
                     there = ", ".join(sorted(map(str, specs))) or "none"
                     raise model.JobError(
@@ -451,11 +512,16 @@ class JobService(LoggingConfigurable):
                         f"broker's host: {there})"[:1000],
                     )
                 kernel_language = str(specs[spec.kernel] or "")
-            else:
-                self.log.warning(
-                    "Jobs: cannot list the kernels of %s: %s", user, kernels.get("error")
+            elif not python and own and own not in specs:
+                # the notebook's own kernel runs it: it must be one of the user's
+                there = ", ".join(sorted(map(str, specs))) or "none"
+                raise model.JobError(
+                    "notebook",
+                    f"its metadata's kernelspec.name {own!r} is no kernel {user} has on the "
+                    f"broker's host ({there}): name one with kernel (%gpu_submit --kernel "
+                    "NAME)"[:1000],
                 )
-        language = self._language(spec, python, answer.get("notebook"), kernel_language)
+        language = self._language(spec, python, meta, kernel_language)
         return dataclasses.replace(spec, python=python), note[:500], language
 
     @staticmethod
@@ -604,14 +670,39 @@ class JobService(LoggingConfigurable):
         return Path(""), paths["cwd"] / f"job-{job_id}.log"
 
     async def cancel(self, job_id: int, reason: str, actor: str) -> dict[str, Any]:
-        """Cancel a queued job (its lease ends) or stop a running one
-        (SIGTERM, then SIGKILL after ``stop_grace``, in a worker thread);
-        a process its engine cannot stop raises :class:`Unavailable` (503)
-        and nothing changes.
-        Idempotent: a job that has ended is left as it is. A job the
-        supervisor is acting on (a launch, a preemption's stop and requeue)
-        is cancelled once that step is done, from the state it left: so the
-        process it launched is stopped and the lease it made is released."""
+        """Cancel a job, as ``scancel`` does.
+
+        A queued job leaves the queue (its lease ends) at once. A running
+        one is marked as being cancelled and its process stopped (SIGTERM,
+        then SIGKILL after :attr:`stop_grace` seconds) on the stop workers;
+        the cancel waits at most :attr:`cancel_wait` seconds for that stop:
+
+        * the process ended: the job is ``cancelled`` and its lease released;
+        * it still runs (it takes its grace): the job is answered still
+          ``running``, with ``stopping`` true and the reason ``being
+          cancelled: ...``; it keeps its lease, so its GPUs, until its
+          process has ended, and then ends ``cancelled`` (the supervisor);
+        * its engine could not stop it (an error, or it survived SIGKILL):
+          :class:`Unavailable` (503); the cancel is withdrawn and the job
+          keeps running on its GPUs.
+
+        Idempotent: a job that has ended, or is being cancelled, is answered
+        as it is. A job the supervisor is acting on (a launch, a preemption's
+        requeue) is cancelled once that step is done, from the state it left.
+
+        Args:
+            job_id: the job.
+            reason: the reason recorded on the job and its lease.
+            actor: who cancels (recorded on the lease's release).
+
+        Returns:
+            The job's view.
+
+        Raises:
+            NotFound: no such job.
+            Unavailable: the job's engine is not here, or could not stop its
+                process within :attr:`cancel_wait` seconds.
+        """
         if job_id in self._cancelling:
             return self.get(job_id)
         self._cancelling.add(job_id)  # the supervisor leaves it alone meanwhile
@@ -621,9 +712,9 @@ class JobService(LoggingConfigurable):
             with self.sessions() as session:
                 job = self._get(session, job_id)
                 state, lease_id, handle = job.state, job.lease_id, _handle(job)
-            if state in model.FINAL:
+                asked = _cancel_of(job) is not None
+            if state in model.FINAL or asked:
                 return self.get(job_id)
-            status = None
             intent = self._intent(job_id) if state == model.QUEUED else None
             if intent is not None:  # a launch under way when the broker stopped
                 try:
@@ -631,15 +722,83 @@ class JobService(LoggingConfigurable):
                 except EngineError as err:
                     self.log.warning("Job %s: finding launch %s: %s", job_id, intent[1], err)
                     found = None
-                handle = found if isinstance(found, Handle) else None
-            if handle is not None and (state == model.RUNNING or intent is not None):
-                status = await self._stop_or_refuse(job_id, handle)
-            self._finish(job_id, model.CANCELLED, reason, status)
+                if isinstance(found, Handle):  # it runs: stopped as a running job
+                    self._started(job_id, found)
+                    state, handle = model.RUNNING, found
+            if state == model.RUNNING and handle is not None:
+                await self._cancel_running(job_id, handle, reason, actor)
+                return self.get(job_id)
+            self._finish(job_id, model.CANCELLED, reason, None)
         finally:
             self._cancelling.discard(job_id)
         if lease_id is not None:
             self.broker.release_lease(lease_id, reason, actor=actor)
         return self.get(job_id)
+
+    async def _cancel_running(self, job_id: int, handle: Handle, reason: str, actor: str) -> None:
+        """Mark a running job as being cancelled, start the stop of its
+        process, and wait up to :attr:`cancel_wait` seconds for it (then
+        record its end, :meth:`_step`).
+
+        Raises:
+            Unavailable: its engine is not here, or the stop failed within the
+                wait (the mark is taken back: the job runs on, on its GPUs).
+        """
+        try:
+            self._engine(handle.engine)
+        except EngineError as err:
+            raise Unavailable(
+                f"job {job_id}: its engine cannot stop it: {err}; the job keeps running "
+                "and its GPUs"
+            ) from None
+        self._mark_cancel(job_id, reason, actor)
+        try:
+            self._begin_stop(job_id, handle)
+        except EngineError as err:  # pragma: no cover - the engine was found above
+            self._unmark_cancel(job_id)
+            raise Unavailable(f"job {job_id}: cannot stop it: {err}") from None
+        deadline = time.monotonic() + self.cancel_wait
+        while self._stop_in_flight(job_id) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._stop_in_flight(job_id):
+            self.log.info(
+                "Job %s: its process takes its grace; the cancel answers, the stop goes on",
+                job_id,
+            )
+            return
+        with self._stops_lock:
+            result = self._stop_results.get(job_id)
+        if not isinstance(result, Status) or result.running:
+            with self._stops_lock:
+                self._stop_results.pop(job_id, None)
+            self._unmark_cancel(job_id)
+            raise Unavailable(
+                f"job {job_id}: its engine could not stop its process now; the job keeps "
+                "running and its GPUs, cancel it again later"
+            )
+        self._busy.add(job_id)
+        try:
+            await self._step(job_id, model.RUNNING, handle, None)
+        finally:
+            self._busy.discard(job_id)
+
+    def _mark_cancel(self, job_id: int, reason: str, actor: str) -> None:
+        """Record (committed: it survives a restart) that a running job is
+        being cancelled: ``spec["cancel"]`` keeps the reason, the actor and
+        the job's reason before; the job's reason says so."""
+        with self.sessions.begin() as session:
+            job = self._get(session, job_id)
+            mark = {"reason": reason, "actor": actor, "was": job.reason}
+            job.spec = {**job.spec, "cancel": mark}
+            job.reason = f"being cancelled: {reason}"[:1000]
+
+    def _unmark_cancel(self, job_id: int) -> None:
+        """Take back :meth:`_mark_cancel` (the stop failed)."""
+        with self.sessions.begin() as session:
+            job = self._get(session, job_id)
+            mark = _cancel_of(job) or {}
+            job.spec = {k: v for k, v in job.spec.items() if k != "cancel"}
+            job.reason = str(mark.get("was") or "")
 
     # --- queries ------------------------------------------------------------------
 
@@ -704,10 +863,11 @@ class JobService(LoggingConfigurable):
             return job.log_path, job.state, job.user
 
     def close(self) -> None:
-        """Stop the job service's workers (checks as users, log reads):
+        """Stop the job service's workers (checks as users, log reads, stops):
         those not started are dropped, running ones are not waited for."""
         self._checks.shutdown(wait=False, cancel_futures=True)
         self._log_reads.shutdown(wait=False, cancel_futures=True)
+        self._stoppers.shutdown(wait=False, cancel_futures=True)
 
     def _read_log(self, path: str, user: str, offset: int, limit: int) -> bytes:
         """The log's bytes, read without following a link at its end and only
@@ -762,6 +922,10 @@ class JobService(LoggingConfigurable):
             "log": job.log_path or None,
             "restarts": job.restarts,
             "warned_at": isoformat(job.warned_at),
+            # its process is being stopped (a cancel, or its lease ends): it
+            # keeps its lease and GPUs until the process has ended
+            "stopping": job.state == model.RUNNING
+            and (_cancel_of(job) is not None or self._open_stop(job.lease_id) is not None),
         }
         if lease is not None:
             view["queue"] = lease.get("queue")
@@ -772,17 +936,26 @@ class JobService(LoggingConfigurable):
 
     async def run(self) -> None:
         """Release orphaned job leases, then check jobs every
-        ``poll_interval`` seconds until cancelled."""
+        ``poll_interval`` seconds (and as soon as a stop of a job's process
+        ends) until cancelled."""
         try:
             self.release_orphans()
         except Exception:
             self.log.exception("Jobs: releasing orphaned job leases failed")
-        while True:
-            try:
-                await self.tick()
-            except Exception:
-                self.log.exception("Jobs: a check failed")
-            await asyncio.sleep(self.poll_interval)
+        wake = asyncio.Event()
+        self._wake = (asyncio.get_running_loop(), wake)
+        try:
+            while True:
+                try:
+                    await self.tick()
+                except Exception:
+                    self.log.exception("Jobs: a check failed")
+                # the next round: after poll_interval, or sooner when a stop ends
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), self.poll_interval)
+                wake.clear()
+        finally:
+            self._wake = None
 
     def release_orphans(self) -> list[int]:
         """Release the active job leases no unfinished job holds (a broker
@@ -803,32 +976,29 @@ class JobService(LoggingConfigurable):
 
     async def tick(self) -> int:
         """Start the queued jobs whose lease is granted, warn and record the
-        ends of running ones, cancel queued jobs whose lease ended. Engine
-        calls run in a worker thread. A job whose step fails is logged and
-        tried again next round; the jobs after it are still checked.
-        Returns how many jobs changed."""
+        ends of running ones, cancel queued jobs whose lease ended, and start
+        the stops of running jobs whose lease ends or that are cancelled.
+        Engine calls run in worker threads; a stop (up to
+        :attr:`stop_grace` seconds) runs on the stop workers and is not
+        waited for: its end is recorded at a later round. A job whose step
+        fails is logged and tried again next round; the jobs after it are
+        still checked. Returns how many jobs changed."""
         with self.sessions() as session:
             pending = [
-                (j.id, j.state, j.lease_id, _handle(j), _Watch.of(j))
+                (j.id, j.state, _handle(j))
                 for j in repo.unfinished(session)
+                if not self._held(j.id)
             ]
-        running = [h for _, state, _, h, _ in pending if state == model.RUNNING and h is not None]
+        running = [h for _, state, h in pending if state == model.RUNNING and h is not None]
         polled = await self._poll_together(running)
         changed = 0
-        for job_id, state, lease_id, handle, watch in pending:
-            if job_id in self._cancelling:
+        for job_id, state, handle in pending:
+            if self._held(job_id):  # a cancel, or a stop began meanwhile
                 continue
             self._busy.add(job_id)  # a cancel waits for this step
             try:
-                if self._state_now(job_id) != state:  # a cancel ended it meanwhile
-                    continue
-                lease = self.broker.get_lease(lease_id) if lease_id is not None else None
-                if state == model.QUEUED:
-                    changed += await self._tick_queued(job_id, lease)
-                elif state == model.RUNNING and handle is not None:
-                    changed += await self._tick_running(
-                        job_id, lease, handle, watch, polled.get((handle.engine, handle.id))
-                    )
+                found = polled.get((handle.engine, handle.id)) if handle is not None else None
+                changed += await self._step(job_id, state, handle, found)
             except Exception:
                 # one job's failure (an engine that does not answer, a record
                 # the store refuses) is that job's: the others go on, and
@@ -838,10 +1008,32 @@ class JobService(LoggingConfigurable):
                 self._busy.discard(job_id)
         return changed
 
-    def _state_now(self, job_id: int) -> str:
-        """The job's state as stored now."""
+    def _held(self, job_id: int) -> bool:
+        """Whether the supervisor leaves the job alone now: a cancel or one
+        of its steps is under way, or a stop of its process."""
+        return job_id in self._cancelling or job_id in self._busy or self._stop_in_flight(job_id)
+
+    async def _step(
+        self,
+        job_id: int,
+        state: str,
+        handle: Handle | None,
+        polled: Status | EngineError | None,
+    ) -> int:
+        """One check of a job found ``state`` (:meth:`_tick_queued`,
+        :meth:`_tick_running`); nothing when it changed meanwhile.
+        Returns 1 when the job changed, else 0."""
         with self.sessions() as session:
-            return str(self._get(session, job_id).state)
+            job = self._get(session, job_id)
+            if job.state != state:  # a cancel ended it meanwhile
+                return 0
+            lease_id, watch = job.lease_id, _Watch.of(job)
+        lease = self.broker.get_lease(lease_id) if lease_id is not None else None
+        if state == model.QUEUED:
+            return await self._tick_queued(job_id, lease)
+        if state == model.RUNNING and handle is not None:
+            return await self._tick_running(job_id, lease, handle, watch, polled)
+        return 0
 
     async def _poll_together(
         self, handles: list[Handle]
@@ -877,6 +1069,9 @@ class JobService(LoggingConfigurable):
         only when it never was."""
         granted = lease is not None and lease["state"] == "granted"
         ended = lease is None or lease["state"] == "released"
+        # a granted lease the broker is ending (its time limit, a preemption's
+        # end, an admin's release) starts nothing: it is released at once
+        stopping = self._open_stop(lease["id"] if granted and lease else None)
         intent = self._intent(job_id)
         if intent is not None and (granted or ended):
             try:
@@ -921,14 +1116,18 @@ class JobService(LoggingConfigurable):
                 with self.sessions() as session:
                     watch = _Watch.of(self._get(session, job_id))
                 return await self._tick_running(job_id, lease, handle, watch, found)
-        if granted:
+        if granted and stopping is None:
             assert lease is not None
             try:
                 self._refuse_account(self._owner_of(job_id))  # queued before min_uid was raised
                 runner, tag = intent or self._intend(job_id)
                 spec = self._launch_spec(job_id, lease, runner, tag)
                 handle = await asyncio.get_running_loop().run_in_executor(
-                    None, self._engine(runner).launch, spec
+                    None,
+                    _launch_if_there,
+                    self._engine(runner).launch,
+                    spec,
+                    self._notebook(job_id),
                 )
             except EngineError as err:
                 self._finish(job_id, model.FAILED, f"could not start: {err}", None)
@@ -937,11 +1136,21 @@ class JobService(LoggingConfigurable):
             else:
                 self._started(job_id, handle)
             return 1
-        if ended:
-            why = (lease or {}).get("release_reason") or "its lease ended"
+        if ended or stopping is not None:
+            why = stopping or (lease or {}).get("release_reason") or "its lease ended"
             self._finish(job_id, model.CANCELLED, f"cancelled in the queue: {why}", None)
+            if stopping is not None:
+                assert lease is not None
+                self.broker.release_lease(lease["id"], why, actor="broker")
             return 1
         return 0
+
+    def _notebook(self, job_id: int) -> Path | None:
+        """The input notebook of a notebook job (``None``: a command job)."""
+        with self.sessions() as session:
+            job = self._get(session, job_id)
+            user, kind, relative = job.user, job.kind, str(job.spec.get("notebook") or "")
+        return self.root_of(user) / relative if kind == "notebook" else None
 
     def _owner_of(self, job_id: int) -> str:
         """The account a job runs as (its user's, or the broker's own)."""
@@ -1003,22 +1212,6 @@ class JobService(LoggingConfigurable):
             return None
         return _exit_status(record) or Status("lost")
 
-    async def _stop_or_refuse(self, job_id: int, handle: Handle) -> Status:
-        """Stop a job's process for a cancel (:meth:`_stop_quietly`).
-
-        Raises:
-            Unavailable: its engine could not stop it (logged): the job and
-                its lease are left as they are, so its devices are not given
-                to anyone while it may still run on them; cancel again later.
-        """
-        status = await self._stop_quietly(job_id, handle)
-        if status is None or status.running:
-            raise Unavailable(
-                f"job {job_id}: its engine could not stop its process now; the job keeps "
-                "running and its GPUs, cancel it again later"
-            )
-        return status
-
     async def _stop_quietly(self, job_id: int, handle: Handle) -> Status | None:
         """Stop a job's process (SIGTERM, SIGKILL after ``stop_grace``) in a
         worker thread; its final status, or ``None`` (logged) on an error."""
@@ -1040,24 +1233,104 @@ class JobService(LoggingConfigurable):
         watch: _Watch,
         polled: Status | EngineError | None = None,
     ) -> int:
+        """Check a running job: record its end once its process has ended
+        (:meth:`_ended`); while it runs, warn it and record where its engine
+        bound it, or, when it is to stop (it is being cancelled, or its
+        lease ends: :meth:`_stop_reason`), start the stop of its process
+        (:meth:`_begin_stop`, not waited for). A stop that failed is logged
+        and started again: the job keeps its lease, so its GPUs, until its
+        process has ended. Returns 1 when the job changed, else 0."""
+        stopped = self._take_stop(job_id)
+        if isinstance(stopped, Status) and not stopped.running:
+            return self._ended(job_id, lease, stopped, stopped=True)
+        if stopped is not None:
+            why = stopped if isinstance(stopped, str) else "it still runs after SIGKILL"
+            self.log.warning(
+                "Job %s: its process could not be stopped (%s); tried again", job_id, why
+            )
         loop = asyncio.get_running_loop()
         try:
             if isinstance(polled, EngineError):
                 raise polled
             engine = self._engine(handle.engine)
-            status = polled or await loop.run_in_executor(None, engine.poll, handle)
+            status: Status = (
+                polled
+                if polled is not None
+                else await loop.run_in_executor(None, engine.poll, handle)
+            )
         except EngineError as err:  # its engine cannot tell now (Docker down): next time
             self.log.warning("Job %s: cannot read its process: %s", job_id, err)
             return 0
-        if status.running and lease is not None and lease["state"] == "granted":
+        if not status.running:
+            return self._ended(job_id, lease, status, stopped=False)
+        stop_why = self._stop_reason(job_id, lease)
+        if stop_why is None:
+            assert lease is not None
             self._rebind(job_id, lease, status.devices)
             await self._maybe_warn(job_id, lease, handle, watch)
             return 0
-        if status.running:  # its lease ended (time limit, preemption, a release)
-            status = await loop.run_in_executor(
-                None, self._engine(handle.engine).stop, handle, self.stop_grace
-            )
-            why = str((lease or {}).get("release_reason") or "")
+        try:
+            self._begin_stop(job_id, handle)
+        except EngineError as err:  # its runner is gone from this broker: next time
+            self.log.warning("Job %s: cannot stop its process (%s): %s", job_id, stop_why, err)
+        return 0
+
+    def _stop_reason(self, job_id: int, lease: dict[str, Any] | None) -> str | None:
+        """Why a running job's process is to be stopped: it is being
+        cancelled, or its lease is ending (the broker's open stop: a time
+        limit, a preemption's end, an admin's release) or has ended; ``None``
+        while it may run on."""
+        with self.sessions() as session:
+            mark = _cancel_of(self._get(session, job_id))
+        if mark is not None:
+            return f"being cancelled: {mark.get('reason')}"
+        if lease is None or lease["state"] != "granted":
+            return str((lease or {}).get("release_reason") or "its lease ended")
+        return self._open_stop(lease["id"])
+
+    def _open_stop(self, lease_id: int | None) -> str | None:
+        """The reason of the broker's open stop of lease ``lease_id`` (it is
+        being ended: its holder is stopped first), or ``None``."""
+        intent = self.broker.stops.open_stop(lease_id) if lease_id is not None else None
+        return None if intent is None else str(intent.reason or "its lease ends")
+
+    def _ended(
+        self, job_id: int, lease: dict[str, Any] | None, status: Status, stopped: bool
+    ) -> int:
+        """Record the end of a job's process and release its lease (its
+        devices are free only now); ``stopped``: a stop of this service
+        ended it.
+
+        * a job being cancelled ends ``cancelled``;
+        * one whose lease the broker is ending (an open stop), or whose
+          lease ended and that this service stopped: queued again after a
+          preemption while it has restarts left, else ``timed-out`` at its
+          time limit and ``failed`` otherwise ("its lease ended: ...");
+        * else its own outcome (:func:`gpubroker.model.jobs.outcome`): a
+          preempted job that ended itself in its grace period is queued
+          again (or fails with no restarts left), a failure is retried
+          while the job has retries left.
+
+        Returns 1 (the job changed)."""
+        if status.state == "lost":
+            status = _recorded(status, job_id, self.sessions, _uid_of(self._owner_of(job_id)))
+        granted = lease is not None and lease["state"] == "granted"
+        with self.sessions() as session:
+            mark = _cancel_of(self._get(session, job_id))
+        if mark is not None:
+            reason = str(mark.get("reason") or "cancelled")
+            self._finish(job_id, model.CANCELLED, reason, status)
+            if granted:
+                assert lease is not None
+                actor = str(mark.get("actor") or "broker")
+                self.broker.release_lease(lease["id"], reason, actor=actor)
+            return 1
+        closing = self._open_stop(lease["id"]) if granted and lease else None
+        if closing is not None or (stopped and not granted):
+            why = closing or str((lease or {}).get("release_reason") or "")
+            if granted:
+                assert lease is not None
+                self.broker.release_lease(lease["id"], f"job {job_id} stopped", actor="broker")
             if why.startswith(("preempted", "reclaimed")) and self._restarts_left(job_id, True):
                 self._requeue(job_id, why, status)
                 return 1
@@ -1065,29 +1338,89 @@ class JobService(LoggingConfigurable):
             ended = model.TIMED_OUT if why.startswith("time limit") else model.FAILED
             self._finish(job_id, ended, f"its lease ended: {why}", status)
             return 1
-        if status.state == "lost":
-            status = _recorded(status, job_id, self.sessions, _uid_of(self._owner_of(job_id)))
         lost = status.state == "lost"
         state_now = model.outcome(status.exit_code, status.signal, status.timed_out, lost)
-        preempted = lease is not None and lease["state"] == "granted" and lease.get("preemption")
+        preempted = granted and (lease or {}).get("preemption")
         ended_itself = state_now not in (model.SUCCEEDED, model.TIMED_OUT)
         if preempted and ended_itself:
             # it ended in its grace period (on the warning, checkpointed): run
             # it again, or, with no restarts left, end it as a stop would
-            why = str(lease["preemption"].get("reason") or "preempted")  # type: ignore[index]
+            assert lease is not None
+            why = str(lease["preemption"].get("reason") or "preempted")
             self.broker.release_lease(lease["id"], f"job {job_id} {why}", actor="broker")
             if self._restarts_left(job_id, True):
                 self._requeue(job_id, why, status)
             else:
                 self._finish(job_id, model.FAILED, f"its lease ended: {why}", status)
             return 1
-        if lease is not None and lease["state"] == "granted":
+        if granted:
+            assert lease is not None
             self.broker.release_lease(lease["id"], f"job {job_id} {state_now}", actor="broker")
         if state_now == model.FAILED and self._restarts_left(job_id, False):
             self._requeue(job_id, f"retried: {_describe(state_now, status)}", status, retry=True)
         else:
             self._finish(job_id, state_now, _describe(state_now, status), status)
         return 1
+
+    # --- stops of job processes, off the supervisor's round ---------------------------
+
+    def _begin_stop(self, job_id: int, handle: Handle) -> None:
+        """Start stopping the job's process (SIGTERM, SIGKILL after
+        :attr:`stop_grace` seconds: its engine's ``stop``) on a stop worker,
+        unless a stop of it is under way. Its end (the final status, or why
+        it failed) is kept for the job's next check (:meth:`_take_stop`),
+        and wakes the supervisor (:meth:`run`).
+
+        Raises:
+            EngineError: the job's runner has no engine here.
+        """
+        engine = self._engine(handle.engine)
+        with self._stops_lock:
+            if job_id in self._stop_futures:
+                return
+            self._stop_results.pop(job_id, None)
+            future = self._stoppers.submit(engine.stop, handle, self.stop_grace)
+            self._stop_futures[job_id] = future
+        self.log.info(
+            "Job %s: stopping its process (%s %s), grace %ss",
+            job_id,
+            handle.engine,
+            handle.id,
+            self.stop_grace,
+        )
+        future.add_done_callback(functools.partial(self._stop_done, job_id))
+
+    def _stop_done(self, job_id: int, future: concurrent.futures.Future[Status]) -> None:
+        """Keep the end of a job's stop (called in the worker that ran it, or
+        where it was dropped) and wake the supervisor."""
+        result: Status | str
+        try:
+            result = future.result()
+        except concurrent.futures.CancelledError:
+            result = "the stop was dropped (the job service closed)"
+        except EngineError as err:
+            result = str(err) or type(err).__name__
+        except Exception as err:  # an engine's bug: logged, the stop is tried again
+            self.log.exception("Job %s: stopping its process failed", job_id)
+            result = f"{type(err).__name__}: {err}"
+        with self._stops_lock:
+            self._stop_futures.pop(job_id, None)
+            self._stop_results[job_id] = result
+        wake = self._wake
+        if wake is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed
+                wake[0].call_soon_threadsafe(wake[1].set)
+
+    def _stop_in_flight(self, job_id: int) -> bool:
+        """Whether a stop of the job's process is under way."""
+        with self._stops_lock:
+            return job_id in self._stop_futures
+
+    def _take_stop(self, job_id: int) -> Status | str | None:
+        """The end of the job's last stop not recorded yet (its final status,
+        or why it failed), or ``None``; taken: a second call gives ``None``."""
+        with self._stops_lock:
+            return self._stop_results.pop(job_id, None)
 
     def _rebind(self, job_id: int, lease: dict[str, Any], bound: tuple[str, ...]) -> None:
         """Record on the lease the devices its engine bound the job to, where
@@ -1314,6 +1647,10 @@ LOG_READ_WORKERS = 2
 #: seconds a job log read may take before the API answers 503
 LOG_READ_TIMEOUT = 10.0
 
+#: stops of job processes under way at once (:meth:`JobService._begin_stop`);
+#: each holds a worker for up to ``JobService.stop_grace`` seconds
+STOP_WORKERS = 8
+
 #: what a launch intent's handle id starts with (then its tag)
 _INTENT = "launch:"
 
@@ -1525,6 +1862,34 @@ def _account(user: str) -> pwd.struct_passwd | None:
         return pwd.getpwnam(user)
     except KeyError:
         return None
+
+
+def _launch_if_there(
+    launch: Callable[[LaunchSpec], Handle], spec: LaunchSpec, notebook: Path | None
+) -> Handle:
+    """``launch(spec)``, unless ``notebook`` (a notebook job's input; ``None``
+    for a command job) is no longer a file: it was moved or removed after the
+    submit, and the job could not start (it is not retried). Run in a worker
+    (the notebook is in the user's directory).
+
+    Raises:
+        EngineError: the notebook is gone, or from ``launch``.
+    """
+    if notebook is not None:
+        try:
+            there = notebook.is_file()
+        except OSError as err:
+            raise EngineError(f"notebook: cannot use {notebook}: {err.strerror or err}") from None
+        if not there:
+            raise EngineError(f"notebook: no such notebook: {notebook} (moved or removed?)")
+    return launch(spec)
+
+
+def _cancel_of(job: Any) -> dict[str, Any] | None:
+    """The cancel under way of a running job (``spec["cancel"]``: reason,
+    actor, its reason before), or ``None``."""
+    mark = (job.spec or {}).get("cancel")
+    return mark if isinstance(mark, dict) else None
 
 
 def _handle(job: Any) -> Handle | None:

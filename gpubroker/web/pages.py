@@ -202,13 +202,16 @@ class LeasesHandler(PanelHandler):
                 # ended already (by its user, another admin, a form sent twice):
                 # no release to record, no notice for its holder
                 raise Conflict(f"lease {lease_id}: is {lease['state']} already, nothing to release")
-            if lease["state"] == "granted" and lease["holder_kind"] == "server":
+            if lease["state"] == "granted" and lease["holder_kind"] in ("server", "job"):
+                holder = lease["holder_kind"]
                 if self.broker.stops.open_stop(lease_id) is not None:
-                    raise Conflict(f"lease {lease_id}: its server is being stopped already")
-                # its server keeps no GPU given back: the hub stops it, then it is released
+                    raise Conflict(f"lease {lease_id}: its {holder} is being stopped already")
+                # its server (or job's process) keeps no GPU given back: it is
+                # stopped (by the hub, the job service), then the lease is released
                 self.broker.stop_lease(lease_id, text, actor=self.me)
                 self.broker.note_lease(lease_id, "admin-release", text, notify=True, actor=self.me)
-                self.back("leases", f"Server of lease {lease_id} of {lease['user']} stopping.")
+                what = "Server" if holder == "server" else "Job"
+                self.back("leases", f"{what} of lease {lease_id} of {lease['user']} stopping.")
                 return
             lease = self.broker.release_lease(lease_id, text, actor=self.me)
             self.broker.note_lease(lease_id, "admin-release", text, notify=True, actor=self.me)

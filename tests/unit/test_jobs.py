@@ -35,6 +35,21 @@ def run_until_done(jobs: JobService, job_id: int, timeout: float = 120) -> dict:
     return asyncio.run(loop())
 
 
+def until_state(jobs: JobService, job_id: int, state: str, timeout: float = 60) -> dict:
+    """Tick until the job is in ``state`` (at most ``timeout`` seconds); its view."""
+
+    async def loop() -> dict:
+        for _ in range(int(timeout / 0.1)):
+            await jobs.tick()
+            view = jobs.get(job_id)
+            if view["state"] == state:
+                return view
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"job {job_id} still {jobs.get(job_id)['state']}")
+
+    return asyncio.run(loop())
+
+
 def test_a_notebook_job_runs_on_its_leased_gpu_with_its_parameters(
     jobs: JobService, home: Path
 ) -> None:
@@ -98,6 +113,9 @@ def test_cancel_stops_a_running_job_and_frees_its_lease(jobs: JobService, home: 
     asyncio.run(jobs.tick())
     assert jobs.get(job["id"])["state"] == "running"
     done = asyncio.run(jobs.cancel(job["id"], "not needed", actor="dee"))
+    if done["state"] == "running":  # a SIGTERM before its shell ran sleep: the grace
+        assert done["stopping"] and done["reason"] == "being cancelled: not needed"
+        done = run_until_done(jobs, job["id"])
     assert done["state"] == "cancelled" and done["signal"] is not None
     assert jobs.broker.get_lease(done["lease_id"])["state"] == "released"
     assert asyncio.run(jobs.cancel(job["id"], "again", actor="dee"))["state"] == "cancelled"
@@ -180,10 +198,13 @@ def test_a_job_whose_lease_reaches_its_time_limit_first_is_timed_out(
     later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)
     monkeypatch.setattr(core, "utcnow", lambda: later)
     jobs.broker.schedule_now()  # the pass sees the lease's time limit passed
-    assert jobs.broker.get_lease(job["lease_id"])["state"] == "released"
+    # the lease keeps its devices until the job's process has ended
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "granted"
+    assert jobs.get(job["id"])["stopping"]
     jobs.stop_grace = 1.0
     done = run_until_done(jobs, job["id"])
     assert done["state"] == "timed-out" and done["signal"] is not None
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "released"
 
 
 def test_a_command_job_gets_the_warning_signal_before_its_time_limit(
@@ -315,10 +336,10 @@ def test_a_preempted_job_is_warned_requeued_and_resumes_from_its_checkpoint(
     assert alice["queue"]["reason"] == "Preempting"
     asyncio.run(service.tick())  # the grace period started: the warning
     time.sleep(0.6)
-    broker.schedule_now()  # grace over: the job's lease is released, alice granted
+    broker.schedule_now()  # grace over: the job's process is stopped first
+    assert broker.get_lease(alice["id"])["state"] == "pending"
+    again = until_state(service, job["id"], "queued")  # stopped, queued again
     assert broker.get_lease(alice["id"])["state"] == "granted"
-    asyncio.run(service.tick())  # the process is stopped, the job queued again
-    again = service.get(job["id"])
     assert again["state"] == "queued" and again["restarts"] == 1, again["reason"]
     assert again["lease_id"] != job["lease_id"]
     broker.release_lease(alice["id"], "done")

@@ -1,0 +1,303 @@
+"""A second review of the batch job service: a job's GPUs go to the next
+request only once its process has ended (time limit, preemption, an
+admin's release); a cancel answers before the stop's grace is over; stops
+run off the supervisor's round, side by side; a notebook gone before its
+run fails once, saying so; the notebook's own kernel is checked at submit;
+a user's job cannot take a priority class above the default."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpubroker.engines.base import EngineError, Handle
+from gpubroker.jobs.service import JobService
+from gpubroker.model import jobs as model
+from gpubroker.store import jobs_repo
+
+from ..conftest import make_broker
+
+
+@pytest.fixture
+def jobs(db_url: str, home: Path) -> Iterator[JobService]:
+    """A job service running jobs as the test's own account, which ends
+    afterwards every process the test's jobs left (by their recorded pid)."""
+    broker = make_broker(db_url)
+    service = JobService(broker, broker.engine, run_as_self=True, poll_interval=0.2)
+    service.root_dir_template = str(home / "{username}")
+    service.stop_grace = 1.0
+    yield service
+    with service.sessions() as session:
+        handles = [
+            Handle(j.handle_engine, j.handle_id, j.handle_node)
+            for j in jobs_repo.listed(session, None)
+            if j.handle_id.isdigit()
+        ]
+    for handle in handles:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(handle.id), signal.SIGKILL)
+        with contextlib.suppress(EngineError):
+            service.engines["local"].stop(handle, 0.1)  # reaps it
+    service.close()
+
+
+def _pid(jobs: JobService, job_id: int) -> int:
+    with jobs.sessions() as session:
+        return int(jobs_repo.get(session, job_id).handle_id)
+
+
+def _alive(pid: int) -> bool:
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
+    return out.stdout.strip() not in ("", "Z")
+
+
+def _until(jobs: JobService, done: object, timeout: float = 60.0) -> None:
+    """Tick until ``done()`` is true (at most ``timeout`` seconds)."""
+
+    async def loop() -> None:
+        for _ in range(int(timeout / 0.1)):
+            await jobs.tick()
+            if done():  # type: ignore[operator]
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError("not done in time")
+
+    asyncio.run(loop())
+
+
+def _traps_set(home: Path, user: str) -> None:
+    """Wait until a job's shell wrote ``trapped`` (its TERM trap is set)."""
+    for _ in range(300):
+        if (home / user / "trapped").exists():
+            return
+        time.sleep(0.05)
+    raise AssertionError("the job never set its trap")
+
+
+#: a job that ignores SIGTERM (so it takes its whole stop grace)
+STUBBORN = "trap '' TERM; touch trapped; while true; do sleep 0.1; done"
+
+
+# --- 3. the devices of a job go on only once its process has ended -------------------
+
+
+def test_a_timed_out_jobs_gpu_is_not_granted_while_its_process_runs(
+    jobs: JobService, home: Path
+) -> None:
+    broker = jobs.broker
+    (home / "ann").mkdir(parents=True)
+    holders = [broker.request_lease(f"h{i}", "", 1, holder_kind="external") for i in range(7)]
+    job = jobs.submit("ann", {"command": STUBBORN, "gpus": 1, "time": "1s"})
+    asyncio.run(jobs.tick())
+    assert jobs.get(job["id"])["state"] == "running"
+    pid = _pid(jobs, job["id"])
+    device = jobs.get(job["id"])["devices"]
+    waiting = broker.request_lease("bob", "", 1, holder_kind="external")
+    assert waiting["state"] == "pending"
+    _traps_set(home, "ann")
+    for _ in range(100):  # the pass sees the job lease's time limit passed
+        broker.schedule_now()
+        if jobs.get(job["id"])["stopping"]:
+            break
+        time.sleep(0.1)
+    assert jobs.get(job["id"])["stopping"]
+    assert broker.get_lease(waiting["id"])["state"] == "pending"
+    assert _alive(pid)
+
+    def bob_granted() -> bool:
+        bob = broker.get_lease(waiting["id"])
+        if bob["state"] == "granted":
+            assert [d["uuid"] for d in bob["slots"]] == device
+            assert not _alive(pid), "bob got the GPU of a job still running"
+            return True
+        return False
+
+    _until(jobs, bob_granted)
+    done = jobs.get(job["id"])
+    assert done["state"] == model.TIMED_OUT, done
+    released = broker.get_lease(job["lease_id"])
+    assert released["release_reason"].endswith("(job stopped)"), released["release_reason"]
+    for lease in [*holders, waiting]:
+        broker.release_lease(lease["id"], "done")
+
+
+def test_an_admins_release_of_a_job_lease_stops_the_job_first(jobs: JobService, home: Path) -> None:
+    """``DELETE /leases/{id}`` and the panel's release end a granted job
+    lease with ``stop_lease``: the lease keeps its devices until the job's
+    process has ended, and the job then fails (its lease was taken away)."""
+    broker = jobs.broker
+    (home / "ann").mkdir(parents=True)
+    job = jobs.submit("ann", {"command": STUBBORN, "gpus": 1})
+    asyncio.run(jobs.tick())
+    pid = _pid(jobs, job["id"])
+    _traps_set(home, "ann")
+    broker.stop_lease(job["lease_id"], "freed by an admin", actor="admin")
+    assert broker.get_lease(job["lease_id"])["state"] == "granted"
+    assert jobs.get(job["id"])["stopping"]
+    _until(jobs, lambda: jobs.get(job["id"])["state"] in model.FINAL)
+    assert not _alive(pid)
+    done = jobs.get(job["id"])
+    assert done["state"] == model.FAILED and "freed by an admin" in done["reason"], done
+    lease = broker.get_lease(job["lease_id"])
+    assert lease["state"] == "released"
+
+
+# --- 7. a cancel answers before the stop grace is over ------------------------------
+
+
+def test_a_cancel_answers_before_the_stop_grace_is_over(jobs: JobService, home: Path) -> None:
+    """A process that takes its grace: the cancel answers (the job still
+    running, ``stopping``, keeping its lease) while the stop goes on; the
+    job then ends ``cancelled`` and its lease is released."""
+    (home / "ann").mkdir(parents=True)
+    jobs.stop_grace = 10.0
+    jobs.cancel_wait = 0.5
+    job = jobs.submit("ann", {"command": STUBBORN, "gpus": 1})
+    asyncio.run(jobs.tick())
+    pid = _pid(jobs, job["id"])
+    _traps_set(home, "ann")
+    view = asyncio.run(jobs.cancel(job["id"], "cancelled by ann", actor="ann"))
+    # the old code answered only after the grace: 'cancelled', the process gone
+    assert view["state"] == model.RUNNING and view["stopping"], view
+    assert view["reason"] == "being cancelled: cancelled by ann"
+    assert _alive(pid)
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "granted"
+    # a second cancel meanwhile answers the same
+    again = asyncio.run(jobs.cancel(job["id"], "again", actor="ann"))
+    assert again["state"] == model.RUNNING and again["stopping"]
+    _until(jobs, lambda: jobs.get(job["id"])["state"] in model.FINAL)
+    done = jobs.get(job["id"])
+    assert done["state"] == model.CANCELLED and done["reason"] == "cancelled by ann", done
+    assert not _alive(pid)
+    lease = jobs.broker.get_lease(job["lease_id"])
+    assert lease["state"] == "released" and lease["release_reason"] == "cancelled by ann"
+
+
+# --- 13. stops run off the supervisor's round, side by side -------------------------
+
+
+def test_stopping_jobs_does_not_hold_up_the_other_jobs(jobs: JobService, home: Path) -> None:
+    for user in ("ann", "bob", "cy"):
+        (home / user).mkdir(parents=True)
+    jobs.stop_grace = 5.0
+    a = jobs.submit("ann", {"command": STUBBORN, "gpus": 1})
+    b = jobs.submit("bob", {"command": STUBBORN, "gpus": 1})
+    asyncio.run(jobs.tick())
+    _traps_set(home, "ann")
+    _traps_set(home, "bob")
+    for job in (a, b):
+        jobs.broker.stop_lease(job["lease_id"], "freed by an admin", actor="admin")
+    c = jobs.submit("cy", {"command": ["sleep", "60"], "gpus": 1})
+    asyncio.run(jobs.tick())
+    # one round started cy's job and both stops, and waited for neither stop
+    assert jobs.get(c["id"])["state"] == model.RUNNING
+    for job in (a, b):
+        view = jobs.get(job["id"])
+        assert view["state"] == model.RUNNING and view["stopping"], view
+        assert jobs._stop_in_flight(job["id"])  # both at once
+    _until(jobs, lambda: all(jobs.get(j["id"])["state"] in model.FINAL for j in (a, b)))
+    for job in (a, b):
+        assert jobs.get(job["id"])["state"] == model.FAILED
+        assert jobs.broker.get_lease(job["lease_id"])["state"] == "released"
+    asyncio.run(jobs.cancel(c["id"], "done", actor="cy"))
+
+
+def test_a_failing_stop_keeps_the_lease_and_is_tried_again(jobs: JobService, home: Path) -> None:
+    """A stop whose engine fails is logged and started again at a later
+    round; meanwhile the job keeps its lease (its GPUs)."""
+    (home / "ann").mkdir(parents=True)
+    job = jobs.submit("ann", {"command": ["sleep", "60"], "gpus": 1})
+    asyncio.run(jobs.tick())
+    engine = jobs.engines["local"]
+    real_stop = engine.stop
+    calls: list[int] = []
+
+    def failing_stop(handle: Handle, grace: float) -> object:
+        calls.append(1)
+        raise EngineError("cannot stop: engine unreachable")
+
+    engine.stop = failing_stop  # type: ignore[method-assign]
+    try:
+        jobs.broker.stop_lease(job["lease_id"], "freed by an admin", actor="admin")
+        _until(jobs, lambda: len(calls) >= 2)
+        assert jobs.get(job["id"])["state"] == model.RUNNING
+        assert jobs.broker.get_lease(job["lease_id"])["state"] == "granted"
+    finally:
+        engine.stop = real_stop  # type: ignore[method-assign]
+    _until(jobs, lambda: jobs.get(job["id"])["state"] in model.FINAL)
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "released"
+
+
+# --- 8. a notebook gone before its run fails once, saying so -------------------------
+
+
+def test_a_notebook_gone_before_its_run_fails_once_with_a_reason(
+    jobs: JobService, home: Path
+) -> None:
+    from ..nbutil import write_notebook
+
+    nb = write_notebook(home / "ann" / "gone.ipynb", ["x = 1"])
+    job = jobs.submit("ann", {"notebook": "gone.ipynb", "gpus": 1, "retries": 2})
+    nb.unlink()
+    _until(jobs, lambda: jobs.get(job["id"])["state"] in model.FINAL)
+    done = jobs.get(job["id"])
+    assert done["state"] == model.FAILED and done["restarts"] == 0, done
+    assert done["reason"].startswith("could not start: notebook: no such notebook"), done
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "released"
+
+
+# --- 12. the notebook's own kernel is checked at submit ------------------------------
+
+
+def test_a_notebook_whose_metadata_kernel_is_missing_is_a_400(jobs: JobService, home: Path) -> None:
+    import nbformat
+
+    from gpubroker.errors import BadRequest
+
+    from ..nbutil import write_notebook
+
+    path = write_notebook(home / "ann" / "k.ipynb", ["x = 1"])
+    nb = nbformat.read(path, as_version=4)
+    nb.metadata["kernelspec"]["name"] = "conda-env-elsewhere-py"
+    nbformat.write(nb, path)
+    with pytest.raises(BadRequest, match=r"^notebook: its metadata's kernelspec.name "):
+        jobs.submit("ann", {"notebook": "k.ipynb", "gpus": 1})
+    assert jobs.list("ann") == []
+    # a kernel named in the request, or the submitting kernel's python, runs it
+    named = jobs.submit("ann", {"notebook": "k.ipynb", "gpus": 1, "kernel": "python3"})
+    assert named["state"] == model.QUEUED
+    import sys
+
+    own = jobs.submit("ann", {"notebook": "k.ipynb", "gpus": 1, "python": sys.executable})
+    assert own["state"] == model.QUEUED
+
+
+# --- 10. a user's job cannot take a class above the jobs' default --------------------
+
+
+def test_a_users_job_cannot_take_a_class_above_the_jobs_default(
+    jobs: JobService, home: Path
+) -> None:
+    from gpubroker.errors import Forbidden
+
+    (home / "ann").mkdir(parents=True)
+    with pytest.raises(Forbidden, match=r"^priority_class: 'interactive' \(rank 100\) is above"):
+        jobs.submit(
+            "ann", {"command": "true", "gpus": 1, "priority_class": "interactive"}, admin=False
+        )
+    assert jobs.list("ann") == []
+    # the default class or lower is the user's; an admin chooses freely
+    low = jobs.submit("ann", {"command": "true", "gpus": 1, "priority_class": "batch"}, admin=False)
+    assert low["state"] == model.QUEUED
+    high = jobs.submit(
+        "ann", {"command": "true", "gpus": 1, "priority_class": "interactive"}, admin=True
+    )
+    assert high["state"] in (model.QUEUED, model.RUNNING)
