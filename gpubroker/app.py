@@ -9,6 +9,7 @@ line (``--GPUBrokerApp.db_url=…``); ``gpubroker --help-all`` lists them all.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from typing import Any
@@ -231,6 +232,12 @@ class GPUBrokerApp(Application):
         "loses access to the broker at most this long after. At least 1: "
         "HubAuth would cache forever with 0.",
     ).tag(config=True)
+
+    @default("log_level")
+    def _default_log_level(self) -> int:
+        # INFO, as JupyterHub's: grants, stops, culls and admin changes are
+        # logged there (successful API requests at DEBUG, docs/admin.md)
+        return logging.INFO
 
     @default("log_format")
     def _default_log_format(self) -> str:

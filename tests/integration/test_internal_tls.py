@@ -85,3 +85,10 @@ def test_a_server_in_a_hub_group_gets_its_gpu_and_its_kernel_reaches_the_broker(
     assert hub.api("DELETE", "/users/tess/server").status_code in (202, 204)
     hub.wait_for_no_server("tess")
     assert wait_for_release(hub, lease["id"])["release_reason"]
+
+
+def test_the_brokers_log_says_it_calls_the_hub_with_its_certificate(tls_hub: RunningHub) -> None:
+    # the broker logs at INFO by default (its start-up lines are in the hub's log)
+    log = (tls_hub.workdir / "hub.log").read_text(errors="replace")
+    assert "GPUBrokerApp] JupyterHub internal TLS: calling the hub with" in log
+    assert "serving plain HTTP (the service URL is not https)" in log
