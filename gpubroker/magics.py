@@ -49,6 +49,7 @@ from IPython.display import display
 
 from .client import BrokerClientError
 from .client_sync import SyncBrokerClient, job_body
+from .jobs.text import job_cells, text_table
 
 #: the columns of ``%gpu``'s table of held slots
 SLOT_COLUMNS = ("uuid", "kind", "profile", "utilization", "memory used")
@@ -59,11 +60,7 @@ JOB_COLUMNS = ("id", "state", "kind", "what", "devices", "created", "reason")
 
 def _table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
     """Show rows as an HTML table (notebooks) with a text fallback (terminals)."""
-    text = [columns] + [tuple(str(r.get(c, "")) for c in columns) for r in rows]
-    widths = [max(len(row[i]) for row in text) for i in range(len(columns))]
-    plain = "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in text
-    )
+    plain = text_table(rows, columns)
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(str(r.get(c, '')))}</td>" for c in columns) + "</tr>"
@@ -342,31 +339,32 @@ class GPUMagics(Magics):
 
     def _warn_unsaved(self, notebook: str) -> None:
         """Warn when code run in this kernel is missing from the saved notebook
-        (the job runs the file as last saved)."""
+        (the job runs the file as last saved), on stderr, flushed at once: a
+        kernel sends stdout and stderr each when flushed, so an unflushed
+        warning could reach the notebook after the job's and the release's
+        lines (stdout), which come later."""
         session = _session_notebook()
         if not session or _job_path(notebook) != _job_path(session):
             return  # another notebook: this kernel's history says nothing of it
         missing = unsaved_cells(self.shell, notebook)
         if missing:
+            sys.stdout.flush()  # what the cell printed before stays before it
             print(
                 f"Warning: {missing} cell(s) run in this kernel are not in {notebook} as "
                 "saved; the job runs the saved file (save it first to include them).",
                 file=sys.stderr,
+                flush=True,
             )
 
     @line_magic
     def gpu_jobs(self, line: str) -> list[dict[str, Any]]:
-        """``%gpu_jobs``: your jobs, newest first."""
+        """``%gpu_jobs``: your jobs, newest first, as a table of one line per
+        job (the notebook or command on one line, cut to
+        :data:`~gpubroker.jobs.text.WHAT_WIDTH` characters; the devices; the
+        queue's reason while waiting, and the job's own); returns the jobs
+        as the broker gave them."""
         jobs = self._call("jobs")
-        rows = [
-            {
-                **j,
-                "what": j["spec"].get("notebook") or shlex.join(j["spec"].get("command") or []),
-                "devices": ", ".join(j.get("devices") or []),
-            }
-            for j in jobs
-        ]
-        _table(rows, JOB_COLUMNS)
+        _table([{**j, **job_cells(j)} for j in jobs], JOB_COLUMNS)
         return list(jobs)
 
     @magic_arguments()

@@ -15,6 +15,7 @@ from traitlets.config import Application
 
 from ..client import BrokerClientError
 from ..client_sync import SyncBrokerClient, job_body
+from .text import job_cells, one_line
 
 
 class _JobsCall(Application):
@@ -117,19 +118,31 @@ class SubmitCommand(_JobsCall):
 
 
 class ListCommand(_JobsCall):
-    """``gpubroker jobs list``."""
+    """``gpubroker jobs list``: one line per job (its notebook or command on
+    one line, cut to :data:`~gpubroker.jobs.text.WHAT_WIDTH` characters;
+    its devices, ``-`` when none; the queue's reason while it waits, and
+    the job's own reason); ``--json``: the jobs as the broker gave them."""
 
     name = "list"
-    description = "Your jobs (an admin's token: everyone's), newest first."
+    description = (
+        "Your jobs (an admin's token: everyone's), newest first, one line each: "
+        "id, user, state, notebook or command, devices, reason."
+    )
 
     def start(self) -> None:
         jobs = self.run(lambda: self.client().jobs())
         if self.as_json:
             print(json.dumps(jobs, indent=2))
             return
-        for job in jobs:
-            what = job["spec"].get("notebook") or " ".join(job["spec"].get("command") or [])
-            print(f"{job['id']:>6}  {job['user']:<12} {job['state']:<10} {what}")
+        cells = [job_cells(job) for job in jobs]
+        what = max((len(c["what"]) for c in cells), default=0)
+        devices = max((len(c["devices"] or "-") for c in cells), default=0)
+        for job, cell in zip(jobs, cells, strict=True):
+            line = (
+                f"{job['id']:>6}  {one_line(job['user'], None):<12} {job['state']:<10} "
+                f"{cell['what']:<{what}}  {cell['devices'] or '-':<{devices}}  {cell['reason']}"
+            )
+            print(line.rstrip())
 
 
 class ShowCommand(_JobsCall):

@@ -66,7 +66,7 @@ from ..engines.base import EngineError, Handle, LaunchSpec, Status
 from ..errors import BadRequest, BrokerError, Conflict, Forbidden, NotFound, Unavailable
 from ..model import jobs as model
 from ..store import jobs_repo as repo
-from ..views import isoformat
+from ..views import isoformat, lease_view
 
 #: fields of a job request that go to its lease
 LEASE_FIELDS = ("gpus", "mig_profile", "memory_gib", "count", "pool", "group")
@@ -380,7 +380,8 @@ class JobService(LoggingConfigurable):
         output, log = self._outputs(paths, spec, job_id)
         with self.sessions.begin() as session:
             job = repo.get(session, job_id)
-            job.lease_id, job.output_path, job.log_path = lease["id"], str(output), str(log)
+            job.lease_id, job.log_path = lease["id"], str(log)
+            job.output_path = "" if output is None else str(output)
             view = self._view(job, lease)
         self.log.info("Job %s of %s queued on lease %s", job_id, user, lease["id"])
         return view
@@ -660,14 +661,18 @@ class JobService(LoggingConfigurable):
         return {"cwd": cwd}
 
     @staticmethod
-    def _outputs(paths: dict[str, Path], spec: model.JobSpec, job_id: int) -> tuple[Path, Path]:
+    def _outputs(
+        paths: dict[str, Path], spec: model.JobSpec, job_id: int
+    ) -> tuple[Path | None, Path]:
+        """The job's output notebook (``None`` for a command job: it has
+        none) and its log."""
         if spec.kind == "notebook":
             notebook = paths["notebook"]
             stem = notebook.name[: -len(".ipynb")]
             return notebook.with_name(f"{stem}.{job_id}.ipynb"), notebook.with_name(
                 f"{stem}.{job_id}.log"
             )
-        return Path(""), paths["cwd"] / f"job-{job_id}.log"
+        return None, paths["cwd"] / f"job-{job_id}.log"
 
     async def cancel(self, job_id: int, reason: str, actor: str) -> dict[str, Any]:
         """Cancel a job, as ``scancel`` does.
@@ -814,9 +819,29 @@ class JobService(LoggingConfigurable):
             return self._get(session, job_id).user
 
     def list(self, user: str | None) -> list[dict[str, Any]]:
-        """Jobs newest first (only ``user``'s when given)."""
+        """Jobs newest first (only ``user``'s when given), each with its
+        lease's ``queue`` and ``devices`` as :meth:`get` shows them
+        (:meth:`_leases_of`: no read per job)."""
         with self.sessions() as session:
-            return [self._view(job, None) for job in repo.listed(session, user)]
+            jobs = repo.listed(session, user)
+            leases = self._leases_of(session, jobs, user)
+            return [self._view(job, leases.get(job.lease_id or 0)) for job in jobs]
+
+    def _leases_of(
+        self, session: Any, jobs: list[Any], user: str | None
+    ) -> dict[int, dict[str, Any]]:
+        """The views of the leases of ``jobs`` (all ``user``'s when given)
+        by lease id: the pending and granted ones from the broker's memory,
+        the released ones (the devices a job ran on) in one read of the
+        store for all of them."""
+        wanted = {job.lease_id for job in jobs if job.lease_id is not None}
+        if not wanted:
+            return {}
+        views = {x["id"]: x for x in self.broker.list_leases(user) if x["id"] in wanted}
+        gone = wanted - views.keys()
+        if gone:
+            views |= {lease.id: lease_view(lease) for lease in repo.leases(session, gone)}
+        return views
 
     def logs(self, job_id: int, offset: int = 0, limit: int = 1 << 20) -> dict[str, Any]:
         """The job's log from byte ``offset``: ``{"text", "offset" (the
@@ -918,7 +943,9 @@ class JobService(LoggingConfigurable):
             "ended_at": isoformat(job.ended_at),
             "exit_code": job.exit_code,
             "signal": job.signal,
-            "output": job.output_path or None,
+            # a command job has no output notebook (those submitted before
+            # this was so have "." stored)
+            "output": (job.output_path or None) if job.kind == "notebook" else None,
             "log": job.log_path or None,
             "restarts": job.restarts,
             "warned_at": isoformat(job.warned_at),

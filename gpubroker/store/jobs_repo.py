@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from .models import Job
+from .models import Job, Lease
 
 
 def add(session: Session, user: str, kind: str, spec: dict[str, Any], now: dt.datetime) -> Job:
@@ -30,6 +30,17 @@ def listed(session: Session, user: str | None, limit: int = 500) -> list[Job]:
     if user is not None:
         stmt = stmt.where(Job.user == user)
     return list(session.scalars(stmt))
+
+
+def leases(session: Session, ids: set[int]) -> list[Lease]:
+    """The leases ``ids`` (any state; an id not stored is left out), read
+    500 at a time (SQLite's limit on a statement's parameters)."""
+    wanted = sorted(ids)
+    found: list[Lease] = []
+    for start in range(0, len(wanted), 500):
+        chunk = wanted[start : start + 500]
+        found += session.scalars(select(Lease).where(Lease.id.in_(chunk)))
+    return found
 
 
 def unfinished(session: Session) -> list[Job]:
