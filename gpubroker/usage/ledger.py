@@ -42,6 +42,7 @@ from typing import Any
 from traitlets import Bool, Dict, Float, Integer, TraitError, validate
 from traitlets.config import LoggingConfigurable
 
+from ..devices.base import DeviceBackendError
 from ..store import ledger_repo as repo
 from .intervals import accrue, fold
 
@@ -243,7 +244,7 @@ class Ledger(LoggingConfigurable):
         for interval_id, kind, device, slot, weight, start, end in intervals:
             uuid = slot if kind == "mig" and slot else device
             if uuid not in reads:
-                reads[uuid] = self._read(uuid)
+                reads[uuid] = self._read(uuid, instance=kind == "mig" and bool(slot))
             since = max(self._sampled_at.get(interval_id, start), start)
             upto = now if end is None else min(now, end)  # never past the interval's end
             seconds = min(max(upto - since, 0.0), cap)
@@ -264,7 +265,7 @@ class Ledger(LoggingConfigurable):
                 found.append((labels, reads[uuid]))
             for mig in self._mig_devices(uuid) if mig_on else []:
                 if mig.uuid not in reads:
-                    reads[mig.uuid] = self._read(mig.uuid)
+                    reads[mig.uuid] = self._read(mig.uuid, instance=True)
                 if reads[mig.uuid] is not None:
                     extra = {"GPU_I_PROFILE": mig.profile, "GPU_I_ID": str(mig.gi_id)}
                     found.append((labels | extra, reads[mig.uuid]))
@@ -293,12 +294,41 @@ class Ledger(LoggingConfigurable):
             old = self._accrued.get(key, (0.0, 0.0))
             self._accrued[key] = (old[0] + du, old[1] + ds)
 
-    def _read(self, uuid: str) -> Any:
+    def _read(self, uuid: str, instance: bool = False) -> Any:
+        """The backend's usage read of ``uuid``; ``None`` when it cannot be
+        read (the use is then unknown for this sample).
+
+        A MIG instance (``instance``) the backend no longer knows (its
+        ``KeyError``) was destroyed since the sample's intervals or listing
+        were taken (its lease was released meanwhile): skipped with a debug
+        line. Any other failure is a warning saying what failed.
+        """
         try:
             return self.backend.usage(uuid)
-        except Exception as err:
+        except KeyError:
+            if instance:
+                self.log.debug(
+                    "Usage ledger: MIG instance %s is gone (released since the sample "
+                    "began); its use is not read",
+                    uuid,
+                )
+            else:
+                self.log.warning(
+                    "Usage ledger: cannot read the use of %s: the device backend has "
+                    "no such device",
+                    uuid,
+                )
+        except DeviceBackendError as err:  # its message says what failed
             self.log.warning("Usage ledger: cannot read the use of %s: %s", uuid, err)
-            return None
+        except Exception as err:
+            self.log.warning(
+                "Usage ledger: cannot read the use of %s: unexpected %s from the "
+                "device backend: %s",
+                uuid,
+                type(err).__name__,
+                err,
+            )
+        return None
 
     async def run(self) -> None:
         """Flush every ``flush_interval`` and sample every ``sample_interval``
