@@ -60,7 +60,8 @@ def overview_values(
     broker: Any, log: Any, idle_since: dict[int, dt.datetime], now: dt.datetime | None = None
 ) -> dict[str, Any]:
     """What the overview template shows: the node rows of tiles
-    (:func:`tiles.overview`), the summary, the backend and lease counts.
+    (:func:`tiles.overview`), the summary and its sentence
+    (:func:`tiles.headline`), the backend and lease counts.
 
     Args:
         broker: the broker. log: for devices that cannot be read.
@@ -78,6 +79,7 @@ def overview_values(
     return {
         "nodes": tiles.overview(listing, leases, idle_since, now),
         "summary": listing["summary"],
+        "headline": tiles.headline(listing),
         "backend": listing["backend"],
         "running": len(leases) - pending,
         "pending": pending,

@@ -224,6 +224,54 @@ def overview(
     ]
 
 
+def headline(listing: Mapping[str, Any]) -> str:
+    """The overview's first sentence: how many devices are present, each
+    counted once, in the first of these that fits it: ``drained`` (as the
+    devices page shows it, held or not), ``outside the broker`` (Slurm's
+    node down or drained, or a job from outside on it; said only when
+    some), ``MIG`` or ``shared`` (a device of a ``mig`` or ``timeslice``
+    pool, with how many hold a lease's slot), else ``leased whole`` or
+    ``free whole`` (an ``exclusive`` pool's device, held or not). Absent
+    devices (tiles marked ``absent``) are not among them and are said
+    after, when some, e.g. ``8 devices: 3 leased whole, 1 free whole,
+    2 MIG (1 in use), 2 shared (2 in use), 0 drained``.
+
+    Args:
+        listing: :func:`gpubroker.views.device_listing` of an admin.
+    """
+    counts = dict.fromkeys(("leased", "free", "mig", "mig_used", "shared", "shared_used"), 0)
+    counts.update(drained=0, outside=0, absent=0)
+    for device in listing.get("devices") or ():
+        held = device.get("state") in ("leased", "shared")
+        mode = device.get("pool_mode")
+        if not device.get("present", True):
+            key = "absent"
+        elif device.get("drained"):
+            key = "drained"
+        elif device.get("state") == "outside":
+            key = "outside"
+        elif mode in ("mig", "timeslice"):
+            key = "mig" if mode == "mig" else "shared"
+            counts[f"{key}_used"] += 1 if held else 0
+        else:
+            key = "leased" if held else "free"
+        counts[key] += 1
+    total = sum(counts[k] for k in ("leased", "free", "mig", "shared", "drained", "outside"))
+    parts = [
+        f"{counts['leased']} leased whole",
+        f"{counts['free']} free whole",
+        f"{counts['mig']} MIG ({counts['mig_used']} in use)",
+        f"{counts['shared']} shared ({counts['shared_used']} in use)",
+        f"{counts['drained']} drained",
+    ]
+    if counts["outside"]:
+        parts.append(f"{counts['outside']} outside the broker")
+    text = f"{total} device{'' if total == 1 else 's'}: " + ", ".join(parts)
+    if counts["absent"]:
+        text += f"; {counts['absent']} more absent"
+    return text
+
+
 def duration(seconds: float | None) -> str:
     """A short human duration: ``45 s``, ``12 min``, ``3 h 5 min``, ``2 d 4 h``;
     ``-`` for ``None``."""
