@@ -209,6 +209,11 @@ class BrokerClient:
         data = await self._call("GET", "/leases", params=params)
         return data["leases"]  # type: ignore[no-any-return]
 
+    async def lease_events(self, lease_id: int) -> list[Any]:
+        """``GET /leases/{id}/events``: the lease's transition log, oldest first."""
+        data = await self._call("GET", f"/leases/{lease_id}/events")
+        return data["events"]  # type: ignore[no-any-return]
+
     async def release_lease(self, lease_id: int, reason: str = "") -> dict[str, Any]:
         """``DELETE /leases/{id}`` (idempotent); returns the released lease."""
         body = {"reason": reason} if reason else {}

@@ -66,6 +66,24 @@ UNANSWERED_TIMEOUT = 10.0
 _BACKGROUND_RELEASES: set[asyncio.Future[None]] = set()
 
 
+def _granted_slots(lease: dict[str, Any]) -> list[str]:
+    """Each slot of a granted lease as the spawn progress names it: the
+    device's name and the UUID the server sees in ``CUDA_VISIBLE_DEVICES``
+    (a MIG instance's ``MIG-`` UUID, then its GPU's), e.g. ``NVIDIA H100
+    80GB HBM3 (GPU-…)`` or ``NVIDIA H100 80GB HBM3 (MIG-…, instance of
+    GPU-…)``. A lease without ``slots`` (an older broker): its devices."""
+    names = {d.get("uuid"): d.get("name") for d in lease.get("devices") or []}
+    slots = lease.get("slots")
+    if not slots:
+        return [f"{d.get('name')} ({d.get('uuid')})" for d in lease.get("devices") or []]
+    shown = []
+    for slot in slots:
+        device, seen = slot.get("device"), slot.get("uuid") or slot.get("device")
+        where = f"{seen}, instance of {device}" if seen != device else str(seen)
+        shown.append(f"{names.get(device)} ({where})")
+    return shown
+
+
 def broker_unavailable(err: BrokerClientError) -> bool:
     """Whether ``err`` says the broker is down or restarting (unreachable:
     599, or any 5xx answer) rather than refusing the request."""
@@ -206,10 +224,12 @@ class GPUSpawnerMixin(LoggingConfigurable):
         default): the spawn form offers 0 to ``max_gpus`` whole GPUs.
 
         A spawn that names no options (an empty API body, or ``{}``) gets the
-        hub's saved options of the last spawn that named some (JupyterHub's
-        own rule); saved options this spawner no longer accepts (e.g. a
-        profile since removed) fall back to the default, with a notice in
-        the spawn progress and the log.""",
+        options the hub saved at this server's last spawn that passed
+        options, even ``{}`` (JupyterHub's own rule: after
+        ``{"user_options": {}}`` the default, not an earlier choice); saved
+        options this spawner no longer accepts (e.g. a profile since
+        removed) fall back to the default, with a notice in the spawn
+        progress and the log.""",
     ).tag(config=True)
 
     gpu_lease_id: int | None = None
@@ -219,6 +239,9 @@ class GPUSpawnerMixin(LoggingConfigurable):
     gpu_profile: str | None = None
     #: why the broker ended this server's last lease (preemption, reconcile), shown once
     gpu_last_end: str | None = None
+    #: whether that end was the user's own release (e.g. ``%gpu_submit --release``):
+    #: the lease's ``released`` event has cause ``release`` and the lease's user as actor
+    gpu_last_end_given: bool = False
     #: lease of this server's previous run when that run died (found by poll());
     #: the next start asks for its devices back (``restart_of``); a stop clears it
     gpu_restart_of: int | None = None
@@ -336,9 +359,18 @@ class GPUSpawnerMixin(LoggingConfigurable):
             limit = min(limit, self.max_gpus) if self.max_gpus else limit
             page = form.render_form(limit, devices, self.default_gpus, quota, last.get("gpus"))
         if self.gpu_last_end:
-            note = html.escape(f"Your previous server lost its GPUs: {self.gpu_last_end}")
-            page = f'<p class="alert alert-warning">{note}</p>' + page
+            note = html.escape(self._last_end_note())
+            level = "info" if self.gpu_last_end_given else "warning"
+            page = f'<p class="alert alert-{level}">{note}</p>' + page
         return page
+
+    def _last_end_note(self) -> str:
+        """How the spawn form and progress tell why the last lease ended:
+        given up by the user's own release, or lost (cull, preemption, an
+        admin's release, reconciliation)."""
+        if self.gpu_last_end_given:
+            return f"Your previous server gave up its GPUs at your request: {self.gpu_last_end}"
+        return f"Your previous server lost its GPUs: {self.gpu_last_end}"
 
     def options_from_form(self, formdata: dict[str, list[str]]) -> dict[str, Any]:
         """Form data → ``{"gpus": N}``, or ``{"profile": SLUG}`` with
@@ -459,8 +491,8 @@ class GPUSpawnerMixin(LoggingConfigurable):
     def _options_are_saved(self) -> bool:
         """Whether this spawn's ``user_options`` are the hub's saved ones.
 
-        JupyterHub 5/6 reuses the options of the last spawn that named some
-        when a spawn names none: ``User.spawn`` (jupyterhub/user.py) takes
+        JupyterHub 5/6 reuses the options of the last spawn that passed
+        options (``{}`` included) when a spawn names none: ``User.spawn`` (jupyterhub/user.py) takes
         ``spawner.orm_spawner.user_options`` when it is called with
         ``options=None``, and saves the options otherwise (before they are
         checked, so refused ones are saved too). ``options=None`` comes from
@@ -679,16 +711,20 @@ class GPUSpawnerMixin(LoggingConfigurable):
             state["gpu_lease_id"] = self.gpu_lease_id
         if self.gpu_last_end:
             state["gpu_last_end"] = self.gpu_last_end
+            if self.gpu_last_end_given:
+                state["gpu_last_end_given"] = True
         if self.gpu_restart_of is not None:
             state["gpu_restart_of"] = self.gpu_restart_of
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore ``gpu_lease_id`` (a hub restart keeps the lease),
-        ``gpu_last_end`` and ``gpu_restart_of``."""
+        ``gpu_last_end`` (with ``gpu_last_end_given``) and ``gpu_restart_of``."""
         super().load_state(state)  # type: ignore[misc]
         self.gpu_lease_id = state.get("gpu_lease_id")
-        self.gpu_last_end = state.get("gpu_last_end") or self.gpu_last_end
+        if state.get("gpu_last_end"):
+            self.gpu_last_end = state["gpu_last_end"]
+            self.gpu_last_end_given = bool(state.get("gpu_last_end_given"))
         restart_of = state.get("gpu_restart_of")
         self.gpu_restart_of = restart_of if restart_of is not None else self.gpu_restart_of
 
@@ -739,9 +775,9 @@ class GPUSpawnerMixin(LoggingConfigurable):
         self._gpu_env = dict(NO_GPU_ENV)
         self.gpu_devices = []
         if self.gpu_last_end:
-            message = f"Your previous server lost its GPUs: {self.gpu_last_end}"
-            self._gpu_feed.add(5, message)
+            self._gpu_feed.add(5, self._last_end_note())
             self.gpu_last_end = None
+            self.gpu_last_end_given = False
         await self._drop_stale_lease()
         try:
             if request:
@@ -970,9 +1006,7 @@ class GPUSpawnerMixin(LoggingConfigurable):
     def _event(self, lease: dict[str, Any]) -> None:
         summary = lease.get("summary")
         if lease["state"] == "granted":
-            names = ", ".join(
-                f"{d.get('name')} ({d.get('uuid')})" for d in lease.get("devices") or []
-            )
+            names = ", ".join(_granted_slots(lease))
             what = f"{summary} on {names}" if summary else names
             event = {"progress": 40, "message": f"GPUs granted: {what}"}
         else:
@@ -1092,8 +1126,9 @@ class GPUSpawnerMixin(LoggingConfigurable):
 
     async def _release_call(self, lease_id: int, reason: str, note_end: bool = True) -> None:
         """``DELETE /leases/{id}``; with ``note_end``, keep the broker's own
-        reason (preemption, cull) when it had ended the lease first, to be
-        shown at the next spawn.
+        reason (preemption, cull, the user's release) when it had ended the
+        lease first, to be shown at the next spawn, and whether it was the
+        user's own release (:meth:`_given_up`).
 
         Raises:
             BrokerClientError: as :meth:`BrokerClient.release_lease`.
@@ -1102,6 +1137,32 @@ class GPUSpawnerMixin(LoggingConfigurable):
         self.log.info("%s released lease %s: %s", self._log_name, lease_id, reason)
         if note_end and lease.get("release_reason") not in (None, reason):
             self.gpu_last_end = lease["release_reason"]
+            self.gpu_last_end_given = await self._given_up(lease)
+
+    async def _given_up(self, lease: dict[str, Any]) -> bool:
+        """Whether the lease's user released it herself (e.g. ``%gpu_submit
+        --release``), not the broker (cull, preemption, time limit,
+        reconciliation) nor an admin: its ``released`` event has cause
+        ``release`` and the lease's user as actor. False when the events
+        cannot be read (logged): the next spawn then says the GPUs were lost.
+        """
+        try:
+            events = await self.broker.lease_events(lease["id"])
+        except BrokerClientError as err:
+            self.log.warning(
+                "%s: cannot read who released lease %s (%s); the next spawn says its "
+                "GPUs were lost",
+                self._log_name,
+                lease["id"],
+                err,
+            )
+            return False
+        released = [e for e in events if e.get("kind") == "released"]
+        if not released:
+            return False
+        last = released[-1]
+        cause = (last.get("detail") or {}).get("cause")
+        return cause == "release" and last.get("actor") == lease.get("user")
 
     def _release_later(self, lease_id: int, reason: str) -> None:
         task = asyncio.ensure_future(self._retry_release(lease_id, reason))
