@@ -162,7 +162,8 @@ class ServerStops:
                 continue  # the job service releases it once its process ended
             if lease is not None and lease.state == LeaseState.granted.value:
                 self.log.warning(
-                    "Server of lease %s did not stop in %s s; releasing it",
+                    "The %s of lease %s did not stop in %s s; releasing it",
+                    "job" if lease.holder_kind == HolderKind.job.value else "server",
                     lease.id,
                     self.evict_timeout(),
                 )

@@ -66,6 +66,7 @@ from ..engines.base import EngineError, Handle, LaunchSpec, Status
 from ..errors import BadRequest, BrokerError, Conflict, Forbidden, NotFound, Unavailable
 from ..model import jobs as model
 from ..store import jobs_repo as repo
+from ..usage.intervals import event_cause
 from ..views import isoformat, lease_view
 
 #: fields of a job request that go to its lease
@@ -889,7 +890,10 @@ class JobService(LoggingConfigurable):
 
     def close(self) -> None:
         """Stop the job service's workers (checks as users, log reads, stops):
-        those not started are dropped, running ones are not waited for."""
+        those not started are dropped; running ones are not waited for here,
+        but the process's exit waits for them (Python joins its pool
+        workers): a stop under way ends its job's process first, at most
+        ``stop_grace`` seconds plus its engine's kill."""
         self._checks.shutdown(wait=False, cancel_futures=True)
         self._log_reads.shutdown(wait=False, cancel_futures=True)
         self._stoppers.shutdown(wait=False, cancel_futures=True)
@@ -1155,6 +1159,7 @@ class JobService(LoggingConfigurable):
                     self._engine(runner).launch,
                     spec,
                     self._notebook(job_id),
+                    self.root_of(self.owner(job_id)),
                 )
             except EngineError as err:
                 self._finish(job_id, model.FAILED, f"could not start: {err}", None)
@@ -1163,12 +1168,19 @@ class JobService(LoggingConfigurable):
             else:
                 self._started(job_id, handle)
             return 1
-        if ended or stopping is not None:
-            why = stopping or (lease or {}).get("release_reason") or "its lease ended"
+        if stopping is not None:
+            assert lease is not None
+            cause, why = self._end_cause(job_id, lease)
+            self.broker.release_lease(lease["id"], why, actor="broker")
+            if cause == "preemption" and self._restarts_left(job_id, True):
+                # preempted before it started: queued again, as a running job is
+                self._requeue(job_id, why, None)
+            else:
+                self._finish(job_id, model.CANCELLED, f"cancelled in the queue: {why}", None)
+            return 1
+        if ended:
+            why = (lease or {}).get("release_reason") or "its lease ended"
             self._finish(job_id, model.CANCELLED, f"cancelled in the queue: {why}", None)
-            if stopping is not None:
-                assert lease is not None
-                self.broker.release_lease(lease["id"], why, actor="broker")
             return 1
         return 0
 
@@ -1315,6 +1327,35 @@ class JobService(LoggingConfigurable):
             return str((lease or {}).get("release_reason") or "its lease ended")
         return self._open_stop(lease["id"])
 
+    def _end_cause(self, job_id: int, lease: dict[str, Any] | None) -> tuple[str, str]:
+        """Why the job's lease ends or ended: (cause, reason in words). The
+        cause is the broker's record (``preemption``, ``time-limit``,
+        ``release``, ``cull``, ``reconcile``): the open stop's, else the
+        release event's (:func:`gpubroker.usage.intervals.event_cause`);
+        ``release`` when neither says."""
+        if lease is None:
+            return "release", "its lease ended"
+        intent = self.broker.stops.open_stop(lease["id"])
+        if intent is not None:
+            return intent.cause or "release", str(intent.reason or "its lease ends")
+        why = str(lease.get("release_reason") or "its lease ended")
+        try:
+            events = self.broker.lease_events(lease["id"])
+        except BrokerError as err:
+            self.log.warning("Job %s: cannot read how lease %s ended: %s", job_id, lease["id"], err)
+            return "release", why
+        for event in reversed(events):
+            if event.get("to") == "released":
+                detail = event.get("detail") or {}
+                cause = event_cause(
+                    detail,
+                    str(event.get("reason") or ""),
+                    str(event.get("actor") or ""),
+                    event.get("from"),
+                )
+                return cause, why
+        return "release", why
+
     def _open_stop(self, lease_id: int | None) -> str | None:
         """The reason of the broker's open stop of lease ``lease_id`` (it is
         being ended: its holder is stopped first), or ``None``."""
@@ -1353,16 +1394,20 @@ class JobService(LoggingConfigurable):
                 self.broker.release_lease(lease["id"], reason, actor=actor)
             return 1
         closing = self._open_stop(lease["id"]) if granted and lease else None
-        if closing is not None or (stopped and not granted):
-            why = closing or str((lease or {}).get("release_reason") or "")
+        if stopped and (closing is not None or not granted):
+            # this service stopped it because its lease ends (or ended): judged
+            # by why the lease ends, as the broker recorded it (its cause,
+            # never the words of whoever released it). A process that ended by
+            # itself first is judged by its own outcome, below.
+            cause, why = self._end_cause(job_id, lease)
             if granted:
                 assert lease is not None
                 self.broker.release_lease(lease["id"], f"job {job_id} stopped", actor="broker")
-            if why.startswith(("preempted", "reclaimed")) and self._restarts_left(job_id, True):
+            if cause == "preemption" and self._restarts_left(job_id, True):
                 self._requeue(job_id, why, status)
                 return 1
             # the lease's time limit runs from its grant: it may end first
-            ended = model.TIMED_OUT if why.startswith("time limit") else model.FAILED
+            ended = model.TIMED_OUT if cause == "time-limit" else model.FAILED
             self._finish(job_id, ended, f"its lease ended: {why}", status)
             return 1
         lost = status.state == "lost"
@@ -1892,21 +1937,29 @@ def _account(user: str) -> pwd.struct_passwd | None:
 
 
 def _launch_if_there(
-    launch: Callable[[LaunchSpec], Handle], spec: LaunchSpec, notebook: Path | None
+    launch: Callable[[LaunchSpec], Handle],
+    spec: LaunchSpec,
+    notebook: Path | None,
+    root: Path,
 ) -> Handle:
     """``launch(spec)``, unless ``notebook`` (a notebook job's input; ``None``
-    for a command job) is no longer a file: it was moved or removed after the
-    submit, and the job could not start (it is not retried). Run in a worker
-    (the notebook is in the user's directory).
+    for a command job) is no longer a file in the user's directory ``root``:
+    it was moved or removed after the submit, and the job could not start
+    (it is not retried). Run in a worker (the notebook is in the user's
+    directory). The broker checks as itself (root in production), so a
+    link the user put in the notebook's place is followed only within
+    ``root``: one to a file elsewhere reads as gone, whether that file
+    exists or not (the user learns nothing of other users' files).
 
     Raises:
         EngineError: the notebook is gone, or from ``launch``.
     """
     if notebook is not None:
         try:
-            there = notebook.is_file()
-        except OSError as err:
-            raise EngineError(f"notebook: cannot use {notebook}: {err.strerror or err}") from None
+            real = notebook.resolve()
+            there = real.is_relative_to(root.resolve()) and real.is_file()
+        except (OSError, RuntimeError) as err:  # RuntimeError: a loop of links
+            raise EngineError(f"notebook: cannot use {notebook}: {err}") from None
         if not there:
             raise EngineError(f"notebook: no such notebook: {notebook} (moved or removed?)")
     return launch(spec)

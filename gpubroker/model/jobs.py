@@ -46,6 +46,8 @@ TRANSITIONS = frozenset(
     {
         (None, QUEUED),
         (QUEUED, RUNNING),
+        # preempted after its grant, before its launch: it waits on a new lease
+        (QUEUED, QUEUED),
         (QUEUED, CANCELLED),
         (QUEUED, FAILED),
         (RUNNING, SUCCEEDED),

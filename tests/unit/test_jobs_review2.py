@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -301,3 +302,126 @@ def test_a_users_job_cannot_take_a_class_above_the_jobs_default(
         "ann", {"command": "true", "gpus": 1, "priority_class": "interactive"}, admin=True
     )
     assert high["state"] in (model.QUEUED, model.RUNNING)
+
+
+# -- a third review: how a job ends is read from how it ended and from the cause
+# the broker recorded for its lease's end -----------------------------------------
+
+
+def _exited_by_itself(jobs: JobService, home: Path, command: str, **extra: object) -> dict:
+    """Start a job and wait, without a check of the supervisor, until its
+    process has ended by itself."""
+    (home / "ann").mkdir(parents=True, exist_ok=True)
+    job = jobs.submit("ann", {"command": command, "gpus": 1, **extra})
+    asyncio.run(jobs.tick())
+    assert jobs.get(job["id"])["state"] == model.RUNNING
+    with jobs.sessions() as session:
+        row = jobs_repo.get(session, job["id"])
+        handle = Handle(row.handle_engine, row.handle_id, row.handle_node)
+    for _ in range(1200):
+        if not jobs.engines["local"].poll(handle).running:
+            return job
+        time.sleep(0.05)
+    raise AssertionError("the job's process never ended")
+
+
+def _until_not_running(jobs: JobService, job_id: int) -> dict:
+    _until(jobs, lambda: jobs.get(job_id)["state"] != model.RUNNING)
+    return jobs.get(job_id)
+
+
+def test_a_job_that_succeeded_before_its_preemption_was_seen_is_not_run_again(
+    jobs: JobService, home: Path
+) -> None:
+    """The process exited 0, then an admin preempted the lease, before the
+    supervisor's next check: the job succeeded (it is not queued again)."""
+    job = _exited_by_itself(jobs, home, "echo done > out.txt")
+    jobs.broker.preempt_lease(job["lease_id"], "maintenance", actor="admin")
+    asyncio.run(jobs.tick())
+    done = jobs.get(job["id"])
+    assert done["state"] == model.SUCCEEDED and done["restarts"] == 0, done
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "released"
+
+
+def test_a_job_that_succeeded_before_an_admins_release_was_seen_succeeded(
+    jobs: JobService, home: Path
+) -> None:
+    job = _exited_by_itself(jobs, home, "true")
+    jobs.broker.stop_lease(job["lease_id"], "freed by an admin", actor="admin")
+    asyncio.run(jobs.tick())
+    assert jobs.get(job["id"])["state"] == model.SUCCEEDED
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "released"
+
+
+def test_a_job_that_succeeded_just_before_its_time_limit_succeeded(
+    jobs: JobService, home: Path
+) -> None:
+    job = _exited_by_itself(jobs, home, "true", time="2s")
+    for _ in range(400):  # the lease's time limit passes: a pass opens its stop
+        jobs.broker.schedule_now()
+        if jobs.get(job["id"])["stopping"]:
+            break
+        time.sleep(0.05)
+    assert jobs.get(job["id"])["stopping"]
+    asyncio.run(jobs.tick())
+    done = jobs.get(job["id"])
+    assert done["state"] == model.SUCCEEDED and done["exit_code"] == 0, done
+
+
+def test_a_release_worded_like_a_preemption_does_not_requeue_the_job(
+    jobs: JobService, home: Path
+) -> None:
+    """The user's own words in a release (DELETE /leases/{id}) are not the
+    broker's cause: her job's lease was taken away, so it fails; it is not
+    queued again because the reason starts with 'preempted'."""
+    (home / "ann").mkdir(parents=True)
+    job = jobs.submit("ann", {"command": ["sleep", "60"], "gpus": 1})
+    asyncio.run(jobs.tick())
+    jobs.broker.stop_lease(job["lease_id"], "preempted myself, please rerun", actor="ann")
+    done = _until_not_running(jobs, job["id"])
+    assert done["state"] == model.FAILED and done["restarts"] == 0, done
+
+
+def test_a_release_worded_like_a_time_limit_is_no_timeout(jobs: JobService, home: Path) -> None:
+    (home / "ann").mkdir(parents=True)
+    job = jobs.submit("ann", {"command": ["sleep", "60"], "gpus": 1})
+    asyncio.run(jobs.tick())
+    jobs.broker.stop_lease(job["lease_id"], "time limit for this project is over", actor="admin")
+    done = _until_not_running(jobs, job["id"])
+    assert done["state"] == model.FAILED, done
+
+
+def test_a_job_preempted_before_its_launch_is_queued_again(jobs: JobService, home: Path) -> None:
+    """docs/jobs.md: a preempted job is queued again on a new lease; also
+    one whose lease was preempted after its grant, before it started."""
+    (home / "ann").mkdir(parents=True)
+    job = jobs.submit("ann", {"command": ["sleep", "60"], "gpus": 1})
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "granted"
+    jobs.broker.preempt_lease(job["lease_id"], "node maintenance", actor="admin")
+    asyncio.run(jobs.tick())
+    view = jobs.get(job["id"])
+    assert view["state"] == model.QUEUED and view["restarts"] == 1, view
+    assert view["lease_id"] != job["lease_id"]
+    assert jobs.broker.get_lease(job["lease_id"])["state"] == "released"
+
+
+def test_a_link_in_the_notebooks_place_to_a_file_elsewhere_reads_as_gone(
+    jobs: JobService, home: Path, tmp_path: Path
+) -> None:
+    """The check before the launch runs as the broker (root in production):
+    a link the user put in the notebook's place after the submit is followed
+    only within her directory, so it tells her nothing of files elsewhere."""
+    (home / "ann").mkdir(parents=True)
+    notebook = home / "ann" / "train.ipynb"
+    notebook.write_text(
+        '{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}', encoding="utf-8"
+    )
+    secret = tmp_path / "elsewhere" / "secret.ipynb"
+    secret.parent.mkdir()
+    secret.write_text(notebook.read_text(), encoding="utf-8")
+    job = jobs.submit("ann", {"notebook": "train.ipynb", "gpus": 1, "python": sys.executable})
+    notebook.unlink()
+    notebook.symlink_to(secret)
+    asyncio.run(jobs.tick())
+    done = jobs.get(job["id"])
+    assert done["state"] == model.FAILED and "no such notebook" in done["reason"], done
