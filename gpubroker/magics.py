@@ -58,6 +58,32 @@ SLOT_COLUMNS = ("uuid", "kind", "profile", "utilization", "memory used")
 JOB_COLUMNS = ("id", "state", "kind", "what", "devices", "created", "reason")
 
 
+class ShownJob(dict):  # type: ignore[type-arg]
+    """A job a magic returns after printing it: a plain ``dict`` of the
+    broker's answer, shown as a cell's value in one line
+    (``<gpubroker job 3: running>``), not as the whole dict a second time
+    below what the magic printed; ``dict(x)`` shows it all."""
+
+    noun = "job"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(f"<gpubroker {self.noun} {self.get('id')}: {self.get('state')}>")
+
+
+class ShownLease(ShownJob):
+    """The lease ``%gpu`` returns after printing it (as :class:`ShownJob`)."""
+
+    noun = "lease"
+
+
+class ShownList(list):  # type: ignore[type-arg]
+    """The jobs ``%gpu_jobs`` returns after its table: a plain ``list``,
+    shown as a cell's value in one line (``<gpubroker: 4 jobs>``)."""
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(f"<gpubroker: {len(self)} job{'' if len(self) == 1 else 's'}>")
+
+
 def _table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
     """Show rows as an HTML table (notebooks) with a text fallback (terminals)."""
     plain = text_table(rows, columns)
@@ -246,7 +272,7 @@ class GPUMagics(Magics):
         notices = self._call("notices")[:5]
         if notices:
             _table(notices, ("created", "kind", "message"))
-        return lease
+        return None if lease is None else ShownLease(lease)
 
     @magic_arguments()
     @argument("notebook", nargs="?", help="the notebook (default: this kernel's, as last saved)")
@@ -319,7 +345,7 @@ class GPUMagics(Magics):
         job = self._call("submit_job", body)
         queue = job.get("queue") or {}
         print(f"job {job['id']} {job['state']}: {queue.get('message') or 'starting'}")
-        return dict(job)
+        return ShownJob(job)
 
     def _release_lease(self, args: Any) -> int | None:
         """The lease ``--release`` will end (asked first, unless ``--yes``)."""
@@ -365,7 +391,7 @@ class GPUMagics(Magics):
         as the broker gave them."""
         jobs = self._call("jobs")
         _table([{**j, **job_cells(j)} for j in jobs], JOB_COLUMNS)
-        return list(jobs)
+        return ShownList(jobs)
 
     @magic_arguments()
     @argument("job", type=int, help="the job's id")
@@ -393,7 +419,7 @@ class GPUMagics(Magics):
         args = _parse(self.gpu_cancel, line)
         job = self._call("cancel_job", args.job)
         print(f"job {job['id']} {job['state']}")
-        return dict(job)
+        return ShownJob(job)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -151,3 +151,28 @@ def test_gpu_logs_prints_a_finished_jobs_whole_log_read_in_parts(
     ip.run_line_magic("gpu_logs", "7")
     assert capsys.readouterr().out == "a" * 10 + "b" * 10 + "c" * 5
     assert [c[1][1] for c in recorder.calls] == [0, 10, 20, 25]
+
+
+def test_a_magic_as_a_cells_last_line_shows_its_answer_once(
+    shell: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a magic printed is not repeated as the cell's value: a lease or a
+    job shows as one line there (still a plain dict or list to code)."""
+    from IPython.lib.pretty import pretty
+
+    ip, recorder = shell
+    monkeypatch.setenv("GPUBROKER_LEASE_ID", "4")
+    monkeypatch.delenv("GPUBROKER_JOB_ID", raising=False)
+    recorder.jobs = lambda: [  # type: ignore[attr-defined]
+        {"id": 7, "state": "running", "kind": "command", "command": ["sleep", "1"]},
+        {"id": 6, "state": "succeeded", "kind": "command", "command": ["true"]},
+    ]
+    lease = ip.run_line_magic("gpu", "")
+    job = ip.run_cell_magic("gpu_job", "--gpus 1", "print('hi')\n")
+    jobs = ip.run_line_magic("gpu_jobs", "")
+    assert pretty(lease) == "<gpubroker lease 4: granted>"
+    assert pretty(job) == "<gpubroker job 7: queued>"
+    assert pretty(jobs) == "<gpubroker: 2 jobs>"
+    # the data is the broker's answer, as before
+    assert isinstance(job, dict) and job["queue"] == {"message": "waiting"}
+    assert dict(lease)["summary"] == "1 x MIG 1g.10gb" and [j["id"] for j in jobs] == [7, 6]
