@@ -176,7 +176,8 @@ class AdminOps:
         and the lease released once it has stopped (as the scheduler's
         preemptions are; that release names the scheduler as its actor and
         carries the admin's name in its reason), a batch job's process is
-        stopped first by the job service, anything else is released now. Recorded in the audit log (``lease-preempted``, target
+        stopped first by the job service, anything else is released now.
+        Recorded in the audit log (``lease-preempted``, target
         ``user:NAME``) with the admin's name.
 
         Raises:
