@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from gpubroker.engines.base import EngineError, Handle
 from gpubroker.jobs.service import JobService
+from gpubroker.store import jobs_repo
 
 from ..conftest import make_broker
 from .test_enforce_mps import StandIn
@@ -36,9 +39,35 @@ def home(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def jobs(db_url: str, home: Path) -> JobService:
-    """A job service running jobs as the test's own account, users' folders under ``home``."""
+def jobs(db_url: str, home: Path) -> Iterator[JobService]:
+    """A job service running jobs as the test's own account, users' folders
+    under ``home``; afterwards every process the test's jobs left is ended
+    (by its recorded pid) and the service closed."""
     broker = make_broker(db_url)
     service = JobService(broker, broker.engine, run_as_self=True, poll_interval=0.2)
     service.root_dir_template = str(home / "{username}")
-    return service
+    yield service
+    with service.sessions() as session:
+        handles = [
+            Handle(j.handle_engine, j.handle_id, j.handle_node)
+            for j in jobs_repo.listed(session, None)
+            if j.handle_id.isdigit()
+        ]
+    for handle in handles:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(handle.id), signal.SIGKILL)
+        with contextlib.suppress(EngineError):
+            service.engines["local"].stop(handle, 0.1)  # reaps it
+    service.close()
+
+
+def job_pid(jobs: JobService, job_id: int) -> int:
+    """The pid (process group) of a local job's process."""
+    with jobs.sessions() as session:
+        return int(jobs_repo.get(session, job_id).handle_id)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
+    return out.stdout.strip() not in ("", "Z")

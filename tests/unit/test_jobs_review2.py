@@ -8,13 +8,8 @@ a user's job cannot take a priority class above the default."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,40 +19,18 @@ from gpubroker.jobs.service import JobService
 from gpubroker.model import jobs as model
 from gpubroker.store import jobs_repo
 
-from ..conftest import make_broker
+from .conftest import job_pid, process_alive
 
 
 @pytest.fixture
-def jobs(db_url: str, home: Path) -> Iterator[JobService]:
-    """A job service running jobs as the test's own account, which ends
-    afterwards every process the test's jobs left (by their recorded pid)."""
-    broker = make_broker(db_url)
-    service = JobService(broker, broker.engine, run_as_self=True, poll_interval=0.2)
-    service.root_dir_template = str(home / "{username}")
-    service.stop_grace = 1.0
-    yield service
-    with service.sessions() as session:
-        handles = [
-            Handle(j.handle_engine, j.handle_id, j.handle_node)
-            for j in jobs_repo.listed(session, None)
-            if j.handle_id.isdigit()
-        ]
-    for handle in handles:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(int(handle.id), signal.SIGKILL)
-        with contextlib.suppress(EngineError):
-            service.engines["local"].stop(handle, 0.1)  # reaps it
-    service.close()
+def jobs(jobs: JobService) -> JobService:
+    """The shared job service (it ends the processes the test's jobs left),
+    with a short stop grace."""
+    jobs.stop_grace = 1.0
+    return jobs
 
 
-def _pid(jobs: JobService, job_id: int) -> int:
-    with jobs.sessions() as session:
-        return int(jobs_repo.get(session, job_id).handle_id)
-
-
-def _alive(pid: int) -> bool:
-    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
-    return out.stdout.strip() not in ("", "Z")
+_pid, _alive = job_pid, process_alive
 
 
 def _until(jobs: JobService, done: object, timeout: float = 60.0) -> None:
