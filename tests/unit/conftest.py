@@ -61,6 +61,12 @@ def jobs(db_url: str, home: Path) -> Iterator[JobService]:
     service.close()
 
 
+@pytest.fixture
+def short_stop_grace(jobs: JobService) -> None:
+    """The test's job service gives a stopped job 1 s, not 30, before SIGKILL."""
+    jobs.stop_grace = 1.0
+
+
 def job_pid(jobs: JobService, job_id: int) -> int:
     """The pid (process group) of a local job's process."""
     with jobs.sessions() as session:

@@ -21,14 +21,8 @@ from gpubroker.store import jobs_repo
 from ..conftest import make_broker
 from .conftest import job_pid, process_alive
 
-
-@pytest.fixture
-def jobs(jobs: JobService) -> JobService:
-    """The shared job service (it ends the processes the test's jobs left),
-    with a short stop grace."""
-    jobs.stop_grace = 1.0
-    return jobs
-
+#: the tests' jobs get a short stop grace (:func:`.conftest.short_stop_grace`)
+pytestmark = pytest.mark.usefixtures("short_stop_grace")
 
 _pid, _alive = job_pid, process_alive
 
