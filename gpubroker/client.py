@@ -38,9 +38,13 @@ class BrokerClient:
         token: a JupyterHub token with access to the service (default:
             ``$GPUBROKER_API_TOKEN``, else ``$JUPYTERHUB_API_TOKEN``).
         timeout: seconds for a call without long-polling.
-        ssl_options: TLS context of the calls (``None``: Tornado's
-            default); the spawner passes the hub's own certificate and trust
-            bundle when the hub runs with ``internal_ssl``.
+        tls: ``(keyfile, certfile, cafile)`` (PEM paths): the calls present
+            that key and certificate and trust only the authorities in
+            ``cafile``; the spawner passes the hub's own when the hub runs
+            with ``internal_ssl``. ``None``: Tornado's default (the system's
+            authorities, no client certificate). Given as files, not as an
+            ``SSLContext``, so that it works with either of Tornado's HTTP
+            clients (a hub with pycurl uses the curl one).
     """
 
     def __init__(
@@ -48,11 +52,11 @@ class BrokerClient:
         url: str | None = None,
         token: str | None = None,
         timeout: float = 20,
-        ssl_options: Any = None,
+        tls: tuple[str, str, str] | None = None,
     ):
         self.url, self.token = api_base(url, token)
         self.timeout = timeout
-        self.ssl_options = ssl_options
+        self.tls = tls
 
     async def _call(
         self,
@@ -72,7 +76,7 @@ class BrokerClient:
             request_timeout=timeout or self.timeout,
             # a redirect is an error: Tornado would send the token on with it
             follow_redirects=False,
-            ssl_options=self.ssl_options,
+            **_tls_arguments(self.tls),
         )
         try:
             response = await AsyncHTTPClient().fetch(request)
@@ -267,3 +271,12 @@ def error_text(body: bytes, status: int, url: str) -> str:
     if text.startswith("<"):
         return f"HTTP {status} from {url}: a web page, not the broker's answer"
     return text[:500] or f"HTTP {status} from {url}"
+
+
+def _tls_arguments(tls: tuple[str, str, str] | None) -> dict[str, Any]:
+    """``HTTPRequest`` arguments of a client certificate and a trust bundle
+    (``BrokerClient.tls``); none for ``None``."""
+    if tls is None:
+        return {}
+    keyfile, certfile, cafile = tls
+    return {"client_key": keyfile, "client_cert": certfile, "ca_certs": cafile}

@@ -362,6 +362,10 @@ class Culler(LoggingConfigurable):
         self.groups: dict[str, list[str]] = {}
         #: the tracks as last stored (None: not read from the store yet)
         self._stored: dict[int, dict[str, Any]] | None = None
+        #: whether servers' kernels can be read: not in a hub with internal
+        #: TLS, where a server takes only the hub's and the proxy's
+        #: certificates (set by the service; then no token is asked for)
+        self.kernels_readable = True
 
     # -- one check -------------------------------------------------------------------
 
@@ -521,7 +525,7 @@ class Culler(LoggingConfigurable):
         could record it. Kernels ``None``: the server could not be read;
         terminals ``None`` also when they cannot be read (a server without
         terminals answers 404). Terminal times after ``until`` are left out."""
-        if not lease.server_url:
+        if not lease.server_url or not self.kernels_readable:
             return None, None
         base = lease.server_url.rstrip("/")
         try:
@@ -699,6 +703,12 @@ class Culler(LoggingConfigurable):
     async def run(self) -> None:
         """Check every ``cull_every`` seconds until cancelled (first saying,
         as a warning, which exempt classes name no class in force)."""
+        if not self.kernels_readable:
+            self.log.info(
+                "Culler: servers' kernels are not read (JupyterHub's internal TLS: a "
+                "server takes no certificate of the broker's); servers are judged by hub "
+                "activity and GPU use"
+            )
         unknown = self.unknown_exempt_classes()
         if unknown:
             self.log.warning(

@@ -18,8 +18,13 @@ A certificate signed by ``notebooks-ca`` (a user's server, a kernel) is not
 in the broker's bundle, so servers and kernels reach the broker through the
 hub's proxy (``broker_url_for_servers`` of the spawners, docs/admin.md).
 
+The contexts trust the bundle alone: unlike
+``jupyterhub.utils.make_ssl_context``, which also loads the system's
+authorities, so that any publicly trusted certificate would pass.
+
 Rule source: JupyterHub's ``init_internal_ssl`` (``jupyterhub/app.py``) and
-``jupyterhub.utils.make_ssl_context``, which this module uses.
+``jupyterhub.utils.make_ssl_context`` (the same settings, less the
+system's authorities).
 """
 
 from __future__ import annotations
@@ -27,8 +32,6 @@ from __future__ import annotations
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-from jupyterhub.utils import make_ssl_context  # type: ignore[import-untyped]
 
 #: the environment variables JupyterHub sets with ``internal_ssl`` on
 KEYFILE, CERTFILE, CLIENT_CA = (
@@ -59,20 +62,34 @@ class InternalTLS:
     def server_context(self) -> ssl.SSLContext:
         """The context the broker's HTTPS server listens with: its own
         certificate; every client must present one the bundle trusts."""
-        context = make_ssl_context(
-            self.keyfile, self.certfile, cafile=self.cafile, purpose=ssl.Purpose.CLIENT_AUTH
-        )
-        assert isinstance(context, ssl.SSLContext)  # both files are named
-        return context
+        return bundle_context(self.keyfile, self.certfile, self.cafile, ssl.Purpose.CLIENT_AUTH)
 
     def client_context(self) -> ssl.SSLContext:
         """The context of the broker's own requests (the hub's API):
         presents its certificate, trusts only the bundle, checks host names."""
-        context = make_ssl_context(
-            self.keyfile, self.certfile, cafile=self.cafile, purpose=ssl.Purpose.SERVER_AUTH
-        )
-        assert isinstance(context, ssl.SSLContext)
-        return context
+        return bundle_context(self.keyfile, self.certfile, self.cafile, ssl.Purpose.SERVER_AUTH)
+
+
+def bundle_context(
+    keyfile: str, certfile: str, cafile: str, purpose: ssl.Purpose
+) -> ssl.SSLContext:
+    """A TLS context with the key and certificate (PEM paths) that trusts
+    the authorities in ``cafile`` and no other (not the system's), and
+    always verifies the other side's certificate: a server's
+    (``Purpose.SERVER_AUTH``, host names checked too) or a client's
+    (``Purpose.CLIENT_AUTH``: a client without one is refused).
+
+    Raises:
+        OSError, ssl.SSLError: a file cannot be read or is no PEM.
+    """
+    client = purpose == ssl.Purpose.SERVER_AUTH
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT if client else ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_verify_locations(cafile=cafile)
+    context.load_cert_chain(certfile, keyfile)
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.check_hostname = client
+    return context
 
 
 def from_environment(environ: Mapping[str, str]) -> InternalTLS | None:

@@ -120,6 +120,9 @@ class BrokerService:
         )
         self.broker.actuator = Actuator(self.log)
         self.culler = Culler(self.broker, self.hub, parent=app)
+        # with the hub's internal TLS, servers take no certificate of the
+        # broker's: their kernels cannot be read (no token is minted for it)
+        self.culler.kernels_readable = self.tls is None
         self.ledger = Ledger(
             self.broker.session_factory,
             self.backend

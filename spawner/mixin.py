@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from jupyterhub.utils import make_ssl_context, maybe_future
+from jupyterhub.utils import maybe_future
 from tornado import web
 from traitlets import Dict, Float, Integer, List, TraitError, Unicode, default, validate
 from traitlets.config import LoggingConfigurable
@@ -309,20 +309,21 @@ class GPUSpawnerMixin(LoggingConfigurable):
     def broker(self) -> BrokerClient:
         """A client of the broker with the spawner's token (and, with the
         hub's ``internal_ssl``, the hub's certificate: :meth:`_broker_tls`)."""
-        return BrokerClient(self.broker_url, self.broker_api_token, ssl_options=self._broker_tls())
+        return BrokerClient(self.broker_url, self.broker_api_token, tls=self._broker_tls())
 
-    def _broker_tls(self) -> Any:
-        """The TLS context of calls to an ``https`` broker_url when the hub
+    def _broker_tls(self) -> tuple[str, str, str] | None:
+        """The TLS files of calls to an ``https`` broker_url when the hub
         runs with ``internal_ssl``: the hub's own key, certificate and trust
-        bundle (the broker asks every client for a certificate the hub's
-        authorities signed: :mod:`gpubroker.hub_tls`). ``None`` otherwise
-        (Tornado's default: the system's authorities)."""
+        bundle, ``(keyfile, certfile, cafile)`` (the broker asks every
+        client for a certificate the hub's authorities signed:
+        :mod:`gpubroker.hub_tls`). ``None`` otherwise (Tornado's default:
+        the system's authorities)."""
         hub = getattr(self, "hub", None)
         if not getattr(self, "internal_ssl", False) or hub is None:
             return None
         if not self.broker_url.startswith("https:") or not hub.certfile:
             return None
-        return make_ssl_context(hub.keyfile, hub.certfile, cafile=hub.cafile)
+        return (hub.keyfile, hub.certfile, hub.cafile)
 
     async def gpu_limit(self) -> int:
         """The most GPUs this server may ask for now (broker limit, ``max_gpus``)."""
@@ -810,11 +811,17 @@ class GPUSpawnerMixin(LoggingConfigurable):
         return url
 
     async def _report_url(self, url: Any) -> None:
-        """Tell the broker where the server listens (its culler reads kernels there)."""
+        """Tell the broker where the server listens (its culler reads kernels
+        there): ``url``, or ``(ip, port)`` made into one as JupyterHub does
+        (``https`` when the hub runs with ``internal_ssl``, an IPv6 address
+        in brackets)."""
         if self.gpu_lease_id is None:
             return
         if isinstance(url, tuple):
-            url = f"http://{url[0]}:{url[1]}"
+            host, port = url
+            proto = "https" if getattr(self, "internal_ssl", False) else "http"
+            host = f"[{host}]" if ":" in str(host) else host
+            url = f"{proto}://{host}:{port}"
         full = f"{str(url).rstrip('/')}{self.server.base_url if self.server else '/'}"
         try:
             record = await self.gpu_server_record()

@@ -288,8 +288,17 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
         Raises:
             SpawnException: ``sbatch`` refused, or the job ended before its
                 server answered (Slurm's state and reason, and the end of
-                its output where readable).
+                its output where readable); or the hub runs with
+                ``internal_ssl``, which this spawner does not support (the
+                hub makes a server's certificate before its node is known).
         """
+        if getattr(self, "internal_ssl", False):
+            raise spawn_error(
+                "SlurmGPUSpawner does not support JupyterHub's internal_ssl: the hub makes "
+                "a server's certificate before Slurm picks its node, so the hub could not "
+                "check it (docs/slurm.md)",
+                "slurm-internal-ssl",
+            )
         if self._slurm_feed.over:  # a start after a failed one, without a stop
             self._slurm_feed = ProgressFeed()
         feed = self._slurm_feed
