@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpubroker.engines.base import EngineError, Handle
+from gpubroker.engines.base import EngineError, Handle, Status
 from gpubroker.jobs.service import JobService
 from gpubroker.store import jobs_repo
 
@@ -65,6 +65,26 @@ def jobs(db_url: str, home: Path) -> Iterator[JobService]:
 def short_stop_grace(jobs: JobService) -> None:
     """The test's job service gives a stopped job 1 s, not 30, before SIGKILL."""
     jobs.stop_grace = 1.0
+
+
+@contextlib.contextmanager
+def failing_stops(jobs: JobService) -> Iterator[list[Handle]]:
+    """Inside the block the local engine cannot stop a process (Docker or
+    Slurm unreachable for a moment): every stop raises ``EngineError``.
+    Yields the handles of the stops asked for."""
+    engine = jobs.engines["local"]
+    asked: list[Handle] = []
+    real_stop = engine.stop
+
+    def failing_stop(handle: Handle, grace: float) -> Status:
+        asked.append(handle)
+        raise EngineError("cannot stop: engine unreachable")
+
+    engine.stop = failing_stop
+    try:
+        yield asked
+    finally:
+        engine.stop = real_stop
 
 
 def job_pid(jobs: JobService, job_id: int) -> int:

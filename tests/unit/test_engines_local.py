@@ -53,7 +53,8 @@ def wait_exited(engine: LocalEngine, handle: Handle) -> Status:
 
 
 def gone(pid: int) -> bool:
-    """Whether ``pid`` no longer runs (a zombie counts as gone)."""
+    """Whether ``pid`` no longer runs (a zombie counts as gone; so does one
+    whose ``/proc`` entry went away between the two looks)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -61,7 +62,7 @@ def gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0] == b"Z"
     except (OSError, IndexError):
-        return False
+        return True
 
 
 def me() -> str:

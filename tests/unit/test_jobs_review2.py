@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from gpubroker.engines.base import EngineError, Handle
+from gpubroker.engines.base import Handle
 from gpubroker.jobs.service import JobService
 from gpubroker.model import jobs as model
 from gpubroker.store import jobs_repo
 
-from .conftest import job_pid, process_alive
+from .conftest import failing_stops, job_pid, process_alive
 
 #: the tests' jobs get a short stop grace (:func:`.conftest.short_stop_grace`)
 pytestmark = pytest.mark.usefixtures("short_stop_grace")
@@ -184,22 +184,11 @@ def test_a_failing_stop_keeps_the_lease_and_is_tried_again(jobs: JobService, hom
     (home / "ann").mkdir(parents=True)
     job = jobs.submit("ann", {"command": ["sleep", "60"], "gpus": 1})
     asyncio.run(jobs.tick())
-    engine = jobs.engines["local"]
-    real_stop = engine.stop
-    calls: list[int] = []
-
-    def failing_stop(handle: Handle, grace: float) -> object:
-        calls.append(1)
-        raise EngineError("cannot stop: engine unreachable")
-
-    engine.stop = failing_stop  # type: ignore[method-assign]
-    try:
+    with failing_stops(jobs) as calls:
         jobs.broker.stop_lease(job["lease_id"], "freed by an admin", actor="admin")
         _until(jobs, lambda: len(calls) >= 2)
         assert jobs.get(job["id"])["state"] == model.RUNNING
         assert jobs.broker.get_lease(job["lease_id"])["state"] == "granted"
-    finally:
-        engine.stop = real_stop  # type: ignore[method-assign]
     _until(jobs, lambda: jobs.get(job["id"])["state"] in model.FINAL)
     assert jobs.broker.get_lease(job["lease_id"])["state"] == "released"
 

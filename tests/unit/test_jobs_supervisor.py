@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,12 +18,26 @@ from gpubroker.jobs.service import JobService
 from gpubroker.store import jobs_repo
 
 from ..conftest import make_broker
-from .conftest import job_pid, process_alive
+from .conftest import failing_stops, job_pid, process_alive
 
 #: the tests' jobs get a short stop grace (:func:`.conftest.short_stop_grace`)
 pytestmark = pytest.mark.usefixtures("short_stop_grace")
 
 _pid, _alive = job_pid, process_alive
+
+
+def _after_the_process_died(jobs: JobService, job_id: int, db_url: str) -> JobService:
+    """Wait (at most 10 s) until the job's process has died, then give a
+    second job service on the same store, as a restarted broker has."""
+    pid = _pid(jobs, job_id)
+    for _ in range(100):
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    again = make_broker(db_url)
+    service = JobService(again, again.engine, run_as_self=True)
+    service.root_dir_template = jobs.root_dir_template
+    return service
 
 
 def test_one_jobs_failing_stop_does_not_stall_the_other_jobs(jobs: JobService, home: Path) -> None:
@@ -37,14 +50,7 @@ def test_one_jobs_failing_stop_does_not_stall_the_other_jobs(jobs: JobService, h
     a = jobs.submit("ann", {"command": ["sleep", "60"], "gpus": 1})
     asyncio.run(jobs.tick())
     assert jobs.get(a["id"])["state"] == "running"
-    engine = jobs.engines["local"]
-    real_stop = engine.stop
-
-    def failing_stop(handle: Handle, grace: float) -> Any:
-        raise EngineError("cannot stop: engine unreachable")
-
-    engine.stop = failing_stop
-    try:
+    with failing_stops(jobs):
         jobs.broker.release_lease(a["lease_id"], "freed by an admin", actor="admin")
         b = jobs.submit("bob", {"command": ["sleep", "60"], "gpus": 1})
 
@@ -55,8 +61,6 @@ def test_one_jobs_failing_stop_does_not_stall_the_other_jobs(jobs: JobService, h
 
         asyncio.run(ticks())
         assert jobs.get(b["id"])["state"] == "running", jobs.get(b["id"])
-    finally:
-        engine.stop = real_stop
 
 
 def test_a_restarted_broker_records_a_signal_apart_from_the_exit_code(
@@ -70,14 +74,7 @@ def test_a_restarted_broker_records_a_signal_apart_from_the_exit_code(
     job = jobs.submit("ann", {"command": "sleep 1; kill -KILL $$", "gpus": 1})
     asyncio.run(jobs.tick())
     assert jobs.get(job["id"])["state"] == "running"
-    pid = _pid(jobs, job["id"])
-    for _ in range(100):
-        if not _alive(pid):
-            break
-        time.sleep(0.1)
-    again = make_broker(db_url)
-    service = JobService(again, again.engine, run_as_self=True)
-    service.root_dir_template = jobs.root_dir_template
+    service = _after_the_process_died(jobs, job["id"], db_url)
     asyncio.run(service.tick())
     done = service.get(job["id"])
     assert done["state"] == "failed", done
@@ -145,14 +142,7 @@ def test_an_exit_file_with_a_huge_number_does_not_wedge_the_supervisor(
     script = 'echo 99999999999999999999 > "$GPUBROKER_JOB_EXIT_FILE"; kill -KILL $PPID'
     job = jobs.submit("ann", {"command": script, "gpus": 1})
     asyncio.run(jobs.tick())
-    pid = _pid(jobs, job["id"])
-    for _ in range(100):
-        if not _alive(pid):
-            break
-        time.sleep(0.1)
-    again = make_broker(db_url)
-    service = JobService(again, again.engine, run_as_self=True)
-    service.root_dir_template = jobs.root_dir_template
+    service = _after_the_process_died(jobs, job["id"], db_url)
     other = service.submit("bob", {"command": ["sleep", "60"], "gpus": 1})
     try:
         with contextlib.suppress(Exception):  # what run() logs and swallows
@@ -176,18 +166,8 @@ def test_a_cancel_that_cannot_stop_the_process_does_not_free_its_devices(
     asyncio.run(jobs.tick())
     assert jobs.get(job["id"])["state"] == "running"
     pid = _pid(jobs, job["id"])
-    engine = jobs.engines["local"]
-    real_stop = engine.stop
-
-    def failing_stop(handle: Handle, grace: float) -> Any:
-        raise EngineError("cannot stop: engine unreachable")
-
-    engine.stop = failing_stop
-    try:
-        with pytest.raises(Unavailable, match="cancel it again later"):
-            asyncio.run(jobs.cancel(job["id"], "cancelled by ann", actor="ann"))
-    finally:
-        engine.stop = real_stop
+    with failing_stops(jobs), pytest.raises(Unavailable, match="cancel it again later"):
+        asyncio.run(jobs.cancel(job["id"], "cancelled by ann", actor="ann"))
     assert _alive(pid)
     assert jobs.get(job["id"])["state"] == "running"
     assert jobs.broker.get_lease(job["lease_id"])["state"] == "granted"

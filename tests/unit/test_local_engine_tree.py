@@ -18,13 +18,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gpubroker.devices.fake import FakeDeviceBackend
 from gpubroker.engines import Handle, LaunchSpec, LocalEngine
+
+from .test_engines_local import gone, wait_for
 
 #: upper bound of every wait in these tests, seconds (never a speed assertion)
 WAIT = 30.0
@@ -38,26 +40,6 @@ ESCAPING_CHILD = (
     "os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n"
     "time.sleep(600)\n"
 )
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
-def gone(pid: int) -> bool:
-    """Whether ``pid`` no longer runs (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def kill(pid: int) -> None:

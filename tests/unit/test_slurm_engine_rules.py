@@ -80,6 +80,21 @@ def _engine(monkeypatch: pytest.MonkeyPatch, fake: FakeSlurm) -> SlurmEngine:
     return engine
 
 
+def _launched_for_lease_5(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[FakeSlurm, SlurmEngine, dt.datetime, Handle]:
+    """A fake cluster and its engine, with the broker's job 77 of lease 5
+    launched now (UTC): (fake, engine, now, handle)."""
+    me = pwd.getpwuid(os.getuid()).pw_name
+    fake = FakeSlurm()
+    engine = _engine(monkeypatch, fake)
+    now = dt.datetime.now(dt.timezone.utc)
+    handle = engine.launch(
+        LaunchSpec(argv=("true",), env={}, cwd="/tmp", user=me, lease_id=5, devices=())
+    )
+    return fake, engine, now, handle
+
+
 def _record(
     job_id: str, name: str, submitted: dt.datetime, state: str, code: str
 ) -> dict[str, str]:
@@ -103,13 +118,7 @@ def test_sacct_reads_this_engines_job_not_a_newer_one_that_reused_its_id(
     # (ids start again at FirstJobId) and someone's later job gets id 77
     # too. squeue no longer lists ours; sacct --jobs=77 gives the newest
     # record of that id, the other job's success, unless asked for all
-    me = pwd.getpwuid(os.getuid()).pw_name
-    fake = FakeSlurm()
-    engine = _engine(monkeypatch, fake)
-    now = dt.datetime.now(dt.timezone.utc)
-    handle = engine.launch(
-        LaunchSpec(argv=("true",), env={}, cwd="/tmp", user=me, lease_id=5, devices=())
-    )
+    fake, engine, now, handle = _launched_for_lease_5(monkeypatch)
     assert handle.id == "77"
     fake.records = [
         _record("77", "gpubroker-lease-5", now, "FAILED", "3:0"),
@@ -235,18 +244,24 @@ class StubbornJob(FakeSlurm):
         return super().__call__(argv, stdin, env)
 
 
+def _stubborn(monkeypatch: pytest.MonkeyPatch, kill_wait: int) -> tuple[StubbornJob, SlurmEngine]:
+    """A cluster with ``KillWait`` ``kill_wait`` s whose job 90 ends only at
+    SIGKILL, on a fake clock the engine reads (``fake.clock``): (fake, engine)."""
+    from gpubroker.engines import slurm as slurm_module
+
+    clock = Clock()
+    monkeypatch.setattr(slurm_module, "time", clock)
+    fake = StubbornJob(clock, kill_wait=kill_wait)
+    return fake, _engine(monkeypatch, fake)
+
+
 def test_stop_waits_for_the_clusters_kill_wait_not_a_fixed_30s(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # KillWait=60 on this cluster: Slurm sends SIGKILL 60 s after scancel's
     # SIGTERM. A stop that gives up after 30 s reports a job running that
     # Slurm is about to end (its lease is then kept or the job's end lost)
-    from gpubroker.engines import slurm as slurm_module
-
-    clock = Clock()
-    monkeypatch.setattr(slurm_module, "time", clock)
-    fake = StubbornJob(clock, kill_wait=60)
-    engine = _engine(monkeypatch, fake)
+    fake, engine = _stubborn(monkeypatch, kill_wait=60)
     status = engine.stop(Handle("slurm", "90", ""), grace=1.0)
     assert not status.running and status.signal == 9
     assert engine.kill_wait() == 60.0
@@ -260,18 +275,13 @@ def test_a_stop_asks_about_its_own_job_only_and_less_often_as_it_waits(
     # a stop used to read the whole queue (squeue --json, every job of the
     # cluster) twice a second for as long as it waited; several stops at
     # once (orphaned servers) multiplied that load on slurmctld
-    from gpubroker.engines import slurm as slurm_module
-
-    clock = Clock()
-    monkeypatch.setattr(slurm_module, "time", clock)
-    fake = StubbornJob(clock, kill_wait=30)
-    engine = _engine(monkeypatch, fake)
+    fake, engine = _stubborn(monkeypatch, kill_wait=30)
     times: list[float] = []
     real_call = fake.__call__
 
     def timed(argv: Sequence[str], stdin: str | None = None, env: Any = None) -> str:
         if argv[0] == "squeue" and "--json" not in argv:
-            times.append(clock.now)
+            times.append(fake.clock.now)
         return real_call(argv, stdin, env)
 
     monkeypatch.setattr(engine, "_run", timed)
@@ -345,12 +355,7 @@ def test_a_batch_job_a_stop_could_not_end_is_outside_the_broker(
     # the job service ends the job and its lease whatever the stop gave
     # (JobService._tick_running, _stop_quietly): a job Slurm did not end
     # holds its GPUs outside the broker, which must not grant them again
-    from gpubroker.engines import slurm as slurm_module
-
-    clock = Clock()
-    monkeypatch.setattr(slurm_module, "time", clock)
-    fake = StubbornJob(clock, kill_wait=10)
-    engine = _engine(monkeypatch, fake)
+    fake, engine = _stubborn(monkeypatch, kill_wait=10)
     fake.hung = True  # Slurm does not end it (a node that hangs)
     handle = Handle("slurm", "90", "")
     assert engine.poll(handle).running  # claimed: the broker's own
@@ -391,13 +396,7 @@ def test_squeue_lists_a_job_that_reused_the_id_as_another_jobs(
     # the broker's job 77 (lease 5) failed; slurmctld's state is reset and
     # someone's later job gets id 77 and runs: squeue lists that one under
     # our id. It is not ours: our job's end comes from sacct
-    me = pwd.getpwuid(os.getuid()).pw_name
-    fake = FakeSlurm()
-    engine = _engine(monkeypatch, fake)
-    now = dt.datetime.now(dt.timezone.utc)
-    handle = engine.launch(
-        LaunchSpec(argv=("true",), env={}, cwd="/tmp", user=me, lease_id=5, devices=())
-    )
+    fake, engine, now, handle = _launched_for_lease_5(monkeypatch)
     later = int((now + dt.timedelta(hours=2)).timestamp())
     impostor = {"job_id": 77, "name": "train", "job_state": "RUNNING", "submit_time": later}
     fake.jobs = [impostor]
