@@ -244,9 +244,10 @@ class BrokerService:
         return os.environ.get("JUPYTERHUB_SERVICE_URL", "").startswith("https:")
 
     def _use_tls(self) -> dict[str, Any]:
-        """With the hub's internal TLS: every request of this process
-        (the hub's API, servers' kernels) presents the broker's certificate
-        and trusts only the hub's bundle; the broker serves HTTPS when its
+        """With the hub's internal TLS: every Tornado request of this
+        process (the hub's API: users, groups, servers, tokens) presents
+        the broker's certificate and trusts only the hub's bundle; the
+        broker serves HTTPS when its
         service URL (``JUPYTERHUB_SERVICE_URL``) is ``https``, plain HTTP
         otherwise. Returns the HTTP server's TLS arguments (none for HTTP)."""
         if self.tls is None:
