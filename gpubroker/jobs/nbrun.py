@@ -13,6 +13,11 @@ line with those arguments. Two things are added:
 * ``$GPUBROKER_KERNEL_PYTHON`` (the Python of the kernel the notebook was
   submitted from) without a ``-k``: the notebook runs in a kernel of that
   Python, through a kernelspec made for it in a temporary directory.
+* When papermill fails (a cell raised, or the notebook could not be read
+  or written), one line saying why (``ValueError: boom (at "In [3]")``)
+  is written to ``$GPUBROKER_JOB_ERROR_FILE``, and the error goes on as
+  before (traceback on standard error, exit status 1): the broker adds
+  that line to the failed job's reason.
 * When the broker warns (the file ``$GPUBROKER_WARN_FILE`` appears: a time
   limit is near, or the job's lease is being preempted), the kernel is
   interrupted (SIGINT to this process's children), as Jupyter's
@@ -97,7 +102,47 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="gpubroker-kernel-") as where:
         if python and "-k" not in argv:
             argv = [*argv, "-k", kernel_of(python, Path(where))]
-        papermill.main(args=argv, prog_name="papermill")
+        try:
+            papermill.main(args=argv, prog_name="papermill")
+        except Exception as err:
+            record_error(err)
+            raise
+
+
+#: most characters of the line :func:`record_error` writes
+ERROR_WIDTH = 300
+
+
+def error_line(err: BaseException) -> str:
+    """One line saying why papermill failed: a cell's exception as
+    ``ENAME: EVALUE (at "In [N]")`` (papermill's ``PapermillExecutionError``
+    names the cell's execution count), else ``Type: message``; at most
+    :data:`ERROR_WIDTH` characters."""
+    ename = getattr(err, "ename", None)
+    if ename is not None:
+        line = f"{ename}: {getattr(err, 'evalue', '')}"
+        count = getattr(err, "exec_count", None)
+        if count is not None:
+            line += f' (at "In [{count}]")'
+    else:
+        line = f"{type(err).__name__}: {err}"
+    line = " ".join(line.split())
+    return line[:ERROR_WIDTH]
+
+
+def record_error(err: BaseException) -> None:
+    """Write :func:`error_line` of ``err`` to ``$GPUBROKER_JOB_ERROR_FILE``
+    (none named: nothing); a write that fails is only reported on
+    standard error (the job fails as it would anyway)."""
+    path = os.environ.get("GPUBROKER_JOB_ERROR_FILE", "")
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(error_line(err) + "\n")
+    except OSError as exc:
+        print(f"gpubroker: cannot record the error in {path}: {exc}", file=sys.stderr)
 
 
 if __name__ == "__main__":

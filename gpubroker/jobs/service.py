@@ -68,6 +68,7 @@ from ..model import jobs as model
 from ..store import jobs_repo as repo
 from ..usage.intervals import event_cause
 from ..views import isoformat, lease_view
+from .text import one_line
 
 #: fields of a job request that go to its lease
 LEASE_FIELDS = ("gpus", "mig_profile", "memory_gib", "count", "pool", "group")
@@ -1216,6 +1217,7 @@ class JobService(LoggingConfigurable):
         root = self.root_of(user)
         _unlink(root, _warn_file(log))  # a run before a requeue was warned: not this one
         _unlink(root, f"{log}.exit")  # nor did this one end
+        _unlink(root, f"{log}.error")  # nor fail
         tag = f"job{job_id}-{restarts}-{secrets.token_hex(4)}"
         with self.sessions.begin() as session:
             job = self._get(session, job_id)
@@ -1301,7 +1303,8 @@ class JobService(LoggingConfigurable):
             self.log.warning("Job %s: cannot read its process: %s", job_id, err)
             return 0
         if not status.running:
-            return self._ended(job_id, lease, status, stopped=False)
+            why = await self._error_of(job_id) if status.exit_code not in (None, 0) else ""
+            return self._ended(job_id, lease, status, stopped=False, why=why)
         stop_why = self._stop_reason(job_id, lease)
         if stop_why is None:
             assert lease is not None
@@ -1362,12 +1365,36 @@ class JobService(LoggingConfigurable):
         intent = self.broker.stops.open_stop(lease_id) if lease_id is not None else None
         return None if intent is None else str(intent.reason or "its lease ends")
 
+    async def _error_of(self, job_id: int) -> str:
+        """The line the job's run wrote to say why it failed (its error
+        file, ``$GPUBROKER_JOB_ERROR_FILE``: :func:`_error_record`), read
+        on the log readers' workers within :data:`LOG_READ_TIMEOUT`
+        seconds; ``""`` when there is none or it cannot be read in time."""
+        path, _state, user = self._log_of(job_id)
+        if not path:
+            return ""
+        owner = os.getuid() if self.run_as_self else _uid_of(user)
+        future = self._log_reads.submit(_error_record, f"{path}.error", owner)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), LOG_READ_TIMEOUT)
+        except TimeoutError:
+            self.log.warning(
+                "Job %s: its error file took over %ss to read", job_id, LOG_READ_TIMEOUT
+            )
+            return ""
+
     def _ended(
-        self, job_id: int, lease: dict[str, Any] | None, status: Status, stopped: bool
+        self,
+        job_id: int,
+        lease: dict[str, Any] | None,
+        status: Status,
+        stopped: bool,
+        why: str = "",
     ) -> int:
         """Record the end of a job's process and release its lease (its
         devices are free only now); ``stopped``: a stop of this service
-        ended it.
+        ended it; ``why``: the line its run wrote to say why it failed
+        (:meth:`_error_of`; ``""``: none), added to its reason.
 
         * a job being cancelled ends ``cancelled``;
         * one whose lease the broker is ending (an open stop), or whose
@@ -1429,9 +1456,10 @@ class JobService(LoggingConfigurable):
             assert lease is not None
             self.broker.release_lease(lease["id"], f"job {job_id} {state_now}", actor="broker")
         if state_now == model.FAILED and self._restarts_left(job_id, False):
-            self._requeue(job_id, f"retried: {_describe(state_now, status)}", status, retry=True)
+            said = _describe(state_now, status, why)
+            self._requeue(job_id, f"retried: {said}", status, retry=True)
         else:
-            self._finish(job_id, state_now, _describe(state_now, status), status)
+            self._finish(job_id, state_now, _describe(state_now, status, why), status)
         return 1
 
     # --- stops of job processes, off the supervisor's round ---------------------------
@@ -1632,6 +1660,9 @@ class JobService(LoggingConfigurable):
         # the shell records the exit code beside the log, so a broker restarted
         # after the job ended still learns its real outcome
         env["GPUBROKER_JOB_EXIT_FILE"] = f"{log}.exit"
+        # why it failed, in one line (nbrun writes papermill's error there;
+        # a command may write its own): added to a failed job's reason
+        env["GPUBROKER_JOB_ERROR_FILE"] = f"{log}.error"
         env["GPUBROKER_WARN_SIGNAL"] = self.warn_signal.removeprefix("SIG")
         env["GPUBROKER_WARN_FILE"] = _warn_file(log)
         argv = ["/bin/sh", "-c", _RECORD_EXIT, "gpubroker-job", *argv]
@@ -1848,6 +1879,36 @@ def _exit_record(path: str, owner: int | None) -> str | None:
         return f.read(64).decode("ascii", "replace").strip()
 
 
+#: most bytes read of a job's error file
+ERROR_MAX_BYTES = 1024
+
+#: most characters of its line kept in the job's reason
+ERROR_WIDTH = 200
+
+
+def _error_record(path: str, owner: int | None) -> str:
+    """The first line of a job's error file ``path`` (what its run wrote to
+    say why it failed), on one line of at most :data:`ERROR_WIDTH`
+    characters (:func:`~gpubroker.jobs.text.one_line`); ``""`` when there
+    is no such plain file of ``owner`` or it is empty. Read as
+    :func:`_exit_record` reads (no link followed, another owner's file not
+    read: the path is in the user's directory); at most
+    :data:`ERROR_MAX_BYTES` bytes, as UTF-8 (a bad byte shown as U+FFFD)."""
+    if owner is None:
+        return ""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != owner:
+            return ""
+        text = f.read(ERROR_MAX_BYTES).decode("utf-8", "replace")
+    lines = text.strip().splitlines()
+    return one_line(lines[0].strip(), ERROR_WIDTH) if lines else ""
+
+
 @dataclass(frozen=True)
 class _Watch:
     """What the supervisor needs of a running job to warn it (read once per check)."""
@@ -1978,13 +2039,17 @@ def _handle(job: Any) -> Handle | None:
     return Handle(job.handle_engine, job.handle_id, job.handle_node)
 
 
-def _describe(state: str, status: Any) -> str:
+def _describe(state: str, status: Any, why: str = "") -> str:
+    """A job's end in words; ``why``: the line its run wrote to say why it
+    failed, added after an exit code other than 0."""
     if state == model.TIMED_OUT:
         return "its time limit was reached"
     if status.state == "lost":
         return "it ended while the broker could not see how"
     if status.signal is not None:
         return f"ended by signal {status.signal}"
+    if why and status.exit_code not in (None, 0):
+        return f"exit code {status.exit_code}: {why}"
     return f"exit code {status.exit_code}"
 
 

@@ -88,6 +88,8 @@ def test_a_notebook_that_raises_in_cell_three_fails_with_its_partial_output(
     job = jobs.submit("bob", {"notebook": "bad.ipynb", "gpus": 1})
     done = run_until_done(jobs, job["id"])
     assert done["state"] == "failed" and done["exit_code"] not in (None, 0)
+    # the reason says why, as papermill saw it: the cell's error and where
+    assert done["reason"] == f'exit code {done["exit_code"]}: ValueError: boom (at "In [3]")'
     out = nbformat.read(home / "bob" / f"bad.{job['id']}.ipynb", as_version=4)
     code = [c for c in out.cells if c.cell_type == "code" and "injected" not in str(c.metadata)]
     assert code[0].execution_count and code[1].execution_count
