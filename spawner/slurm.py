@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import os
 import pwd
+import secrets
 import stat
 import sys
 import time
@@ -52,9 +53,9 @@ from jupyterhub.spawner import Spawner
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from traitlets import Float, Integer, Unicode, default
 
-from gpubroker.engines.base import EngineError, Handle, LaunchSpec, Status
-from gpubroker.engines.slurm import SlurmEngine
-from gpubroker.engines.slurm_json import JobView
+from gpubroker.engines.base import EngineError, Handle, LaunchSpec, LaunchUnknown, Status
+from gpubroker.engines.slurm import JOB_NAME_PREFIX, SlurmEngine
+from gpubroker.engines.slurm_json import NEVER_STARTS, JobView
 
 from .mixin import GPUSpawnerMixin, spawn_error
 from .progress import ProgressFeed
@@ -66,20 +67,10 @@ OUTPUT_LINES = 8
 #: bytes read from the end of that file
 TAIL_BYTES = 16384
 #: pending reasons that do not clear by waiting: the spawn fails at once
-#: (Slurm's squeue(1) REASON CODES)
-HOPELESS = frozenset(
-    {
-        "PartitionTimeLimit",
-        "PartitionNodeLimit",
-        "PartitionConfig",
-        "AccountNotAllowed",
-        "QOSNotAllowed",
-        "InvalidAccount",
-        "InvalidQOS",
-        "BadConstraints",
-        "JobHeldAdmin",
-    }
-)
+#: (Slurm's squeue(1) REASON CODES; the job service fails batch jobs alike)
+HOPELESS = NEVER_STARTS
+#: looks for a job by its tag when Slurm could not tell whether it queued it
+FIND_TRIES = 3
 #: seconds between two HTTP looks at a starting server whose port is known
 HTTP_PROBE = 0.2
 #: a job whose state Slurm could not say (its command failed): still starting
@@ -258,7 +249,9 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
         """What the job runs: ``node_python -m gpubroker_spawner.slurm_server
         CMD ARGS`` in ``notebook_dir`` (else the user's home), as the user,
         with the server's environment; no devices (:class:`SlurmGPUSpawner`
-        adds the lease's)."""
+        adds the lease's). Its tag (``server-`` and 12 random hex digits)
+        lets the engine find the job again when ``sbatch`` fails or times
+        out after Slurm queued it."""
         entry = self._user()
         output = self.output_template.format(
             home=entry.pw_dir, username=self.user.name, servername=self.name or ""
@@ -272,6 +265,7 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
             lease_id=0,
             stdout=output,
             stderr=output,
+            tag=f"server-{secrets.token_hex(6)}",
         )
 
     def _slurm_event(self, progress: int, message: str) -> None:
@@ -322,8 +316,11 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
     async def _submit(self, spec: LaunchSpec) -> Handle:
         """``sbatch`` in a thread; a start cancelled meanwhile (the hub's
         start timeout, a user's cancel) cancels the job once it is known,
-        so no job runs that nothing follows."""
-        submitted = asyncio.ensure_future(asyncio.to_thread(self.engine.launch, spec))
+        so no job runs that nothing follows. A launch whose outcome Slurm
+        could not tell (:class:`~gpubroker.engines.base.LaunchUnknown`) is
+        looked for by its tag up to :data:`FIND_TRIES` times,
+        ``slurm_poll_interval`` apart."""
+        submitted = asyncio.ensure_future(asyncio.to_thread(self._launch, spec))
         try:
             return await asyncio.shield(submitted)
         except asyncio.CancelledError:
@@ -331,6 +328,35 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
                 handle = await submitted
                 await asyncio.to_thread(self.engine.stop, handle, 0.0)
             raise
+
+    def _launch(self, spec: LaunchSpec) -> Handle:
+        """:meth:`SlurmEngine.launch`, then, while whether Slurm queued the
+        job is not known, :meth:`SlurmEngine.find` by its tag (blocking:
+        run in a thread).
+
+        Raises:
+            EngineError: ``sbatch`` refused, or no job of the tag is found
+                (``sbatch`` failed), or it still cannot be told (the message
+                says the job may run).
+        """
+        try:
+            return self.engine.launch(spec)
+        except LaunchUnknown as err:
+            unknown: EngineError = err
+        for _ in range(FIND_TRIES):
+            time.sleep(self.slurm_poll_interval)
+            try:
+                found = self.engine.find(spec.tag, spec.user)
+            except EngineError as err:
+                unknown = err
+                continue
+            if found is None:
+                raise EngineError(f"sbatch failed and Slurm has no job of it: {unknown}")
+            return found
+        raise EngineError(
+            f"{unknown}; the job may still be queued: Slurm could not be asked "
+            f"(cancel jobs named {JOB_NAME_PREFIX}{spec.lease_id} of {spec.user})"
+        )
 
     async def _wait_for_server(self, spec: LaunchSpec) -> tuple[str, int]:
         """Follow the job (``squeue`` every ``slurm_poll_interval``) until

@@ -31,7 +31,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from gpubroker.engines.base import EngineError, Handle, Status
-from gpubroker.engines.slurm import SlurmEngine
+from gpubroker.engines.slurm import JOB_NAME_PREFIX, SlurmEngine
 
 from .rebind import Rebinder
 
@@ -120,6 +120,9 @@ class SlurmServers:
             )
             return []
         handles = [Handle(engine.name, x.slurm_job or "", "") for x in watched.values()]
+        # the hub submitted these jobs, named by their lease: a job Slurm gave
+        # the same id later (a reset slurmctld) is another's, not this lease's
+        engine.expect({x.slurm_job or "": f"{JOB_NAME_PREFIX}{i}" for i, x in watched.items()})
         try:
             statuses = await asyncio.to_thread(engine.poll_many, handles, False)
         except EngineError as err:

@@ -73,6 +73,15 @@ class EngineError(RuntimeError):
     """
 
 
+class LaunchUnknown(EngineError):
+    """A launch whose outcome the engine cannot tell: its submit failed
+    or timed out, and asking whether it started failed too (Slurm's
+    ``sbatch`` answered "Socket timed out", then ``squeue`` could not be
+    asked). The process may run: a caller that recorded the launch's
+    :attr:`LaunchSpec.tag` asks ``find(tag, user)`` again later instead
+    of taking the launch for failed."""
+
+
 @dataclass(frozen=True)
 class Node:
     """One node (host) of an engine and its devices.
@@ -212,6 +221,13 @@ class Status:
             engine chose them itself (Slurm binds GPU indices of its own
             choosing); empty where the engine used the spec's devices, or
             does not know yet (a Slurm job still pending).
+        waiting: while ``running``, what holds it where its engine has not
+            started its program yet, in the engine's words (a Slurm job
+            ``PENDING (Resources)``); ``""`` once it has started, and for
+            engines that start at once.
+        never_starts: ``True`` when its engine says it will never start as
+            it is (a Slurm job pending for a reason that waiting does not
+            clear: :data:`~gpubroker.engines.slurm_json.NEVER_STARTS`).
     """
 
     state: RunState
@@ -221,6 +237,8 @@ class Status:
     ended: datetime | None = None
     timed_out: bool = False
     devices: tuple[str, ...] = ()
+    waiting: str = ""
+    never_starts: bool = False
 
     def __post_init__(self) -> None:
         if self.state not in RUN_STATES:

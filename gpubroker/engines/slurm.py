@@ -93,7 +93,7 @@ from traitlets.config import LoggingConfigurable
 from gpubroker.devices.base import DeviceInfo, DeviceUsage
 
 from . import slurm_json
-from .base import EngineError, Handle, LaunchSpec, Node, Status
+from .base import EngineError, Handle, LaunchSpec, LaunchUnknown, Node, Status
 
 #: environment variables Slurm sets for a job itself from its binding: the
 #: broker's values (UUIDs of its own choosing) are left out
@@ -210,7 +210,7 @@ class SlurmEngine(LoggingConfigurable):
         #: what makes a job id's ``sacct`` record ours: its job's name and
         #: the earliest time (aware UTC) it can have been submitted, from
         #: ``sbatch`` or from ``squeue``'s view of the job
-        self._marks: dict[str, tuple[str, dt.datetime]] = {}
+        self._marks: dict[str, tuple[str, dt.datetime | None]] = {}
 
     # -- commands --------------------------------------------------------------
 
@@ -444,6 +444,14 @@ class SlurmEngine(LoggingConfigurable):
         type (``{"h100": 2}``), so that ``--gres`` names them
         (``gpu:h100:2``) and Slurm binds GPUs of the leased type on a node
         with several (``""``: no type)."""
+        for path in {spec.stdout, spec.stderr} - {None}:
+            if path is not None and "\\" in path:
+                # Slurm reads a backslash in --output as "no patterns" and
+                # drops it: the job's output would go to another path
+                raise EngineError(
+                    f"output path {path!r} has a backslash, which Slurm's --output "
+                    "does not keep: use a directory without one"
+                )
         args = ["sbatch", "--parsable", f"--job-name={JOB_NAME_PREFIX}{spec.lease_id}"]
         comment = f"gpubroker lease {spec.lease_id}" + (f" launch {spec.tag}" if spec.tag else "")
         args += [f"--comment={comment}", "--no-requeue", "--export=ALL"]
@@ -479,16 +487,21 @@ class SlurmEngine(LoggingConfigurable):
         Returns:
             the job's handle (id: the Slurm job id; node: the node asked for).
 
-        ``sbatch`` that runs past ``command_timeout`` may have been queued
-        all the same (slurmctld answered late): a spec with a
+        ``sbatch`` that fails or runs past ``command_timeout`` may have
+        been queued all the same: slurmctld answered late, or its answer
+        was lost ("Socket timed out on send/recv operation", exit 1, with
+        the job queued). A spec with a
         :attr:`~gpubroker.engines.base.LaunchSpec.tag` is then looked for
         (:meth:`find`), and the job found is this launch.
 
         Raises:
+            LaunchUnknown: ``sbatch`` failed or timed out, and whether
+                Slurm queued the job cannot be told (``squeue`` failed too).
             EngineError: the devices are not on one node of the cluster, the
                 user is unknown (or another user while the broker is not
-                root), ``sbatch`` refused (its message), or it timed out
-                and no job of the spec's tag is found (or ``squeue`` fails).
+                root), its output path has a backslash (Slurm would write
+                its output elsewhere), or ``sbatch`` refused (its message)
+                or timed out and no job of the spec's tag is found.
         """
         node, types = self._placement(spec.devices) if spec.devices else (None, {})
         gpus = sum(types.values())
@@ -500,16 +513,14 @@ class SlurmEngine(LoggingConfigurable):
         asked = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=SUBMIT_SKEW)
         try:
             out = self._run(argv, stdin=script, env=self._submit_env())
-        except _TimedOut:
-            # slurmctld may have queued the job before sbatch was killed:
-            # a job of this launch's tag is this launch, not a failure
-            found = self.find(spec.tag, spec.user) if spec.tag else None
-            if found is None:
-                raise
+        except EngineError as err:
+            # slurmctld may have queued the job although sbatch failed or was
+            # killed: a job of this launch's tag is this launch, not a failure
+            found = self._found_after(spec, err)
             self.log.warning(
-                "sbatch of lease %s took over %gs, but Slurm queued its job %s",
+                "sbatch of lease %s failed (%s), but Slurm queued its job %s",
                 spec.lease_id,
-                self.command_timeout,
+                err,
                 found.id,
             )
             return Handle(self.name, found.id, found.node or node or "")
@@ -527,6 +538,27 @@ class SlurmEngine(LoggingConfigurable):
             gpus,
         )
         return Handle(self.name, job_id, node or "")
+
+    def _found_after(self, spec: LaunchSpec, err: EngineError) -> Handle:
+        """The job of ``spec``'s launch that Slurm queued although its
+        ``sbatch`` failed with ``err`` (:meth:`find` by its tag).
+
+        Raises:
+            EngineError: ``err`` itself: the spec has no tag, or no job of
+                its tag is queued (``sbatch`` really failed).
+            LaunchUnknown: whether a job was queued cannot be told now.
+        """
+        if not spec.tag or isinstance(err, LaunchUnknown):
+            raise err
+        try:
+            found = self.find(spec.tag, spec.user)
+        except EngineError as unknown:
+            raise LaunchUnknown(
+                f"{err}; whether Slurm queued the job of launch {spec.tag} is not known ({unknown})"
+            ) from err
+        if found is None:
+            raise err
+        return found
 
     def find(self, tag: str, user: str) -> Handle | None:
         """The job of the launch tagged ``tag`` as ``user`` (its comment
@@ -674,6 +706,21 @@ class SlurmEngine(LoggingConfigurable):
             )
         return ours
 
+    def expect(self, names: Mapping[str, str]) -> None:
+        """Record the name each job id of ``names`` must have (a server's
+        job, which the hub submitted: :data:`JOB_NAME_PREFIX` plus its
+        lease id), so that a job Slurm later gave the same id, of another
+        name, is not taken for it (:meth:`_listed_is_ours`,
+        :meth:`_accounted`). A submit time already seen under that name is
+        kept."""
+        with self._lock:
+            marks: dict[str, tuple[str, dt.datetime | None]] = {
+                job_id: (name, None)
+                for job_id, name in names.items()
+                if self._marks.get(job_id, (None, None))[0] != name
+            }
+            self._mark(marks)
+
     def _remember(self, jobs: Iterable[Mapping[str, Any]]) -> None:
         """Note the name and submit time (``squeue``'s, UTC) of each of
         ``jobs`` that this engine submitted (named :data:`JOB_NAME_PREFIX`
@@ -689,7 +736,7 @@ class SlurmEngine(LoggingConfigurable):
             with self._lock:
                 self._mark(marks)
 
-    def _mark(self, marks: Mapping[str, tuple[str, dt.datetime]]) -> None:
+    def _mark(self, marks: Mapping[str, tuple[str, dt.datetime | None]]) -> None:
         """Record ``marks`` (under the lock), keeping the newest
         :data:`_MARKS_KEPT` only: they outlive the jobs' end (a job may be
         polled again once ended), not for ever."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 import uuid as uuid_module
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -56,6 +56,23 @@ FINAL_JOB_STATES = frozenset(
 #: has no processes to signal
 STARTED_JOB_STATES = frozenset(
     {"RUNNING", "SUSPENDED", "STOPPED", "SIGNALING", "COMPLETING", "STAGE_OUT", "RESIZING"}
+)
+
+#: pending reasons that waiting does not clear (Slurm's squeue(1) REASON
+#: CODES: the job asks what its partition, account or QOS never gives, or
+#: an admin holds it): a job pending for one of them never starts as it is
+NEVER_STARTS = frozenset(
+    {
+        "PartitionTimeLimit",
+        "PartitionNodeLimit",
+        "PartitionConfig",
+        "AccountNotAllowed",
+        "QOSNotAllowed",
+        "InvalidAccount",
+        "InvalidQOS",
+        "BadConstraints",
+        "JobHeldAdmin",
+    }
 )
 
 #: final states of a job Slurm ended before its own end: a status that
@@ -386,13 +403,23 @@ def job_status(job: Mapping[str, Any]) -> Status:
     """A :class:`~gpubroker.engines.base.Status` of one job of ``squeue
     --json``: a job in any state that is no end (:func:`is_active`:
     pending, running, held, being set up, or a state not known here) is
-    ``running`` (it holds or may yet hold its allocation); a final state is
-    ``exited`` with its exit code or signal, as :func:`final_status` reads
-    it."""
+    ``running`` (it holds or may yet hold its allocation); one whose batch
+    script has not started (not in :data:`STARTED_JOB_STATES`) is
+    ``waiting`` with its state and reason (``PENDING (Resources)``), and
+    ``never_starts`` where that reason is one of :data:`NEVER_STARTS`; a
+    final state is ``exited`` with its exit code or signal, as
+    :func:`final_status` reads it."""
     state = str(job.get("job_state") or "").upper()
     started = utc(job.get("start_time"))
     if is_active(state):
-        return Status("running", started=started)
+        if state in STARTED_JOB_STATES:
+            return Status("running", started=started)
+        reason = str(job.get("state_reason") or "")
+        reason = "" if reason == "None" else reason
+        waiting = f"{state or 'UNKNOWN'} ({reason})" if reason else state or "UNKNOWN"
+        return Status(
+            "running", started=started, waiting=waiting, never_starts=reason in NEVER_STARTS
+        )
     code, signum = wait_status(int(job.get("exit_code") or 0))
     return final_status(state, code, signum, started, utc(job.get("end_time")))
 
@@ -581,7 +608,7 @@ def job_view(job: Mapping[str, Any], cluster: str) -> JobView:
             for node, indices in job_gpus(job).items()
             for index in sorted(indices)
         )
-        status = Status("running", started=status.started, devices=bound)
+        status = replace(status, devices=bound)
     nodes = expand_hostlist(str(job.get("nodes") or ""))
     reason = str(job.get("state_reason") or "")
     return JobView(

@@ -62,7 +62,7 @@ from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
 from ..broker.rebind import Rebinder
-from ..engines.base import EngineError, Handle, LaunchSpec, Status
+from ..engines.base import EngineError, Handle, LaunchSpec, LaunchUnknown, Status
 from ..errors import BadRequest, BrokerError, Conflict, Forbidden, NotFound, Unavailable
 from ..model import jobs as model
 from ..store import jobs_repo as repo
@@ -789,15 +789,20 @@ class JobService(LoggingConfigurable):
         finally:
             self._busy.discard(job_id)
 
-    def _mark_cancel(self, job_id: int, reason: str, actor: str) -> None:
+    def _mark_cancel(
+        self, job_id: int, reason: str, actor: str, ends: str = model.CANCELLED
+    ) -> None:
         """Record (committed: it survives a restart) that a running job is
-        being cancelled: ``spec["cancel"]`` keeps the reason, the actor and
-        the job's reason before; the job's reason says so."""
+        being cancelled: ``spec["cancel"]`` keeps the reason, the actor, the
+        job's reason before and the state it ends in (``ends``:
+        ``cancelled``, or ``failed`` for a job the broker ends because it
+        can never run); the job's reason says so."""
         with self.sessions.begin() as session:
             job = self._get(session, job_id)
-            mark = {"reason": reason, "actor": actor, "was": job.reason}
+            mark = {"reason": reason, "actor": actor, "was": job.reason, "ends": ends}
             job.spec = {**job.spec, "cancel": mark}
-            job.reason = f"being cancelled: {reason}"[:1000]
+            doing = "being cancelled" if ends == model.CANCELLED else "being stopped"
+            job.reason = f"{doing}: {reason}"[:1000]
 
     def _unmark_cancel(self, job_id: int) -> None:
         """Take back :meth:`_mark_cancel` (the stop failed)."""
@@ -1162,6 +1167,11 @@ class JobService(LoggingConfigurable):
                     self._notebook(job_id),
                     self.root_of(self.owner(job_id)),
                 )
+            except LaunchUnknown as err:
+                # it may run: its launch intent stays, and the next check
+                # asks its engine again (_launched) before launching anew
+                self.log.warning("Job %s: %s; asked again at the next check", job_id, err)
+                return 0
             except EngineError as err:
                 self._finish(job_id, model.FAILED, f"could not start: {err}", None)
                 why = f"job {job_id} could not start"
@@ -1306,16 +1316,37 @@ class JobService(LoggingConfigurable):
             why = await self._error_of(job_id) if status.exit_code not in (None, 0) else ""
             return self._ended(job_id, lease, status, stopped=False, why=why)
         stop_why = self._stop_reason(job_id, lease)
+        if stop_why is None and status.never_starts:
+            return self._never_starts(job_id, handle, status)
         if stop_why is None:
             assert lease is not None
             self._rebind(job_id, lease, status.devices)
-            await self._maybe_warn(job_id, lease, handle, watch)
+            if not status.waiting:  # a job its engine has not started has nothing to warn
+                await self._maybe_warn(job_id, lease, handle, watch)
             return 0
         try:
             self._begin_stop(job_id, handle)
         except EngineError as err:  # its runner is gone from this broker: next time
             self.log.warning("Job %s: cannot stop its process (%s): %s", job_id, stop_why, err)
         return 0
+
+    def _never_starts(self, job_id: int, handle: Handle, status: Status) -> int:
+        """A job its engine says will never start (Slurm holds it pending
+        for a partition's time limit, an account or QOS it may not use, an
+        admin's hold): it is stopped and ends ``failed``, saying why, as a
+        spawn does (its lease stays granted until its engine has let it
+        go). Returns 1."""
+        reason = (
+            f"its engine will never start it: {status.waiting}; ask your administrator "
+            "(partition, account, QOS, time limit)"
+        )
+        self.log.warning("Job %s: %s", job_id, reason)
+        self._mark_cancel(job_id, reason, "broker", ends=model.FAILED)
+        try:
+            self._begin_stop(job_id, handle)
+        except EngineError as err:  # its runner is gone from this broker: next time
+            self.log.warning("Job %s: cannot stop its process: %s", job_id, err)
+        return 1
 
     def _stop_reason(self, job_id: int, lease: dict[str, Any] | None) -> str | None:
         """Why a running job's process is to be stopped: it is being
@@ -1414,7 +1445,8 @@ class JobService(LoggingConfigurable):
             mark = _cancel_of(self._get(session, job_id))
         if mark is not None:
             reason = str(mark.get("reason") or "cancelled")
-            self._finish(job_id, model.CANCELLED, reason, status)
+            ends = model.FAILED if mark.get("ends") == model.FAILED else model.CANCELLED
+            self._finish(job_id, ends, reason, status)
             if granted:
                 assert lease is not None
                 actor = str(mark.get("actor") or "broker")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -226,6 +227,56 @@ def test_a_failing_squeue_ends_nothing_and_the_job_is_followed_when_slurm_answer
     assert done["state"] == "succeeded", done
     assert (tmp_path / "home" / "ann" / "out.txt").read_text() == "done\n"
     assert broker.get_lease(job["lease_id"])["state"] == "released"
+
+
+def test_a_job_slurm_queued_although_sbatch_failed_runs_once_on_its_lease(
+    broker: Broker, tmp_path: Path
+) -> None:
+    # sbatch exits 1 ("Socket timed out on send/recv operation": slurmctld's
+    # answer was lost) with the job queued (nextflow-io/nextflow#970): the
+    # job must not be failed with its lease released while it runs
+    lossy = tmp_path / "bin"
+    lossy.mkdir()
+    real = shutil.which("sbatch")
+    (lossy / "sbatch").write_text(
+        f'#!/bin/sh\n"{real}" "$@" > /dev/null\n'
+        "echo 'sbatch: error: Batch job submission failed: Socket timed out on send/recv "
+        "operation' >&2\nexit 1\n"
+    )
+    (lossy / "sbatch").chmod(0o755)
+    for name in ("squeue", "sacct", "scancel", "scontrol", "sinfo"):  # bin_dir serves them all
+        (lossy / name).symlink_to(shutil.which(name) or name)
+    jobs = _jobs(broker, tmp_path / "home")
+    engine = broker.engine
+    engine.bin_dir = str(lossy)  # type: ignore[attr-defined]
+    try:
+        job = jobs.submit("ann", {"command": ["sh", "-c", "echo ran >> runs.txt"], "gpus": 1})
+        done = _ticks(jobs, job["id"], _final)
+    finally:
+        engine.bin_dir = ""  # type: ignore[attr-defined]
+    assert done["state"] == "succeeded", done
+    assert (tmp_path / "home" / "ann" / "runs.txt").read_text() == "ran\n"
+    assert broker.get_lease(job["lease_id"])["state"] == "released"
+
+
+def test_a_job_slurm_will_never_start_fails_at_once_saying_why(
+    broker: Broker, slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    # the partition's MaxTime is 1 minute and the job asks 5: Slurm 22.05
+    # (EnforcePartLimits=NO) queues it PENDING (PartitionTimeLimit) for ever
+    slurm_cluster.run("scontrol", "update", "PartitionName=batch", "MaxTime=1")
+    try:
+        jobs = _jobs(broker, tmp_path / "home")
+        job = jobs.submit("ann", {"command": ["sleep", "1"], "gpus": 1, "time": "5m"})
+        done = _ticks(jobs, job["id"], _final, timeout=30)
+    finally:
+        slurm_cluster.run("scontrol", "update", "PartitionName=batch", "MaxTime=INFINITE")
+    assert done["state"] == "failed", done
+    # Slurm says PartitionConfig first, PartitionTimeLimit later: both hopeless
+    assert done["reason"].startswith("its engine will never start it: PENDING (Partition")
+    assert done["reason"].endswith("(partition, account, QOS, time limit)")
+    assert broker.get_lease(job["lease_id"])["state"] == "released"
+    assert slurm_cluster.run("squeue", "-h").stdout.strip() == ""
 
 
 def test_scancel_from_outside_ends_the_job_and_releases_its_lease(
