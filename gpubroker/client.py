@@ -218,9 +218,16 @@ class BrokerClient:
         data = await self._call("GET", f"/leases/{lease_id}/events")
         return data["events"]  # type: ignore[no-any-return]
 
-    async def release_lease(self, lease_id: int, reason: str = "") -> dict[str, Any]:
-        """``DELETE /leases/{id}`` (idempotent); returns the released lease."""
-        body = {"reason": reason} if reason else {}
+    async def release_lease(
+        self, lease_id: int, reason: str = "", holder_stopped: bool = False
+    ) -> dict[str, Any]:
+        """``DELETE /leases/{id}`` (idempotent); returns the lease: released,
+        or still ``granted`` while its server or job is stopped first.
+        ``holder_stopped``: the caller (a broker admin: the spawner) has
+        stopped the lease's server itself, so it is released at once."""
+        body: dict[str, Any] = {"reason": reason} if reason else {}
+        if holder_stopped:
+            body["holder_stopped"] = True
         return await self._call("DELETE", f"/leases/{lease_id}", body)  # type: ignore[no-any-return]
 
     async def usage(

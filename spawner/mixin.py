@@ -1140,7 +1140,8 @@ class GPUSpawnerMixin(LoggingConfigurable):
         Raises:
             BrokerClientError: as :meth:`BrokerClient.release_lease`.
         """
-        lease = await self.broker.release_lease(lease_id, reason)
+        # the spawner releases once the server is stopped (or never started)
+        lease = await self.broker.release_lease(lease_id, reason, holder_stopped=True)
         self.log.info("%s released lease %s: %s", self._log_name, lease_id, reason)
         if note_end and lease.get("release_reason") not in (None, reason):
             self.gpu_last_end = lease["release_reason"]

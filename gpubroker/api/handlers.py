@@ -24,7 +24,7 @@ from tornado import web
 from .. import __version__
 from ..core import Broker, utcnow
 from ..engines.base import EngineError
-from ..errors import BrokerError, NotFound, Unavailable
+from ..errors import BrokerError, Forbidden, NotFound, Unavailable
 from ..store.models import HolderKind
 from ..views import device_listing
 from . import auth, validation
@@ -482,24 +482,43 @@ class LeaseHandler(APIHandler):
         reason = body.get("reason") or f"released by {self.me}"
         if not isinstance(reason, str) or len(reason) > 1000:
             raise validation.BadRequest("reason: must be a string of at most 1000 characters")
+        stopped = body.get("holder_stopped", False)
+        if not isinstance(stopped, bool):
+            raise validation.BadRequest("holder_stopped: must be true or false")
+        if stopped and not self.admin:
+            raise Forbidden(
+                f"holder_stopped: only a broker admin (the spawner, {auth.ADMIN_SCOPE}) "
+                "may say the server is stopped"
+            )
         actor = self.me
+        # an admin's release of another user's lease tells its holder, as the panel's
+        told = self.admin and not stopped and lease["user"] != self.own_user
         if lease["state"] == "granted" and lease["holder_kind"] == HolderKind.job.value:
             # a job's process is stopped first; the job service releases the
             # lease once it has ended (its GPUs are never given while it runs)
             self.broker.stop_lease(lease["id"], reason, actor=actor)
+            self._tell(lease, reason, told)
             self.write_json(self.broker.get_lease(lease["id"]))
             return
         granted = lease["state"] == "granted" and lease["holder_kind"] == HolderKind.server.value
-        running = granted and not self.admin
+        running = granted and not stopped
         if running:
             running = await self.settings["server_running"](lease["user"], lease["server_name"])
         if running:
-            # a user's server keeps no GPU it released: the hub stops it first,
-            # then the lease is released (the spawner, an admin, releases after stops)
+            # a server keeps no GPU given back: the hub stops it first, then the
+            # lease is released (the spawner, which stopped it, says holder_stopped)
             self.broker.stop_lease(lease["id"], reason, actor=actor)
+            self._tell(lease, reason, told)
             self.write_json(self.broker.get_lease(lease["id"]))
             return
-        self.write_json(self.broker.release_lease(lease["id"], reason, actor=actor))
+        released = self.broker.release_lease(lease["id"], reason, actor=actor)
+        self._tell(lease, reason, told and lease["state"] in ("pending", "granted"))
+        self.write_json(released)
+
+    def _tell(self, lease: dict[str, Any], reason: str, told: bool) -> None:
+        """With ``told``, a notice (``admin-release``) to the lease's user."""
+        if told:
+            self.broker.note_lease(lease["id"], "admin-release", reason, notify=True, actor=self.me)
 
 
 class LeaseEventsHandler(APIHandler):

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpubroker.client import BrokerClient
 
 from ..hubutil import RunningHub
-from .test_spawn import wait_until
+from .test_spawn import wait_for_release, wait_until
 
 
 def metrics_url(hub: RunningHub) -> str:
@@ -121,7 +121,17 @@ def test_a_group_quota_change_is_audited_with_the_admins_name(clean_hub: Running
     body = {"user": "wanda", "server_name": "nb", "gpus": 1}
     lease = hub.broker_api("POST", "/leases", json=body, token=user).json()
     assert lease["state"] == "granted", lease
-    hub.broker_api("DELETE", f"/leases/{lease['id']}", token=admin_token)
+    # her server runs: it is stopped first, then the lease released (by the admin)
+    r = hub.broker_api("DELETE", f"/leases/{lease['id']}", token=admin_token)
+    assert r.status_code == 200 and r.json()["state"] == "granted", r.text
+    released = wait_for_release(hub, lease["id"], timeout=60)
+    # (its server's spawner holds no lease: the reconciliation finds it gone)
+    assert released["release_reason"].startswith("released by admin ("), released
+    hub.wait_for_no_server("wanda", "nb")
+    notices = hub.broker_api("GET", "/notices", token=user).json()["notices"]
+    assert [(n["kind"], n["message"]) for n in notices][:1] == [
+        ("admin-release", "released by admin")
+    ], notices
     found = hub.broker_api("GET", "/audit", params={"user": "wanda"}).json()["entries"]
     actions = [(e["action"], e["actor"], e["cause"]) for e in found]
     assert ("released", "admin", "release") in actions

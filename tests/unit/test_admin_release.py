@@ -1,0 +1,118 @@
+"""An admin's release of a running server's lease through the API stops the
+server first, as a user's own and the panel's do (the admin review: an
+admin token released it at once and the GPU went to the next user while
+the server ran on it); only a release that says ``holder_stopped`` (the
+spawner's, after its stop) is immediate, and only a broker admin may say
+so."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from jupyterhub.httpclient import JupyterHubHTTPClient
+from jupyterhub.services.auth import HubAuth
+from tornado.httpserver import HTTPServer
+
+from gpubroker.api.app import make_app
+from gpubroker.core import Broker
+
+from .test_api_scopes import ACCESS, FakeHub, ServedAPI, _bound, error
+
+
+class RunningServers(ServedAPI):
+    """The API of :class:`ServedAPI`, with a hub that runs every server."""
+
+    def __init__(self, broker: Broker, hub: FakeHub) -> None:
+        hub_auth = HubAuth(
+            api_url=hub.api_url, api_token="x", access_scopes={ACCESS}, cache_max_age=5
+        )
+
+        async def running(user: str, server_name: str) -> bool:
+            return True
+
+        self.app = make_app(broker, hub_auth=hub_auth, server_running=running)
+        self.server = HTTPServer(self.app)
+        sock, self.port = _bound()
+        self.server.add_sockets([sock])
+        from tornado.httpclient import AsyncHTTPClient
+
+        self.client = AsyncHTTPClient()
+
+
+@pytest.fixture
+async def served(broker: Broker) -> AsyncIterator[RunningServers]:
+    with FakeHub() as hub:
+        api = RunningServers(broker, hub)
+        try:
+            yield api
+        finally:
+            api.server.stop()
+            await JupyterHubHTTPClient.loop_instance().close()
+
+
+def _server_lease(broker: Broker, user: str) -> dict[str, Any]:
+    lease = broker.request_lease(user, "", gpus=1, holder_kind="server")
+    assert lease["state"] == "granted"
+    return lease
+
+
+@pytest.fixture
+def stops(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Ids of the leases released stopping their holder first
+    (``Broker.stop_lease``; with no hub here, its stop is done at once)."""
+    asked: list[int] = []
+    real = broker.stop_lease
+
+    def stop_lease(lease_id: int, *args: Any, **kwargs: Any) -> Any:
+        asked.append(lease_id)
+        return real(lease_id, *args, **kwargs)
+
+    monkeypatch.setattr(broker, "stop_lease", stop_lease)
+    return asked
+
+
+async def test_an_admins_release_of_a_running_server_stops_it_first_and_tells_its_user(
+    served: RunningServers, broker: Broker, stops: list[int]
+) -> None:
+    lease = _server_lease(broker, "ann")
+    answer = await served.call("DELETE", f"/leases/{lease['id']}", "admin-token", {})
+    assert answer.code == 200
+    assert stops == [lease["id"]]
+    notices = broker.notices("ann")
+    assert [(n["kind"], n["message"]) for n in notices] == [
+        ("admin-release", "released by gpubroker")
+    ]
+
+
+async def test_the_spawners_release_after_its_stop_is_at_once_and_tells_nobody(
+    served: RunningServers, broker: Broker, stops: list[int]
+) -> None:
+    lease = _server_lease(broker, "ann")
+    body = {"reason": "server stopped", "holder_stopped": True}
+    answer = await served.call("DELETE", f"/leases/{lease['id']}", "admin-token", body)
+    assert answer.code == 200 and json.loads(answer.body)["state"] == "released"
+    assert stops == []
+    assert broker.notices("ann") == []
+
+
+async def test_only_an_admin_may_say_the_holder_stopped(
+    served: RunningServers, broker: Broker, stops: list[int]
+) -> None:
+    lease = _server_lease(broker, "ann")
+    answer = await served.call(
+        "DELETE", f"/leases/{lease['id']}", "ann-token", {"holder_stopped": True}
+    )
+    code, message = error(answer)
+    assert code == 403 and message.startswith("holder_stopped: only a broker admin")
+    answer = await served.call(
+        "DELETE", f"/leases/{lease['id']}", "admin-token", {"holder_stopped": "yes"}
+    )
+    assert error(answer) == (400, "holder_stopped: must be true or false")
+    assert broker.get_lease(lease["id"])["state"] == "granted"  # nothing lost
+    # her own release of her running server stops it first, with no notice
+    answer = await served.call("DELETE", f"/leases/{lease['id']}", "ann-token", {})
+    assert answer.code == 200 and stops == [lease["id"]]
+    assert broker.notices("ann") == []
