@@ -15,7 +15,7 @@ import sys
 from typing import Any
 from urllib.parse import urlparse
 
-from traitlets import Bool, Enum, Float, Integer, Unicode, default
+from traitlets import Bool, Enum, Float, Integer, TraitError, Unicode, default
 from traitlets.config import Application, catch_config_error
 
 from . import __version__
@@ -350,6 +350,9 @@ class ServeCommand(_Command):
             asyncio.run(service.run())
         except (DatabaseLocked, DatabaseUnavailable, UnknownSchema, TLSConfigError) as err:
             self.broker_app.log.critical("Not starting: %s", err)
+            self.exit(2)
+        except TraitError as err:  # a setting the configuration file got wrong
+            self.broker_app.log.critical("Not starting: a setting is wrong: %s", err)
             self.exit(2)
         if service.exit_code:
             self.exit(service.exit_code)

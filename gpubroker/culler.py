@@ -712,8 +712,8 @@ class Culler(LoggingConfigurable):
         unknown = self.unknown_exempt_classes()
         if unknown:
             self.log.warning(
-                "Culler.exempt_priority_classes: %s name no priority class (classes: %s);"
-                " they exempt nothing",
+                "Culler.exempt_priority_classes: no priority class is named %s (classes: %s);"
+                " that exempts nothing",
                 ", ".join(unknown),
                 ", ".join(self.broker.priority_classes()),
             )

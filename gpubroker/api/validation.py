@@ -399,11 +399,18 @@ def quota_body(data: dict[str, Any]) -> tuple[float, float | None]:
     """Validate a ``PUT /quotas/{kind}/{name}`` body ``{"guaranteed", "limit"}``.
 
     Raises:
-        BadRequest: unknown field, negative numbers, limit below guarantee.
+        BadRequest: no field (an empty body would silently set the quota to
+            0 guaranteed and no limit), an unknown field, negative numbers,
+            limit below guarantee.
     """
     unknown = sorted(set(data) - {"guaranteed", "limit"})
     if unknown:
         raise BadRequest(f"{unknown[0]}: unknown field (allowed: guaranteed, limit)")
+    if not data:
+        raise BadRequest(
+            'body: give "guaranteed" and/or "limit" (a PUT sets the whole quota: a missing '
+            "guaranteed is 0, a missing limit is no limit)"
+        )
     guaranteed = data.get("guaranteed", 0)
     limit = data.get("limit")
     for key, value in (("guaranteed", guaranteed), ("limit", limit)):

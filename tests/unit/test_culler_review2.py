@@ -230,4 +230,4 @@ async def test_an_exempt_class_that_is_no_class_is_reported_at_start(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    assert "exempt_priority_classes: bach name no priority class" in caplog.text
+    assert "exempt_priority_classes: no priority class is named bach" in caplog.text

@@ -297,3 +297,34 @@ def test_a_priority_class_name_fits_the_store_or_is_refused_at_load(db_url: str)
     lease = broker.request_lease("ann", "", gpus=1, priority_class=longest)
     assert lease["state"] == "granted" and lease["priority_class"] == longest
     _close(broker)
+
+
+def test_serve_with_a_wrong_setting_says_which_with_status_2(tmp_path: Path) -> None:
+    """A policy setting the configuration file got wrong (the admin's trial:
+    a ``default_priority_class`` no class has) ended in ~100 lines of
+    traceback; the broker now names the setting and exits 2."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "gpubroker_config.py"
+    config.write_text('c.SchedulingPolicy.default_priority_class = "nope"\n')
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpubroker",
+            "serve",
+            f"--config={config}",
+            f"--db-url=sqlite:///{tmp_path / 'b.sqlite'}",
+            "--device-backend=fake",
+            "--port=0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    said = run.stderr + run.stdout
+    assert run.returncode == 2, said
+    assert "Not starting: a setting is wrong: default_priority_class: must be one of" in said
+    assert "Traceback" not in said

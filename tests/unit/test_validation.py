@@ -227,3 +227,12 @@ def test_report_parameters_echo_a_bad_value_cut_and_escaped() -> None:
     )
     with pytest.raises(ReportError, match=r'^from: not a date .*: "x\\u0001y"$'):
         parse_time("from", "x\x01y", dt.timezone.utc)
+
+
+def test_a_quota_put_without_fields_is_refused_not_a_lifted_limit() -> None:
+    # an empty body (curl -X PUT without -d) read as {} set 0 guaranteed and
+    # no limit: the admin's trial lifted bob's limit by accident
+    for empty in (b"", b"  ", b"{}"):
+        with pytest.raises(validation.BadRequest, match='body: give "guaranteed" and/or "limit"'):
+            validation.quota_body(validation.parse_json_object(empty))
+    assert validation.quota_body({"limit": None}) == (0.0, None)  # said on purpose
