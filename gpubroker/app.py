@@ -198,7 +198,7 @@ class GPUBrokerApp(Application):
         min=1024,
         help="Largest request body the API accepts, bytes. A request whose "
         "Content-Length is larger is answered 413 from its headers, before its body "
-        "is read; a chunked body is cut off (400) once it grows past it.",
+        "is read; a chunked body that grows past it is answered 400 (its rest discarded).",
     ).tag(config=True)
 
     max_long_polls_per_user = Integer(

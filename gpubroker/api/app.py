@@ -86,9 +86,12 @@ def make_app(
         server_running: ``async (user, server_name) -> bool``, whether the hub
             runs that server (a user's release of its lease stops it first).
         max_body_bytes: largest request body, bytes; a request whose
-            ``Content-Length`` is larger gets 413 before its body is read
-            (pass the same value as ``max_body_size`` to the HTTPServer,
-            which also bounds chunked bodies). 0: no check here.
+            ``Content-Length`` is larger gets 413 before its body is read,
+            a chunked body past it 400 (both with the JSON error). Pass the
+            same value as ``max_body_size`` to the HTTPServer (for a chunked
+            body the check here raises Tornado's own limit to
+            :data:`DRAIN_BYTES`, past which Tornado answers a bare 400).
+            0: no check here.
         max_long_polls: most open long-polls per caller; one more ends the
             caller's oldest (see :class:`~gpubroker.api.longpoll.LongPollRegistry`).
         ledger: the usage ledger (:class:`~gpubroker.usage.ledger.Ledger`):
@@ -161,7 +164,9 @@ class BrokerApplication(web.Application):
 
 class _BodyLimit(httputil.HTTPMessageDelegate):
     """Answer 413 (JSON error) from the headers when ``Content-Length`` is
-    over ``limit`` bytes, and close the connection without reading the body."""
+    over ``limit`` bytes, and close the connection without reading the body;
+    answer 400 (JSON error) to a chunked body once it is past ``limit``
+    bytes (:meth:`data_received`)."""
 
     def __init__(
         self,
@@ -174,6 +179,11 @@ class _BodyLimit(httputil.HTTPMessageDelegate):
         self.connection = connection
         self.limit = limit
         self.log = log
+        self.received = 0
+        #: a chunked body past the limit: no more of it reaches the handler
+        self.refused = False
+        self._answered = False
+        self._timer: asyncio.TimerHandle | None = None
 
     def headers_received(
         self,
@@ -183,7 +193,56 @@ class _BodyLimit(httputil.HTTPMessageDelegate):
         length = (headers.get("Content-Length") or "").strip()
         if length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > self.limit):
             return self._refuse(length)
+        if headers.get("Transfer-Encoding") and hasattr(self.connection, "set_max_body_size"):
+            # the limit is checked here, with a JSON answer; Tornado's own
+            # (HTTPServer max_body_size) answers a bare 400: only past the drain
+            self.connection.set_max_body_size(max(self.limit, DRAIN_BYTES))
         return self.delegate.headers_received(start_line, headers)
+
+    def data_received(self, chunk: bytes) -> Any:
+        """Pass the body on until it is past the limit (only a chunked body
+        can be: a ``Content-Length`` over it was refused from the headers);
+        then discard the rest, and answer 400 once it has been read (at
+        most :data:`DRAIN_BYTES`) or after :data:`DRAIN_SECONDS`."""
+        if self.refused:
+            return None
+        self.received += len(chunk)
+        if self.received <= self.limit:
+            return self.delegate.data_received(chunk)
+        self.refused = True
+        self.log.warning("400 refused a chunked body past %d bytes", self.limit)
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(DRAIN_SECONDS, self._answer_too_large, True)
+        return None
+
+    def _answer_too_large(self, closing: bool = False) -> None:
+        """Answer 400 with the JSON error of a chunked body past the limit;
+        ``closing``: the body is not read to its end, so the connection is
+        closed after the answer (Tornado closes it)."""
+        if self._answered:
+            return
+        self._answered = True
+        if self._timer is not None:
+            self._timer.cancel()
+        message = (
+            f"body: at most {self.limit} bytes (GPUBrokerApp.max_body_bytes),"
+            " got a larger chunked body"
+        )
+        body = json.dumps({"status": 400, "message": message}).encode()
+        headers = httputil.HTTPHeaders(
+            {
+                "Content-Type": "application/json; charset=utf-8",
+                "Content-Length": str(len(body)),
+            }
+        )
+        if closing:
+            headers["Connection"] = "close"
+        start = httputil.ResponseStartLine("HTTP/1.1", 400, "Bad Request")
+        try:
+            self.connection.write_headers(start, headers, body)
+            self.connection.finish()
+        except iostream.StreamClosedError:
+            pass
 
     async def _refuse(self, length: str) -> None:
         shown = length if len(length) <= 20 else length[:20] + "…"
@@ -223,11 +282,13 @@ class _BodyLimit(httputil.HTTPMessageDelegate):
             )
             left -= len(chunk)
 
-    def data_received(self, chunk: bytes) -> Any:
-        return self.delegate.data_received(chunk)
-
     def finish(self) -> None:
+        if self.refused:
+            self._answer_too_large()
+            return
         self.delegate.finish()
 
     def on_connection_close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         self.delegate.on_connection_close()
