@@ -171,6 +171,10 @@ def lease_view(lease: Lease) -> dict[str, Any]:
     }
 
 
+#: the ``state`` of a device in ``GET /devices``, each counted in its ``summary``
+DEVICE_STATES = ("free", "leased", "shared", "drained", "outside")
+
+
 def device_listing(broker: Any, admin: bool, me: str, log: Any) -> dict[str, Any]:
     """The inventory as ``GET /api/v1/devices`` and the panel show it.
 
@@ -182,19 +186,26 @@ def device_listing(broker: Any, admin: bool, me: str, log: Any) -> dict[str, Any
 
     Returns:
         ``{"backend", "devices", "summary"}`` (``DeviceList`` in the OpenAPI
-        document); memory in MiB, utilization in percent.
+        document); memory in MiB, utilization in percent. ``summary``
+        counts the present devices by their ``state`` (``free``,
+        ``leased``, ``shared``, ``drained``, ``outside``; these add up to
+        ``total``), ``free_whole`` (free devices of ``exclusive`` pools:
+        what a request of whole GPUs can get), ``absent`` (devices not
+        present, in no other count) and ``request_limit``.
     """
     devices = [
         _device(broker, device, holders, admin, me, log) for device, holders in broker.device_rows()
     ]
     present = [d for d in devices if d["present"]]
-    summary = {
-        "total": len(present),
-        "free": sum(1 for d in present if d["state"] == "free" and d["pool_mode"] == "exclusive"),
-        "leased": sum(1 for d in present if d["state"] == "leased"),
-        "drained": sum(1 for d in present if d["drained"]),
-        "request_limit": broker.request_limit(),
-    }
+    summary: dict[str, int] = {"total": len(present)}
+    summary.update(dict.fromkeys(DEVICE_STATES, 0))
+    for device in present:
+        summary[device["state"]] += 1
+    summary["free_whole"] = sum(
+        1 for d in present if d["state"] == "free" and d["pool_mode"] == "exclusive"
+    )
+    summary["absent"] = len(devices) - len(present)
+    summary["request_limit"] = broker.request_limit()
     backend = broker.backend
     message = (
         "SIMULATED GPUs: no NVIDIA driver is in use; these devices are fake"

@@ -164,7 +164,8 @@ def render_form(
     """
     summary = devices.get("summary", {})
     backend = devices.get("backend", {})
-    free, total = summary.get("free", 0), summary.get("total", 0)
+    # free whole GPUs (a broker before free_whole counted only those as free)
+    free, total = summary.get("free_whole", summary.get("free", 0)), summary.get("total", 0)
     one_node = _free_on_one_node(devices.get("devices"), free)
     disabled, preselected = count_choices(limit, default, quota, selected)
     choices = []
@@ -295,7 +296,7 @@ def device_gib(pools: list[dict[str, Any]], devices: list[dict[str, Any]]) -> fl
 def _free_on_one_node(devices: Any, free: int) -> int:
     """The most free whole GPUs on one node of ``GET /devices``'s
     ``devices`` (free, present, in an exclusive pool); ``free`` (the
-    summary's count) when the list is empty or says nothing of nodes."""
+    summary's ``free_whole``) when the list is empty or says nothing of nodes."""
     if (
         not isinstance(devices, list)
         or not devices

@@ -48,7 +48,9 @@ ROUTES: list[tuple[str, type[web.RequestHandler]]] = [
 ]
 
 
-_PARAMS = {"{id}": r"(\d+)", "{uuid}": r"([^/]+)", "{kind}": "(user|group)", "{name}": r"([^/]+)"}
+#: each path parameter's pattern; ``{kind}`` takes any segment, so that
+#: ``/quotas/team/x`` is a 400 naming ``kind``, not a 404
+_PARAMS = {"{id}": r"(\d+)", "{uuid}": r"([^/]+)", "{kind}": r"([^/]+)", "{name}": r"([^/]+)"}
 
 
 def _pattern(path: str) -> str:

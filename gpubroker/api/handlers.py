@@ -43,6 +43,9 @@ SLURM_JOB = re.compile(r"[0-9]{1,20}")
 SERVER_RECORD = frozenset({"server_url", "container_id", "docker_engine", "slurm_job"})
 #: longest ``server_url`` a lease may record, characters
 MAX_URL = 2048
+#: the query arguments ``GET /usage`` takes; ``token``: the hub's auth may
+#: read a token there (``HubAuth.allow_token_in_url``)
+USAGE_ARGUMENTS = frozenset({"from", "to", "by", "tz", "format", "user", "token"})
 #: the handler methods of HTTP verbs that carry a declaration
 HTTP_METHODS = ("get", "post", "put", "patch", "delete")
 
@@ -71,19 +74,22 @@ class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
         broker: Broker = self.settings["broker"]
         return broker
 
-    def get_argument(self, name: str, default: Any = None, strip: bool = True) -> Any:  # type: ignore[override]
-        """The query argument ``name`` (``default`` when absent); bodies
-        are JSON, so only the query is read.
+    def get_argument(self, name: str, default: Any = None, strip: bool = False) -> Any:  # type: ignore[override]
+        """The query argument ``name`` as sent (``default`` when absent);
+        bodies are JSON, so only the query is read. Unlike Tornado's, the
+        value keeps its control characters and spaces (``strip``: strip
+        spaces at both ends), so the checks see and show what was sent
+        (:func:`validation.query_argument`).
 
         Raises:
             BadRequest: the argument is given more than once (which one
                 would count is not for the server to guess:
-                ``?dry_run=true&dry_run=false``).
+                ``?dry_run=true&dry_run=false``), or is not UTF-8.
         """
-        values = self.get_query_arguments(name, strip)
-        if len(values) > 1:
-            raise validation.BadRequest(f"{name}: given {len(values)} times; give it once")
-        return values[0] if values else default
+        value = validation.query_argument(self.request.query_arguments, name)
+        if value is None:
+            return default
+        return value.strip() if strip else value
 
     def set_default_headers(self) -> None:
         self.set_header("Content-Type", "application/json; charset=utf-8")
@@ -431,7 +437,8 @@ class LeaseHandler(APIHandler):
         ``slurm_job`` (the spawner)."""
         body = validation.parse_json_object(self.request.body)
         lease_id = self.lease_id(raw_id)
-        if "server_url" in body and set(body) <= SERVER_RECORD:
+        form = lease_patch_form(body)
+        if form == SERVER_RECORD:
             url = body["server_url"]
             if (
                 not isinstance(url, str)
@@ -468,11 +475,12 @@ class LeaseHandler(APIHandler):
                 )
             self.write_json(self.broker.set_server_url(lease_id, url, container, engine, job))
             return
-        if set(body) != {"priority_class"} or not isinstance(body["priority_class"], str):
+        name = body.get("priority_class")
+        if not isinstance(name, str):
             raise validation.BadRequest(
-                'body: must be {"priority_class": NAME} or {"server_url": URL}'
+                "priority_class: must be a string (a class name), got " + validation.echo(name)
             )
-        name = validation.check_name(body["priority_class"], "priority_class")
+        name = validation.check_name(name, "priority_class")
         self.write_json(self.broker.set_priority_class(lease_id, name, actor=self.me))
 
     @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.lease_owner)
@@ -521,6 +529,35 @@ class LeaseHandler(APIHandler):
             self.broker.note_lease(lease["id"], "admin-release", reason, notify=True, actor=self.me)
 
 
+def lease_patch_form(body: dict[str, Any]) -> frozenset[str]:
+    """Which of the two bodies of ``PATCH /leases/{id}`` ``body`` is: the
+    fields of the ``server_url`` form (:data:`SERVER_RECORD`) when it has
+    ``server_url``, else ``{"priority_class"}`` when it has that.
+
+    Returns:
+        the form's allowed fields.
+
+    Raises:
+        BadRequest: neither field (``body: must be ...``), or a field the
+            form does not take: ``x: unknown field (allowed: priority_class)``.
+    """
+    if "server_url" in body:
+        form = SERVER_RECORD
+    elif "priority_class" in body:
+        form = frozenset({"priority_class"})
+    else:
+        got = ", ".join(map(validation.echo, sorted(body))) or "no field"
+        raise validation.BadRequest(
+            'body: must be {"priority_class": NAME} or {"server_url": URL, ...}, got ' + got
+        )
+    unknown = sorted(set(body) - form)
+    if unknown:
+        raise validation.BadRequest(
+            f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(form))})"
+        )
+    return form
+
+
 class LeaseEventsHandler(APIHandler):
     """``GET /api/v1/leases/{id}/events``: the lease's transition log (its
     owner or an admin)."""
@@ -564,14 +601,14 @@ class QuotaHandler(APIHandler):
 
     @auth.needs(auth.ADMIN_SCOPE)
     def put(self, kind: str, name: str) -> None:
-        name = validation.check_name(name, "name")
+        kind, name = validation.quota_path(kind, name)
         guaranteed, limit = validation.quota_body(validation.parse_json_object(self.request.body))
         self.broker.set_quota(kind, name, guaranteed, limit, actor=self.me)
         self.write_json(self.broker.quotas())
 
     @auth.needs(auth.ADMIN_SCOPE)
     def delete(self, kind: str, name: str) -> None:
-        name = validation.check_name(name, "name")
+        kind, name = validation.quota_path(kind, name)
         self.broker.delete_quota(kind, name, actor=self.me)
         self.write_json(self.broker.quotas())
 
@@ -610,13 +647,15 @@ class UsageHandler(APIHandler):
     """``GET /api/v1/usage?from=&to=&by=&tz=&format=[&user=]``: the usage
     report (:mod:`gpubroker.usage.report`); users get their own rows,
     admins everyone's (or one user's with ``?user=``). ``format``: ``json``
-    (default), ``csv``, ``table`` or ``html``."""
+    (default), ``csv``, ``table`` or ``html``. Any other query argument
+    (but ``token``, which the hub's auth may read) is a 400 naming it."""
 
     @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.named_user)
     async def get(self) -> None:
         from ..usage import query, render
         from ..usage.report import ReportError, parse_request
 
+        validation.known_arguments(self.request.query_arguments, USAGE_ARGUMENTS)
         arg = self.get_argument
         now = utcnow()
         try:
@@ -676,11 +715,9 @@ class AuditHandler(APIHandler):
                 bounds[name] = parse_time(name, raw, dt.timezone.utc) if raw else None
             except ReportError as err:
                 raise validation.BadRequest(str(err)) from None
-        limit = validation.optional_int(self.get_argument("limit", None), "limit")
-        if limit is not None and not 1 <= limit <= audit.MAX_LIMIT:
-            raise validation.BadRequest(
-                f"limit: must be between 1 and {audit.MAX_LIMIT}, got {limit}"
-            )
+        limit = validation.optional_int(
+            self.get_argument("limit", None), "limit", 1, audit.MAX_LIMIT
+        )
         kind = self.get_argument("kind", None)
         if kind is not None:
             kind = validation.check_name(kind, "kind")

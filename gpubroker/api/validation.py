@@ -27,6 +27,8 @@ _NAME = re.compile(r"^[^\s/\x00-\x1f\x7f-\x9f\ud800-\udfff][^/\x00-\x1f\x7f-\x9f
 MAX_JSON_DEPTH = 32
 #: largest id or version (SQLite and PostgreSQL integers are signed 64-bit)
 MAX_INT64 = 2**63 - 1
+#: a query argument's name shown as it is in a message (others JSON-escaped)
+_PLAIN_ARG = re.compile(r"[A-Za-z0-9_.-]{1,60}")
 #: a JSON string (skipped whole) or one bracket, for the depth check
 _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
@@ -395,6 +397,26 @@ def optional_seconds(data: dict[str, Any], key: str, limit: float) -> float | No
     return float(value)
 
 
+#: what ``/quotas/{kind}/{name}`` may name
+QUOTA_KINDS = ("user", "group")
+
+
+def quota_path(kind: str, name: str) -> tuple[str, str]:
+    """The ``{kind}`` and ``{name}`` of ``/quotas/{kind}/{name}``, checked.
+
+    Returns:
+        ``(kind, name)``, unchanged.
+
+    Raises:
+        BadRequest: ``kind`` is not ``user`` or ``group``
+            (``kind: must be user or group, got "team"``), or ``name`` is
+            malformed (see :func:`check_name`).
+    """
+    if kind not in QUOTA_KINDS:
+        raise BadRequest(f"kind: must be {' or '.join(QUOTA_KINDS)}, got {echo(kind)}")
+    return kind, check_name(name, "name")
+
+
 def quota_body(data: dict[str, Any]) -> tuple[float, float | None]:
     """Validate a ``PUT /quotas/{kind}/{name}`` body ``{"guaranteed", "limit"}``.
 
@@ -461,14 +483,63 @@ def wait_seconds(raw: str | None, limit: float) -> float:
     return value
 
 
-def optional_int(raw: str | None, name: str) -> int | None:
-    """An optional integer query argument, ASCII digits, 0 to :data:`MAX_INT64`.
+def optional_int(raw: str | None, name: str, low: int = 0, high: int = MAX_INT64) -> int | None:
+    """An optional integer query argument: ASCII digits, ``low`` to ``high``
+    (default 0 to :data:`MAX_INT64`).
+
+    Returns:
+        the integer, or ``None`` when ``raw`` is ``None`` (absent).
 
     Raises:
-        BadRequest: present but not such an integer.
+        BadRequest: present but not such an integer; the message gives the
+            range, e.g. ``limit: must be an integer from 1 to 10000, got "abc"``.
     """
     if raw is None:
         return None
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19 or int(raw) > MAX_INT64:
-        raise BadRequest(f"{name}: must be an integer from 0 to {MAX_INT64}, got {echo(raw)}")
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19 or not low <= int(raw) <= high:
+        raise BadRequest(f"{name}: must be an integer from {low} to {high}, got {echo(raw)}")
     return int(raw)
+
+
+def query_argument(arguments: dict[str, list[bytes]], name: str) -> str | None:
+    """The query argument ``name`` exactly as sent, decoded from UTF-8.
+
+    Tornado's own ``get_argument`` turns control characters into spaces and
+    strips the value, so ``?user=%00`` and ``?user=%20x`` would reach the
+    checks as ``""`` and ``"x"``; this one keeps them, so that a check
+    refuses them and its message shows them (``"\\u0000"``).
+
+    Args:
+        arguments: the request's ``query_arguments``.
+        name: the argument's name.
+
+    Returns:
+        the value, or ``None`` when absent.
+
+    Raises:
+        BadRequest: given more than once (``?dry_run=true&dry_run=false``:
+            which one counts is not for the server to guess), or not UTF-8.
+    """
+    values = arguments.get(name) or []
+    if len(values) > 1:
+        raise BadRequest(f"{name}: given {len(values)} times; give it once")
+    if not values:
+        return None
+    try:
+        return values[0].decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"{name}: not UTF-8 ({err.reason} at byte {err.start})") from None
+
+
+def known_arguments(arguments: dict[str, list[bytes]], allowed: frozenset[str]) -> None:
+    """Refuse a query argument that is not in ``allowed``.
+
+    Raises:
+        BadRequest: naming the first unknown argument (in sorted order) and
+            listing the allowed ones, e.g. ``limit: unknown query argument
+            (allowed: by, format, from, to, tz, user)``.
+    """
+    unknown = sorted(set(arguments) - allowed)
+    if unknown:
+        name = unknown[0] if _PLAIN_ARG.fullmatch(unknown[0]) else echo(unknown[0])
+        raise BadRequest(f"{name}: unknown query argument (allowed: {', '.join(sorted(allowed))})")

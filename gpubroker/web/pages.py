@@ -159,7 +159,9 @@ class LeasesHandler(PanelHandler):
 
     async def get(self) -> None:
         await self.broker.settled()
-        user = validation.optional_name_arg(self.arg("user", None) or None, "user")
+        # as sent: Tornado's own reading would turn "%00" into "" (no filter)
+        user = validation.query_argument(self.request.query_arguments, "user")
+        user = validation.optional_name_arg(user or None, "user")
         state = self.arg("state", "active")
         if state not in LEASE_STATES:
             raise BadRequest(f"state: must be one of {', '.join(LEASE_STATES)}, got {state!r}")
@@ -284,14 +286,11 @@ class QuotasHandler(PanelHandler):
     def post(self) -> None:
         values = {k: self.form(k, "") for k in ("kind", "name", "guaranteed", "limit", "action")}
         try:
-            kind = values["kind"]
-            if kind not in ("user", "group"):
-                raise BadRequest(f"kind: must be user or group, got {kind!r}")
+            kind, name = validation.quota_path(values["kind"], values["name"])  # as the API
             if values["action"] not in ("set", "delete"):
                 raise BadRequest(
                     f"action: must be set or delete, got {validation.echo(values['action'])}"
                 )
-            name = validation.check_name(values["name"], "name")
             if values["action"] == "delete":
                 self.broker.delete_quota(kind, name, actor=self.me)
                 self.back("quotas", f"Stored quota of {kind} {name} removed.")
@@ -311,13 +310,20 @@ class QuotasHandler(PanelHandler):
 
 
 def _number(text: str, field: str) -> float:
-    """A form's number.
+    """A form's number of GPUs: a plain decimal (optionally with an
+    exponent), no sign but ``+``.
+
+    Returns:
+        the number (not yet checked to be finite: :func:`validation.quota_body`).
 
     Raises:
-        BadRequest: not a number.
+        BadRequest: anything else, with the limit the API gives
+            (``guaranteed: must be a finite number of GPUs >= 0, got "-1"``).
     """
     if not _NUMBER.fullmatch(text):
-        raise BadRequest(f"{field}: must be a number of GPUs, got {validation.echo(text)}")
+        raise BadRequest(
+            f"{field}: must be a finite number of GPUs >= 0, got {validation.echo(text)}"
+        )
     return float(text)
 
 
