@@ -959,6 +959,11 @@ class JobService(LoggingConfigurable):
             "log": job.log_path or None,
             "restarts": job.restarts,
             "warned_at": isoformat(job.warned_at),
+            # while running: what holds it in its engine before its program
+            # starts (a Slurm job PENDING for Resources), else null
+            "engine_wait": (job.spec.get("engine_wait") or None)
+            if job.state == model.RUNNING
+            else None,
             # its process is being stopped (a cancel, or its lease ends): it
             # keeps its lease and GPUs until the process has ended
             "stopping": job.state == model.RUNNING
@@ -1318,6 +1323,7 @@ class JobService(LoggingConfigurable):
         stop_why = self._stop_reason(job_id, lease)
         if stop_why is None and status.never_starts:
             return self._never_starts(job_id, handle, status)
+        self._note_engine_wait(job_id, status.waiting)
         if stop_why is None:
             assert lease is not None
             self._rebind(job_id, lease, status.devices)
@@ -1329,6 +1335,20 @@ class JobService(LoggingConfigurable):
         except EngineError as err:  # its runner is gone from this broker: next time
             self.log.warning("Job %s: cannot stop its process (%s): %s", job_id, stop_why, err)
         return 0
+
+    def _note_engine_wait(self, job_id: int, waiting: str) -> None:
+        """Keep what holds a running job in its engine before its program
+        starts (``Status.waiting``: Slurm's ``PENDING (Resources)``) in
+        ``spec["engine_wait"]``, shown as the view's ``engine_wait``;
+        written only when it changes, and dropped once it has started."""
+        with self.sessions() as session:
+            known = str(self._get(session, job_id).spec.get("engine_wait") or "")
+        if known == waiting:
+            return
+        with self.sessions.begin() as session:
+            job = self._get(session, job_id)
+            spec = {k: v for k, v in job.spec.items() if k != "engine_wait"}
+            job.spec = {**spec, "engine_wait": waiting} if waiting else spec
 
     def _never_starts(self, job_id: int, handle: Handle, status: Status) -> int:
         """A job its engine says will never start (Slurm holds it pending

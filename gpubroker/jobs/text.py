@@ -41,9 +41,16 @@ def job_cells(job: Mapping[str, Any]) -> dict[str, str]:
     (:func:`job_what`), ``devices`` (its lease's device UUIDs, ``, ``
     between them; ``""``: none) and ``reason`` (while its lease waits, the
     queue's reason, such as ``Resources``; then the job's own reason, ``; ``
-    between them; at most :data:`WHAT_WIDTH` characters)."""
+    between them; a running job its engine has not started yet says so,
+    ``held by its engine: PENDING (Resources)``; at most
+    :data:`WHAT_WIDTH` characters)."""
     queue = job.get("queue") or {}
-    reasons = (queue.get("reason"), job.get("reason"))
+    held = job.get("engine_wait")
+    reasons = (
+        queue.get("reason"),
+        f"held by its engine: {held}" if held else None,
+        job.get("reason"),
+    )
     return {
         "what": job_what(job),
         "devices": ", ".join(str(d) for d in job.get("devices") or []),

@@ -93,3 +93,31 @@ def test_a_job_its_engine_has_not_started_is_not_warned(
     kinds = [e["kind"] for e in jobs.broker.lease_events(jobs.get(job["id"])["lease_id"])]
     assert signalled == [] and "job-warned" not in kinds
     assert jobs.get(job["id"])["warned_at"] is None
+
+
+def test_a_job_its_engine_holds_shows_why_until_it_starts(
+    jobs: JobService, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpubroker.jobs.text import job_cells
+
+    (home / "di").mkdir(parents=True)
+    waits = ["PENDING (Resources)"]
+    engine = jobs.engines["local"]
+    real_poll = engine.poll
+
+    def poll(handle: Handle, *args: Any, **kwargs: Any) -> Status:
+        status = real_poll(handle, *args, **kwargs)
+        return dataclasses.replace(status, waiting=waits[0]) if status.running else status
+
+    monkeypatch.setattr(engine, "poll", poll)
+    job = jobs.submit("di", {"command": ["sleep", "60"], "gpus": 1})
+    until_state(jobs, job["id"], "running")
+    asyncio.run(jobs.tick())
+    view = jobs.get(job["id"])
+    assert view["engine_wait"] == "PENDING (Resources)"
+    assert job_cells(view)["reason"] == "held by its engine: PENDING (Resources)"
+    waits[0] = ""  # Slurm started it
+    asyncio.run(jobs.tick())
+    view = jobs.get(job["id"])
+    assert view["engine_wait"] is None and "engine_wait" not in view["spec"]
+    assert job_cells(view)["reason"] == ""
