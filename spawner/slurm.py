@@ -43,7 +43,6 @@ import dataclasses
 import os
 import pwd
 import secrets
-import stat
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -56,6 +55,7 @@ from traitlets import Float, Integer, Unicode, default
 from gpubroker.engines.base import EngineError, Handle, LaunchSpec, LaunchUnknown, Status
 from gpubroker.engines.slurm import JOB_NAME_PREFIX, SlurmEngine
 from gpubroker.engines.slurm_json import NEVER_STARTS, JobView
+from gpubroker.userfiles import open_owned
 
 from .mixin import GPUSpawnerMixin, spawn_error
 from .progress import ProgressFeed
@@ -83,15 +83,10 @@ def output_tail(path: str, uid: int, lines: int = OUTPUT_LINES) -> str:
     hub may run as root, and the user chooses what lies in her home
     (``ln -s /etc/shadow``). ``""`` when it cannot be read here (e.g. a
     node's local disk) or is not such a file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return ""
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(file.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+    with open_owned(path, uid) as file:
+        if file is None:
             return ""
-        file.seek(max(0, info.st_size - TAIL_BYTES))
+        file.seek(max(0, os.fstat(file.fileno()).st_size - TAIL_BYTES))
         text = file.read(TAIL_BYTES).decode(errors="replace")
     return "\n".join(text.strip().splitlines()[-lines:])
 

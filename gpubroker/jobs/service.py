@@ -67,6 +67,7 @@ from ..errors import BadRequest, BrokerError, Conflict, Forbidden, NotFound, Una
 from ..model import jobs as model
 from ..store import jobs_repo as repo
 from ..usage.intervals import event_cause
+from ..userfiles import open_owned
 from ..views import isoformat, lease_view
 from .text import one_line
 
@@ -1918,17 +1919,8 @@ def _exit_record(path: str, owner: int | None) -> str | None:
     not followed, and a file of another owner is not read: the path is in
     the user's directory, and a link to a directory on the way could lead
     the broker (maybe root) to someone else's file. At most 64 bytes."""
-    if owner is None:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != owner:
-            return None
-        return f.read(64).decode("ascii", "replace").strip()
+    with open_owned(path, owner) as f:
+        return None if f is None else f.read(64).decode("ascii", "replace").strip()
 
 
 #: most bytes read of a job's error file
@@ -1946,15 +1938,8 @@ def _error_record(path: str, owner: int | None) -> str:
     :func:`_exit_record` reads (no link followed, another owner's file not
     read: the path is in the user's directory); at most
     :data:`ERROR_MAX_BYTES` bytes, as UTF-8 (a bad byte shown as U+FFFD)."""
-    if owner is None:
-        return ""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return ""
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != owner:
+    with open_owned(path, owner) as f:
+        if f is None:
             return ""
         text = f.read(ERROR_MAX_BYTES).decode("utf-8", "replace")
     lines = text.strip().splitlines()
