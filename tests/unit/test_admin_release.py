@@ -13,39 +13,21 @@ from typing import Any
 
 import pytest
 from jupyterhub.httpclient import JupyterHubHTTPClient
-from jupyterhub.services.auth import HubAuth
-from tornado.httpserver import HTTPServer
 
-from gpubroker.api.app import make_app
 from gpubroker.core import Broker
 
-from .test_api_scopes import ACCESS, FakeHub, ServedAPI, _bound, error
+from .test_api_scopes import FakeHub, ServedAPI, error
 
 
-class RunningServers(ServedAPI):
-    """The API of :class:`ServedAPI`, with a hub that runs every server."""
-
-    def __init__(self, broker: Broker, hub: FakeHub) -> None:
-        hub_auth = HubAuth(
-            api_url=hub.api_url, api_token="x", access_scopes={ACCESS}, cache_max_age=5
-        )
-
-        async def running(user: str, server_name: str) -> bool:
-            return True
-
-        self.app = make_app(broker, hub_auth=hub_auth, server_running=running)
-        self.server = HTTPServer(self.app)
-        sock, self.port = _bound()
-        self.server.add_sockets([sock])
-        from tornado.httpclient import AsyncHTTPClient
-
-        self.client = AsyncHTTPClient()
+async def _running(user: str, server_name: str) -> bool:
+    """The hub runs every server."""
+    return True
 
 
 @pytest.fixture
-async def served(broker: Broker) -> AsyncIterator[RunningServers]:
+async def served(broker: Broker) -> AsyncIterator[ServedAPI]:
     with FakeHub() as hub:
-        api = RunningServers(broker, hub)
+        api = ServedAPI(broker, hub, server_running=_running)
         try:
             yield api
         finally:
@@ -75,7 +57,7 @@ def stops(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 async def test_an_admins_release_of_a_running_server_stops_it_first_and_tells_its_user(
-    served: RunningServers, broker: Broker, stops: list[int]
+    served: ServedAPI, broker: Broker, stops: list[int]
 ) -> None:
     lease = _server_lease(broker, "ann")
     answer = await served.call("DELETE", f"/leases/{lease['id']}", "admin-token", {})
@@ -88,7 +70,7 @@ async def test_an_admins_release_of_a_running_server_stops_it_first_and_tells_it
 
 
 async def test_the_spawners_release_after_its_stop_is_at_once_and_tells_nobody(
-    served: RunningServers, broker: Broker, stops: list[int]
+    served: ServedAPI, broker: Broker, stops: list[int]
 ) -> None:
     lease = _server_lease(broker, "ann")
     body = {"reason": "server stopped", "holder_stopped": True}
@@ -99,7 +81,7 @@ async def test_the_spawners_release_after_its_stop_is_at_once_and_tells_nobody(
 
 
 async def test_only_an_admin_may_say_the_holder_stopped(
-    served: RunningServers, broker: Broker, stops: list[int]
+    served: ServedAPI, broker: Broker, stops: list[int]
 ) -> None:
     lease = _server_lease(broker, "ann")
     answer = await served.call(
