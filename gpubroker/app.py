@@ -15,7 +15,7 @@ import sys
 from typing import Any
 from urllib.parse import urlparse
 
-from traitlets import Bool, Enum, Float, Integer, TraitError, Unicode, default
+from traitlets import Bool, Enum, Float, Integer, Unicode, default
 from traitlets.config import Application, catch_config_error
 
 from . import __version__
@@ -341,7 +341,7 @@ class ServeCommand(_Command):
 
     def start(self) -> None:
         from .hub_tls import TLSConfigError
-        from .service import BrokerService
+        from .service import BrokerService, SettingError
         from .store.db import UnknownSchema
         from .store.lock import DatabaseLocked, DatabaseUnavailable
 
@@ -351,7 +351,7 @@ class ServeCommand(_Command):
         except (DatabaseLocked, DatabaseUnavailable, UnknownSchema, TLSConfigError) as err:
             self.broker_app.log.critical("Not starting: %s", err)
             self.exit(2)
-        except TraitError as err:  # a setting the configuration file got wrong
+        except SettingError as err:  # a setting the configuration file got wrong
             self.broker_app.log.critical("Not starting: a setting is wrong: %s", err)
             self.exit(2)
         if service.exit_code:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from jupyterhub.services.auth import HubAuth, HubOAuth
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 from tornado.httpserver import HTTPServer
+from traitlets import TraitError
 
 from .api.app import make_app
 from .broker.actuator import Actuator
@@ -45,6 +46,12 @@ if TYPE_CHECKING:
 
 #: exit status of a broker that lost its database lock
 LOST_LOCK = 4
+
+
+class SettingError(Exception):
+    """A setting the configuration got wrong, found while the broker's
+    parts are built at its start (a ``default_priority_class`` no class
+    has): the broker does not start (``gpubroker serve`` exits 2)."""
 
 
 class BrokerService:
@@ -270,13 +277,17 @@ class BrokerService:
         Raises:
             DatabaseLocked: another broker is the active one of this database;
                 nothing was changed.
+            SettingError: a setting is wrong (nothing was changed).
         """
         self._parent = os.getppid()
         await self._take_lock()
         # after the lock: a broker that waited for it must not reopen the
         # ledger's intervals from before the previous broker's last heartbeat
         booted = time.time()
-        self._build()
+        try:
+            self._build()
+        except TraitError as err:  # a setting the configuration file got wrong
+            raise SettingError(str(err)) from None
         loop = asyncio.get_running_loop()
         # a service started with `&` inherits "ignore SIGINT": set our own handlers
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -68,7 +68,7 @@ OUTPUT_LINES = 8
 TAIL_BYTES = 16384
 #: pending reasons that do not clear by waiting: the spawn fails at once
 #: (Slurm's squeue(1) REASON CODES; the job service fails batch jobs alike)
-HOPELESS = NEVER_STARTS
+HOPELESS = NEVER_STARTS | {"JobHeldAdmin"}
 #: looks for a job by its tag when Slurm could not tell whether it queued it
 FIND_TRIES = 3
 #: seconds between two HTTP looks at a starting server whose port is known

@@ -59,8 +59,11 @@ STARTED_JOB_STATES = frozenset(
 )
 
 #: pending reasons that waiting does not clear (Slurm's squeue(1) REASON
-#: CODES: the job asks what its partition, account or QOS never gives, or
-#: an admin holds it): a job pending for one of them never starts as it is
+#: CODES: the job asks what its partition, account or QOS never gives): a
+#: job pending for one of them never starts as it is. Not an admin's hold
+#: (``JobHeldAdmin``): a batch job waits through it (a maintenance hold is
+#: released), as in Slurm; the spawner, whose user waits at the spawn
+#: page, fails at once on it too
 NEVER_STARTS = frozenset(
     {
         "PartitionTimeLimit",
@@ -71,7 +74,6 @@ NEVER_STARTS = frozenset(
         "InvalidAccount",
         "InvalidQOS",
         "BadConstraints",
-        "JobHeldAdmin",
     }
 )
 

@@ -202,6 +202,14 @@ class JobService(LoggingConfigurable):
         self._log_reads = concurrent.futures.ThreadPoolExecutor(
             LOG_READ_WORKERS, thread_name_prefix="gpubroker-job-log"
         )
+        #: reads of failed jobs' error files (:meth:`_error_of`), one at a
+        #: time on a worker of their own, so that users' log reads never
+        #: hold them up; the read in flight (one hung on a file system is
+        #: not waited for again)
+        self._error_reads = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="gpubroker-job-error"
+        )
+        self._error_read: concurrent.futures.Future[str] | None = None
         #: checks in flight per user, under ``_checking_lock``
         self._checking: dict[str, int] = {}
         self._checking_lock = threading.Lock()
@@ -708,8 +716,9 @@ class JobService(LoggingConfigurable):
 
         Raises:
             NotFound: no such job.
-            Unavailable: the job's engine is not here, or could not stop its
-                process within :attr:`cancel_wait` seconds.
+            Unavailable: the job's engine is not here, could not stop its
+                process within :attr:`cancel_wait` seconds, or cannot tell
+                whether a launch of it started (it may run).
         """
         if job_id in self._cancelling:
             return self.get(job_id)
@@ -724,12 +733,16 @@ class JobService(LoggingConfigurable):
             if state in model.FINAL or asked:
                 return self.get(job_id)
             intent = self._intent(job_id) if state == model.QUEUED else None
-            if intent is not None:  # a launch under way when the broker stopped
+            if intent is not None:  # a launch under way, or whose outcome is unknown
                 try:
                     found = await self._launched(job_id, intent)
                 except EngineError as err:
+                    # it may run: ending it here would give its GPUs away
                     self.log.warning("Job %s: finding launch %s: %s", job_id, intent[1], err)
-                    found = None
+                    raise Unavailable(
+                        f"job {job_id}: whether its launch started cannot be told now ({err}); "
+                        "it keeps its GPUs, cancel it again later"
+                    ) from None
                 if isinstance(found, Handle):  # it runs: stopped as a running job
                     self._started(job_id, found)
                     state, handle = model.RUNNING, found
@@ -903,6 +916,7 @@ class JobService(LoggingConfigurable):
         ``stop_grace`` seconds plus its engine's kill."""
         self._checks.shutdown(wait=False, cancel_futures=True)
         self._log_reads.shutdown(wait=False, cancel_futures=True)
+        self._error_reads.shutdown(wait=False, cancel_futures=True)
         self._stoppers.shutdown(wait=False, cancel_futures=True)
 
     def _read_log(self, path: str, user: str, offset: int, limit: int) -> bytes:
@@ -1323,7 +1337,7 @@ class JobService(LoggingConfigurable):
             return self._ended(job_id, lease, status, stopped=False, why=why)
         stop_why = self._stop_reason(job_id, lease)
         if stop_why is None and status.never_starts:
-            return self._never_starts(job_id, handle, status)
+            return await self._never_starts(job_id, handle)
         self._note_engine_wait(job_id, status.waiting)
         if stop_why is None:
             assert lease is not None
@@ -1351,12 +1365,21 @@ class JobService(LoggingConfigurable):
             spec = {k: v for k, v in job.spec.items() if k != "engine_wait"}
             job.spec = {**spec, "engine_wait": waiting} if waiting else spec
 
-    def _never_starts(self, job_id: int, handle: Handle, status: Status) -> int:
+    async def _never_starts(self, job_id: int, handle: Handle) -> int:
         """A job its engine says will never start (Slurm holds it pending
-        for a partition's time limit, an account or QOS it may not use, an
-        admin's hold): it is stopped and ends ``failed``, saying why, as a
-        spawn does (its lease stays granted until its engine has let it
-        go). Returns 1."""
+        for a partition's time limit, an account or QOS it may not use):
+        asked once more (it may have started since the round's poll), it is
+        stopped and ends ``failed``, saying why, as a spawn does (its lease
+        stays granted until its engine has let it go). Returns 1 when it
+        is being stopped, else 0."""
+        loop = asyncio.get_running_loop()
+        try:
+            status = await loop.run_in_executor(None, self._engine(handle.engine).poll, handle)
+        except EngineError as err:
+            self.log.warning("Job %s: cannot read its process: %s", job_id, err)
+            return 0
+        if not (status.running and status.never_starts):
+            return 0  # started (or ended) meanwhile: the next round sees it
         reason = (
             f"its engine will never start it: {status.waiting}; ask your administrator "
             "(partition, account, QOS, time limit)"
@@ -1420,18 +1443,27 @@ class JobService(LoggingConfigurable):
     async def _error_of(self, job_id: int) -> str:
         """The line the job's run wrote to say why it failed (its error
         file, ``$GPUBROKER_JOB_ERROR_FILE``: :func:`_error_record`), read
-        on the log readers' workers within :data:`LOG_READ_TIMEOUT`
-        seconds; ``""`` when there is none or it cannot be read in time."""
+        on a worker of its own within :data:`ERROR_READ_TIMEOUT` seconds
+        (the supervisor's round waits for it); ``""`` when there is none,
+        it cannot be read in time, or an earlier read still hangs (then
+        it is not tried: the round never waits on a hung file system
+        twice)."""
         path, _state, user = self._log_of(job_id)
         if not path:
             return ""
+        if self._error_read is not None and not self._error_read.done():
+            self.log.warning("Job %s: its error file is not read (an earlier read hangs)", job_id)
+            return ""
         owner = os.getuid() if self.run_as_self else _uid_of(user)
-        future = self._log_reads.submit(_error_record, f"{path}.error", owner)
+        future = self._error_reads.submit(_error_record, f"{path}.error", owner)
+        self._error_read = future
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), LOG_READ_TIMEOUT)
+            return await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), ERROR_READ_TIMEOUT
+            )
         except TimeoutError:
             self.log.warning(
-                "Job %s: its error file took over %ss to read", job_id, LOG_READ_TIMEOUT
+                "Job %s: its error file took over %ss to read", job_id, ERROR_READ_TIMEOUT
             )
             return ""
 
@@ -1925,6 +1957,9 @@ def _exit_record(path: str, owner: int | None) -> str | None:
 
 #: most bytes read of a job's error file
 ERROR_MAX_BYTES = 1024
+
+#: seconds the supervisor waits for a failed job's error file
+ERROR_READ_TIMEOUT = 2.0
 
 #: most characters of its line kept in the job's reason
 ERROR_WIDTH = 200

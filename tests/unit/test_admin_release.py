@@ -98,3 +98,18 @@ async def test_only_an_admin_may_say_the_holder_stopped(
     answer = await served.call("DELETE", f"/leases/{lease['id']}", "ann-token", {})
     assert answer.code == 200 and stops == [lease["id"]]
     assert broker.notices("ann") == []
+
+
+async def test_an_admins_release_repeated_while_its_stop_is_under_way_tells_once(
+    served: ServedAPI, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lease = _server_lease(broker, "ann")
+    # the hub takes its time to stop the server: the stop stays open
+    monkeypatch.setattr(broker, "stop_lease", lambda *a, **k: broker.get_lease(lease["id"]))
+    monkeypatch.setattr(broker.stops, "open_stop", lambda lease_id: None)
+    await served.call("DELETE", f"/leases/{lease['id']}", "admin-token", {"reason": "first"})
+    monkeypatch.setattr(broker.stops, "open_stop", lambda lease_id: object())
+    await served.call("DELETE", f"/leases/{lease['id']}", "admin-token", {"reason": "again"})
+    assert [(n["kind"], n["message"]) for n in broker.notices("ann")] == [
+        ("admin-release", "first")
+    ]

@@ -121,3 +121,41 @@ def test_a_job_its_engine_holds_shows_why_until_it_starts(
     view = jobs.get(job["id"])
     assert view["engine_wait"] is None and "engine_wait" not in view["spec"]
     assert job_cells(view)["reason"] == ""
+
+
+def test_a_cancel_while_a_launch_is_unknown_keeps_the_gpus(
+    jobs: JobService, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the review of the LaunchUnknown change: the cancel took "cannot tell"
+    # for "never started", ended the job and gave its GPUs away while its
+    # process ran
+    from gpubroker.engines import EngineError
+    from gpubroker.errors import Unavailable
+
+    (home / "ed").mkdir(parents=True)
+    engine = jobs.engines["local"]
+    real_launch, real_find = engine.launch, engine.find
+
+    def lost_answer(spec: LaunchSpec) -> Handle:
+        real_launch(spec)
+        raise LaunchUnknown("sbatch failed; squeue failed")
+
+    def blind(tag: str, user: str) -> Handle | None:
+        raise EngineError("squeue failed (exit 1): Unable to contact slurm controller")
+
+    monkeypatch.setattr(engine, "launch", lost_answer)
+    monkeypatch.setattr(engine, "find", blind)
+    job = jobs.submit("ed", {"command": ["sleep", "60"], "gpus": 1})
+    asyncio.run(jobs.tick())
+    with pytest.raises(Unavailable, match="whether its launch started cannot be told now"):
+        asyncio.run(jobs.cancel(job["id"], "no longer needed", "ed"))
+    view = jobs.get(job["id"])
+    assert view["state"] == "queued"
+    assert jobs.broker.get_lease(view["lease_id"])["state"] == "granted"
+    # the engine answers again: the cancel finds the process and stops it
+    monkeypatch.setattr(engine, "find", real_find)
+    done = asyncio.run(jobs.cancel(job["id"], "no longer needed", "ed"))
+    if done["state"] != "cancelled":
+        done = run_until_done(jobs, job["id"])
+    assert done["state"] == "cancelled", done
+    assert jobs.broker.get_lease(done["lease_id"])["state"] == "released"

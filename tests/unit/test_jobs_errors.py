@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from gpubroker.jobs.service import ERROR_WIDTH, JobService, _error_record
 
 from ..nbutil import write_notebook as notebook
@@ -60,3 +62,33 @@ def test_an_error_file_that_is_a_link_or_another_owners_is_not_read(tmp_path: Pa
     assert _error_record(str(secret), os.getuid() + 1) == ""  # not the job user's
     assert _error_record(str(secret), None) == ""  # no such account
     assert _error_record(str(tmp_path / "none"), os.getuid()) == ""
+
+
+def test_an_error_file_on_a_hung_file_system_holds_up_the_round_once(
+    jobs: JobService, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the supervisor's round waits for the read: at most ERROR_READ_TIMEOUT,
+    # and not again while that read still hangs (a hung NFS home)
+    import threading
+
+    from gpubroker.jobs import service
+
+    hang = threading.Event()
+    reads: list[str] = []
+
+    def hung(path: str, owner: int | None) -> str:
+        reads.append(path)
+        hang.wait(30)
+        return "never seen"
+
+    monkeypatch.setattr(service, "_error_record", hung)
+    monkeypatch.setattr(service, "ERROR_READ_TIMEOUT", 0.2)
+    (home / "fay").mkdir(parents=True)
+    try:
+        first = jobs.submit("fay", {"command": ["sh", "-c", "exit 3"], "gpus": 1})
+        second = jobs.submit("fay", {"command": ["sh", "-c", "exit 4"], "gpus": 1})
+        assert run_until_done(jobs, first["id"])["reason"] == "exit code 3"
+        assert run_until_done(jobs, second["id"])["reason"] == "exit code 4"
+        assert len(reads) == 1  # the second was not tried while the first hung
+    finally:
+        hang.set()

@@ -109,8 +109,9 @@ def test_a_pending_job_is_waiting_and_a_hopeless_one_never_starts() -> None:
     hopeless = sj.job_status({"job_state": "PENDING", "state_reason": "PartitionTimeLimit"})
     assert hopeless.running and hopeless.never_starts
     assert hopeless.waiting == "PENDING (PartitionTimeLimit)"
+    # an admin's hold (maintenance) is waited through by batch jobs
     held = sj.job_status({"job_state": "PENDING", "state_reason": "JobHeldAdmin"})
-    assert held.never_starts
+    assert held.waiting == "PENDING (JobHeldAdmin)" and not held.never_starts
     running = sj.job_status({"job_state": "RUNNING", "state_reason": "None"})
     assert running.running and running.waiting == "" and not running.never_starts
     # the view a spawner reads keeps them, with the bound GPUs of a running job
