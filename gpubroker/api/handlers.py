@@ -499,9 +499,11 @@ class LeaseHandler(APIHandler):
                 "may say the server is stopped"
             )
         actor = self.me
-        # an admin's release of another user's lease tells its holder, as the
-        # panel's; once (a release repeated while its stop is under way: no more)
-        told = self.admin and not stopped and lease["user"] != self.own_user
+        # a (human) admin's release of another user's lease tells its holder,
+        # as the panel's; once (a release repeated while its stop is under
+        # way: no more). A service's (the spawner's, a tool's) tells no one
+        me = self.own_user
+        told = self.admin and not stopped and bool(me) and lease["user"] != me
         told = told and self.broker.stops.open_stop(lease["id"]) is None
         if lease["state"] == "granted" and lease["holder_kind"] == HolderKind.job.value:
             # a job's process is stopped first; the job service releases the

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 from jupyterhub.httpclient import JupyterHubHTTPClient
 
+from gpubroker.api import auth
 from gpubroker.core import Broker
 
-from .test_api_scopes import FakeHub, ServedAPI, error
+from .test_api_scopes import ACCESS, MODELS, FakeHub, ServedAPI, error
 
 
 async def _running(user: str, server_name: str) -> bool:
@@ -25,7 +26,10 @@ async def _running(user: str, server_name: str) -> bool:
 
 
 @pytest.fixture
-async def served(broker: Broker) -> AsyncIterator[ServedAPI]:
+async def served(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[ServedAPI]:
+    """The API, with ``root-token`` a (human) broker admin's."""
+    root = {"kind": "user", "name": "root", "scopes": [ACCESS, auth.ADMIN_SCOPE]}
+    monkeypatch.setitem(MODELS, "root-token", root)
     with FakeHub() as hub:
         api = ServedAPI(broker, hub, server_running=_running)
         try:
@@ -60,13 +64,17 @@ async def test_an_admins_release_of_a_running_server_stops_it_first_and_tells_it
     served: ServedAPI, broker: Broker, stops: list[int]
 ) -> None:
     lease = _server_lease(broker, "ann")
-    answer = await served.call("DELETE", f"/leases/{lease['id']}", "admin-token", {})
+    answer = await served.call("DELETE", f"/leases/{lease['id']}", "root-token", {})
     assert answer.code == 200
     assert stops == [lease["id"]]
     notices = broker.notices("ann")
-    assert [(n["kind"], n["message"]) for n in notices] == [
-        ("admin-release", "released by gpubroker")
-    ]
+    assert [(n["kind"], n["message"]) for n in notices] == [("admin-release", "released by root")]
+    # a service's release (the broker's own token, a tool's) is stopped first
+    # too, and tells no one
+    other = _server_lease(broker, "bob")
+    answer = await served.call("DELETE", f"/leases/{other['id']}", "admin-token", {})
+    assert answer.code == 200 and stops == [lease["id"], other["id"]]
+    assert broker.notices("bob") == []
 
 
 async def test_the_spawners_release_after_its_stop_is_at_once_and_tells_nobody(
@@ -107,9 +115,9 @@ async def test_an_admins_release_repeated_while_its_stop_is_under_way_tells_once
     # the hub takes its time to stop the server: the stop stays open
     monkeypatch.setattr(broker, "stop_lease", lambda *a, **k: broker.get_lease(lease["id"]))
     monkeypatch.setattr(broker.stops, "open_stop", lambda lease_id: None)
-    await served.call("DELETE", f"/leases/{lease['id']}", "admin-token", {"reason": "first"})
+    await served.call("DELETE", f"/leases/{lease['id']}", "root-token", {"reason": "first"})
     monkeypatch.setattr(broker.stops, "open_stop", lambda lease_id: object())
-    await served.call("DELETE", f"/leases/{lease['id']}", "admin-token", {"reason": "again"})
+    await served.call("DELETE", f"/leases/{lease['id']}", "root-token", {"reason": "again"})
     assert [(n["kind"], n["message"]) for n in broker.notices("ann")] == [
         ("admin-release", "first")
     ]
