@@ -1338,7 +1338,8 @@ class JobService(LoggingConfigurable):
         stop_why = self._stop_reason(job_id, lease)
         if stop_why is None and status.never_starts:
             return await self._never_starts(job_id, handle)
-        self._note_engine_wait(job_id, status.waiting)
+        if status.waiting != watch.engine_wait:
+            self._note_engine_wait(job_id, status.waiting)
         if stop_why is None:
             assert lease is not None
             self._rebind(job_id, lease, status.devices)
@@ -1354,12 +1355,9 @@ class JobService(LoggingConfigurable):
     def _note_engine_wait(self, job_id: int, waiting: str) -> None:
         """Keep what holds a running job in its engine before its program
         starts (``Status.waiting``: Slurm's ``PENDING (Resources)``) in
-        ``spec["engine_wait"]``, shown as the view's ``engine_wait``;
-        written only when it changes, and dropped once it has started."""
-        with self.sessions() as session:
-            known = str(self._get(session, job_id).spec.get("engine_wait") or "")
-        if known == waiting:
-            return
+        ``spec["engine_wait"]``, shown as the view's ``engine_wait``
+        (the caller writes only a change: :attr:`_Watch.engine_wait`), and
+        drop it once it has started."""
         with self.sessions.begin() as session:
             job = self._get(session, job_id)
             spec = {k: v for k, v in job.spec.items() if k != "engine_wait"}
@@ -1983,7 +1981,8 @@ def _error_record(path: str, owner: int | None) -> str:
 
 @dataclass(frozen=True)
 class _Watch:
-    """What the supervisor needs of a running job to warn it (read once per check)."""
+    """What the supervisor needs of a running job to warn it (read once per
+    check), and what it last noted holds it in its engine (``engine_wait``)."""
 
     kind: str
     started_at: dt.datetime | None
@@ -1991,11 +1990,15 @@ class _Watch:
     time_limit: float | None
     log: str = ""
     user: str = ""
+    engine_wait: str = ""
 
     @classmethod
     def of(cls, job: Any) -> _Watch:
         limit = job.spec.get("time_limit")
-        return cls(job.kind, job.started_at, job.warned_at, limit, job.log_path or "", job.user)
+        waited = str(job.spec.get("engine_wait") or "")
+        return cls(
+            job.kind, job.started_at, job.warned_at, limit, job.log_path or "", job.user, waited
+        )
 
 
 def _warn_file(log: str) -> str:

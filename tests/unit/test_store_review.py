@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -237,8 +239,6 @@ def test_the_commands_refuse_a_newer_schema_with_its_message_and_status_2(
 ) -> None:
     """``gpubroker serve`` and ``upgrade-db`` on a schema of a newer release
     end with the refusal's sentence and status 2, not a traceback."""
-    import subprocess
-    import sys
 
     url = f"sqlite:///{tmp_path / 'newer.sqlite'}"
     upgrade(url)
@@ -246,13 +246,7 @@ def test_the_commands_refuse_a_newer_schema_with_its_message_and_status_2(
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE alembic_version SET version_num = '0099'"))
     engine.dispose()
-    run = subprocess.run(
-        [sys.executable, "-m", "gpubroker", command, f"--db-url={url}"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=60,
-    )
+    run = _gpubroker(tmp_path, command, f"--db-url={url}")
     said = run.stderr + run.stdout
     assert run.returncode == 2, said
     assert "schema revision '0099'" in said and "Traceback" not in said
@@ -303,28 +297,29 @@ def test_serve_with_a_wrong_setting_says_which_with_status_2(tmp_path: Path) -> 
     """A policy setting the configuration file got wrong (the admin's trial:
     a ``default_priority_class`` no class has) ended in ~100 lines of
     traceback; the broker now names the setting and exits 2."""
-    import subprocess
-    import sys
 
     config = tmp_path / "gpubroker_config.py"
     config.write_text('c.SchedulingPolicy.default_priority_class = "nope"\n')
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gpubroker",
-            "serve",
-            f"--config={config}",
-            f"--db-url=sqlite:///{tmp_path / 'b.sqlite'}",
-            "--device-backend=fake",
-            "--port=0",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=60,
+    run = _gpubroker(
+        tmp_path,
+        "serve",
+        f"--config={config}",
+        f"--db-url=sqlite:///{tmp_path / 'b.sqlite'}",
+        "--device-backend=fake",
+        "--port=0",
     )
     said = run.stderr + run.stdout
     assert run.returncode == 2, said
     assert "Not starting: a setting is wrong: default_priority_class: must be one of" in said
     assert "Traceback" not in said
+
+
+def _gpubroker(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m gpubroker ARGS`` in ``cwd`` (60 s at most), its output kept."""
+    return subprocess.run(
+        [sys.executable, "-m", "gpubroker", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=60,
+    )
