@@ -52,6 +52,7 @@ from .broker.leases import Leases
 from .broker.notices import Notices
 from .broker.passloop import PassLoop
 from .broker.queries import Queries
+from .broker.release_asked import AskedRelease, release_asked
 from .broker.runner import CommandRunner
 from .broker.scheduling import Scheduling
 from .broker.sharing import SharingOps
@@ -599,6 +600,13 @@ class Broker(LoggingConfigurable):
     def release_lease(self, lease_id: int, reason: str, **kwargs: Any) -> dict[str, Any]:
         """Release a lease (:meth:`Leases.release_lease`)."""
         return self.leases.release_lease(lease_id, reason, **kwargs)
+
+    async def release_asked(
+        self, lease_id: int, reason: str, *args: Any, **kwargs: Any
+    ) -> AskedRelease:
+        """Release a lease as a person or tool asks: a running holder is
+        stopped first (:func:`~gpubroker.broker.release_asked.release_asked`)."""
+        return await release_asked(self, lease_id, reason, *args, **kwargs)
 
     def reconcile(self, *args: Any, **kwargs: Any) -> list[int]:
         """Release leases whose hub server is gone (:meth:`Leases.reconcile`)."""

@@ -498,39 +498,19 @@ class LeaseHandler(APIHandler):
                 f"holder_stopped: only a broker admin (the spawner, {auth.ADMIN_SCOPE}) "
                 "may say the server is stopped"
             )
-        actor = self.me
         # a (human) admin's release of another user's lease tells its holder,
-        # as the panel's; once (a release repeated while its stop is under
-        # way: no more). A service's (the spawner's, a tool's) tells no one
+        # as the panel's; a service's (the spawner's, a tool's) tells no one
         me = self.own_user
-        told = self.admin and not stopped and bool(me) and lease["user"] != me
-        told = told and self.broker.stops.open_stop(lease["id"]) is None
-        if lease["state"] == "granted" and lease["holder_kind"] == HolderKind.job.value:
-            # a job's process is stopped first; the job service releases the
-            # lease once it has ended (its GPUs are never given while it runs)
-            self.broker.stop_lease(lease["id"], reason, actor=actor)
-            self._tell(lease, reason, told)
-            self.write_json(self.broker.get_lease(lease["id"]))
-            return
-        granted = lease["state"] == "granted" and lease["holder_kind"] == HolderKind.server.value
-        running = granted and not stopped
-        if running:
-            running = await self.settings["server_running"](lease["user"], lease["server_name"])
-        if running:
-            # a server keeps no GPU given back: the hub stops it first, then the
-            # lease is released (the spawner, which stopped it, says holder_stopped)
-            self.broker.stop_lease(lease["id"], reason, actor=actor)
-            self._tell(lease, reason, told)
-            self.write_json(self.broker.get_lease(lease["id"]))
-            return
-        released = self.broker.release_lease(lease["id"], reason, actor=actor)
-        self._tell(lease, reason, told and lease["state"] in ("pending", "granted"))
-        self.write_json(released)
-
-    def _tell(self, lease: dict[str, Any], reason: str, told: bool) -> None:
-        """With ``told``, a notice (``admin-release``) to the lease's user."""
-        if told:
-            self.broker.note_lease(lease["id"], "admin-release", reason, notify=True, actor=self.me)
+        tell = self.admin and not stopped and bool(me) and lease["user"] != me
+        done = await self.broker.release_asked(
+            lease["id"],
+            reason,
+            self.me,
+            server_running=self.settings["server_running"],
+            holder_stopped=stopped,
+            tell=tell,
+        )
+        self.write_json(done.lease)
 
 
 def lease_patch_form(body: dict[str, Any]) -> frozenset[str]:

@@ -21,6 +21,7 @@ from tornado import web
 
 from .. import views
 from ..api import validation
+from ..broker.release_asked import Outcome
 from ..errors import BadRequest, BrokerError, Conflict
 from . import tiles
 from .base import PanelHandler
@@ -200,31 +201,31 @@ class LeasesHandler(PanelHandler):
             return
         lease_id = _id(self.form("lease_id"), "lease_id")
         if action == "release":
-            text = _reason(reason, f"released by {self.me}")
-            lease = self.broker.get_lease(lease_id)
-            if lease["state"] not in ("pending", "granted"):
-                # ended already (by its user, another admin, a form sent twice):
-                # no release to record, no notice for its holder
-                raise Conflict(f"lease {lease_id}: is {lease['state']} already, nothing to release")
-            if lease["state"] == "granted" and lease["holder_kind"] in ("server", "job"):
-                holder = lease["holder_kind"]
-                if self.broker.stops.open_stop(lease_id) is not None:
-                    raise Conflict(f"lease {lease_id}: its {holder} is being stopped already")
-                # its server (or job's process) keeps no GPU given back: it is
-                # stopped (by the hub, the job service), then the lease is released
-                self.broker.stop_lease(lease_id, text, actor=self.me)
-                self.broker.note_lease(lease_id, "admin-release", text, notify=True, actor=self.me)
-                what = "Server" if holder == "server" else "Job"
-                self.back("leases", f"{what} of lease {lease_id} of {lease['user']} stopping.")
-                return
-            lease = self.broker.release_lease(lease_id, text, actor=self.me)
-            self.broker.note_lease(lease_id, "admin-release", text, notify=True, actor=self.me)
-            self.back("leases", f"Lease {lease_id} of {lease['user']} released.")
+            await self._release(lease_id, _reason(reason, f"released by {self.me}"))
         elif action == "preempt":
             if not reason:
                 raise BadRequest("reason: a preemption needs a reason (the user is told it)")
             lease = self.broker.preempt_lease(lease_id, _reason(reason, ""), actor=self.me)
             self.back("leases", f"Lease {lease_id} of {lease['user']} preempted.")
+
+    async def _release(self, lease_id: int, text: str) -> None:
+        """**Release**: its running server or job is stopped first, and its
+        user is told (:mod:`gpubroker.broker.release_asked`)."""
+        done = await self.broker.release_asked(
+            lease_id, text, self.me, server_running=self.settings["server_running"], tell=True
+        )
+        lease, holder = done.lease, done.holder
+        if done.outcome is Outcome.ended_already:
+            # ended already (by its user, another admin, a form sent twice):
+            # no release to record, no notice for its holder
+            raise Conflict(f"lease {lease_id}: is {lease['state']} already, nothing to release")
+        if done.outcome is Outcome.stopping_already:
+            raise Conflict(f"lease {lease_id}: its {holder} is being stopped already")
+        if done.outcome is Outcome.stopping:
+            what = "Server" if holder == "server" else "Job"
+            self.back("leases", f"{what} of lease {lease_id} of {lease['user']} stopping.")
+            return
+        self.back("leases", f"Lease {lease_id} of {lease['user']} released.")
 
     async def _cancel_job(self, job_id: int, reason: str) -> None:
         jobs = self.settings.get("jobs")

@@ -15,6 +15,7 @@ import pytest
 from jupyterhub.httpclient import JupyterHubHTTPClient
 
 from gpubroker.api import auth
+from gpubroker.broker.release_asked import Outcome
 from gpubroker.core import Broker
 
 from .test_api_scopes import ACCESS, MODELS, FakeHub, ServedAPI, error
@@ -121,3 +122,57 @@ async def test_an_admins_release_repeated_while_its_stop_is_under_way_tells_once
     assert [(n["kind"], n["message"]) for n in broker.notices("ann")] == [
         ("admin-release", "first")
     ]
+
+
+# --- one rule for the API and the panel (gpubroker.broker.release_asked) --------
+
+
+async def _gone(user: str, server_name: str) -> bool:
+    """The hub runs no server (it ended on its own)."""
+    return False
+
+
+async def test_a_server_the_hub_no_longer_runs_is_released_at_once_and_its_user_told(
+    broker: Broker, stops: list[int]
+) -> None:
+    """Before, the panel stopped first whatever the hub said: a lease whose
+    server had ended waited for a stop the hub could not do."""
+    lease = _server_lease(broker, "ann")
+    done = await broker.release_asked(
+        lease["id"], "maintenance", "root", server_running=_gone, tell=True
+    )
+    assert done.outcome is Outcome.released and done.lease["state"] == "released"
+    assert stops == []
+    assert [(n["kind"], n["message"]) for n in broker.notices("ann")] == [
+        ("admin-release", "maintenance")
+    ]
+
+
+async def test_a_lease_that_ends_while_the_hub_is_asked_is_not_told_of(
+    broker: Broker, stops: list[int]
+) -> None:
+    lease = _server_lease(broker, "ann")
+
+    async def released_meanwhile(user: str, server_name: str) -> bool:
+        broker.release_lease(lease["id"], "server stopped", actor="ann")
+        return True
+
+    done = await broker.release_asked(
+        lease["id"], "maintenance", "root", server_running=released_meanwhile, tell=True
+    )
+    assert done.outcome is Outcome.ended_already and stops == []
+    assert broker.notices("ann") == []
+    assert [e["reason"] for e in broker.lease_events(lease["id"]) if e["to"] == "released"] == [
+        "server stopped"
+    ]
+
+
+async def test_a_job_lease_is_stopped_first_whatever_the_caller_says(
+    broker: Broker, stops: list[int]
+) -> None:
+    lease = broker.request_lease("ann", "", gpus=1, holder_kind="job")
+    done = await broker.release_asked(
+        lease["id"], "maintenance", "root", server_running=_gone, holder_stopped=True
+    )
+    assert done.outcome is Outcome.stopping and done.holder == "job"
+    assert stops == [lease["id"]]

@@ -104,6 +104,11 @@ class Panel:
         return response
 
 
+async def _running(user: str, server_name: str) -> bool:
+    """The hub runs every server."""
+    return True
+
+
 @pytest.fixture
 async def panel(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Panel]:
     """The panel of ``broker`` (with a usage ledger); ``root-token`` is a
@@ -114,7 +119,7 @@ async def panel(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
     ledger = Ledger(broker.session_factory, broker.backend)
     ledger.start()
     with FakeHub() as hub:
-        served = Panel(broker, hub, ledger=ledger)
+        served = Panel(broker, hub, ledger=ledger, server_running=_running)
         try:
             yield served
         finally:
