@@ -39,7 +39,7 @@ from .accounting import EPS, Accounting
 from .messages import UNTIMED, clock, drained, ordinal, unplanned, wait_parts
 from .messages import gpus as gpus_text
 from .placement import NEVER, Pool
-from .preemption import VictimIndex, find_victims
+from .preemption import VictimIndex, find_victims, unlocked_at
 from .sharing import Miss, SharingPool
 from .types import (
     INTERACTIVE_POOLS,
@@ -151,6 +151,13 @@ class _Pass:
 
     #: the victim index, built on the first victim search (:meth:`victims`)
     _victims: VictimIndex | None = None
+    #: the same, with leases inside their minimum runtime (:meth:`later_victims`)
+    _later: VictimIndex | None = None
+    #: reclaims found among leases inside their minimum runtime, by
+    #: (gpus, pool, user): (pool version, preemptions) -> (start, ETA) or None
+    reclaim_later: dict[
+        tuple[object, ...], tuple[tuple[int, int], tuple[dt.datetime, dt.datetime] | None]
+    ] = field(default_factory=dict)
     #: what the victim index is built from: holdings and told leases at the start
     _victim_basis: tuple[Accounting, frozenset[int]] | None = None
 
@@ -165,6 +172,18 @@ class _Pass:
                 self.running, self.pool, acct, self.state.policy, self.now, told
             )
         return self._victims
+
+    def later_victims(self) -> VictimIndex:
+        """:meth:`victims` as it will be once every lease has run its
+        ``min_runtime`` (built on first use; victims told in this pass are
+        left out by their earmarked devices)."""
+        if self._later is None:
+            assert self._victim_basis is not None
+            acct, told = self._victim_basis
+            self._later = VictimIndex(
+                self.running, self.pool, acct, self.state.policy, NEVER, told | self.told
+            )
+        return self._later
 
     def _ahead(self, kind: str, pool: str) -> int:
         """Waits so far of ``kind`` that compete with a request of ``pool``
@@ -628,7 +647,46 @@ def _reserve(p: _Pass, request: Request) -> None:
     why = ""
     if planned is not None and eta is None and not p.untimed.isdisjoint(planned[1]):
         why = UNTIMED
+    later = _reclaim_later(p, request)
+    if later is not None and (eta is None or later[1] < eta):
+        start, eta = later
+        detail = (
+            "GPUs lent from your guarantee can be reclaimed for you from "
+            f"{clock(start, p.now)}, once the leases holding them have run their minimum runtime"
+        )
+        p.wait(request, reason, eta, detail)
+        return
     p.wait(request, reason, eta, why=why)
+
+
+def _reclaim_later(p: _Pass, request: Request) -> tuple[dt.datetime, dt.datetime] | None:
+    """For a request within guarantee that found no lease to reclaim now
+    (step 4): when a reclaim can start, because the borrowed leases that
+    would make room are still inside their class's ``min_runtime``, and
+    when the devices are then expected free (after the victims' grace).
+    ``None``: no such reclaim (none within guarantee, or even then no node
+    could make room). Cached per shape and user while the pool and the
+    pass's preemptions stay the same."""
+    policy = p.state.policy
+    if not (
+        policy.has_guarantees
+        and request.pool in _ANY_POOL
+        and p.acct.within_guarantee(request.user, request.group, request.amount)
+    ):
+        return None
+    key = (request.gpus, request.pool, request.user)
+    valid = (p.pool.version, len(p.preemptions))
+    seen = p.reclaim_later.get(key)
+    if seen is not None and seen[0] == valid:
+        return seen[1]
+    found = None
+    plan = find_victims(request, True, p.later_victims(), p.pool, p.acct, policy, p.spare)
+    if plan is not None and plan.victims:
+        start, eta = unlocked_at(plan, policy, p.now)
+        if start > p.now:  # else a reclaim would have been found now (step 4)
+            found = (start, eta)
+    p.reclaim_later[key] = (valid, found)
+    return found
 
 
 def schedule(state: SchedulerState, now: dt.datetime) -> Decisions:

@@ -187,6 +187,20 @@ def find_victims(
     return None if best is None else best[1]
 
 
+def unlocked_at(plan: Plan, policy: Policy, now: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
+    """When every victim of ``plan`` has run its class's ``min_runtime``
+    (never before ``now``), and when their devices are free: that time plus
+    the longest grace among them (both aware UTC). For a plan found among
+    leases still inside their minimum runtime (``VictimIndex`` built at a
+    later ``now``), to say when the reclaim can start."""
+    at = now
+    for victim in plan.victims:
+        cls = policy.class_of(victim.priority_class)
+        at = max(at, victim.started + dt.timedelta(seconds=cls.min_runtime))
+    grace = max((policy.class_of(v.priority_class).grace for v in plan.victims), default=0.0)
+    return at, at + dt.timedelta(seconds=grace)
+
+
 def _prune(
     victims: list[Running], owned: list[list[str]], need: int
 ) -> tuple[list[Running], list[str]]:
