@@ -93,6 +93,17 @@ class HubClient(LoggingConfigurable):
         model = await self._fetch("GET", f"/users/{quote(user, safe='')}")
         return sorted(model.get("groups") or [])
 
+    async def has_user(self, user: str) -> bool | None:
+        """Whether the hub has a user named ``user`` (``GET /users/{name}``);
+        ``None`` when it cannot tell now (unreachable, an error other than 404)."""
+        try:
+            await self._fetch("GET", f"/users/{quote(user, safe='')}")
+        except HTTPClientError as err:
+            return False if err.code == 404 else None
+        except Exception:
+            return None
+        return True
+
     async def server_running(self, user: str, server_name: str) -> bool:
         """Whether the hub lists ``user``'s server ``server_name`` (ready or
         pending); ``True`` when the hub cannot tell (unreachable, an error):

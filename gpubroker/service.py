@@ -308,6 +308,7 @@ class BrokerService:
             hub_auth=self.hub_auth,
             groups_of=self.groups_of,
             server_running=self.hub.server_running,
+            has_user=self.hub.has_user,
             max_body_bytes=self.app.max_body_bytes,
             max_long_polls=self.app.max_long_polls_per_user,
             ledger=self.ledger,

@@ -66,6 +66,7 @@ def make_app(
     hub_auth: Any = None,
     groups_of: Any = None,
     server_running: Any = None,
+    has_user: Any = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_long_polls: int = MAX_LONG_POLLS,
     ledger: Any = None,
@@ -87,6 +88,9 @@ def make_app(
         groups_of: ``async (user) -> list[str] | None``, the user's hub groups.
         server_running: ``async (user, server_name) -> bool``, whether the hub
             runs that server (a user's release of its lease stops it first).
+        has_user: ``async (user) -> bool | None``, whether the hub has that
+            user (``None``: it cannot tell); a quota set for a user it does
+            not have is kept, with a warning in the answer.
         max_body_bytes: largest request body, bytes; a request whose
             ``Content-Length`` is larger gets 413 before its body is read,
             a chunked body past it 400 (both with the JSON error). Pass the
@@ -131,6 +135,7 @@ def make_app(
         hub_auth=hub_auth,
         groups_of=groups_of or _no_groups,
         server_running=server_running or _no_server,
+        has_user=has_user or _cannot_tell,
         max_body_bytes=max_body_bytes,
         long_polls=LongPollRegistry(max_long_polls, log),
         ledger=ledger,
@@ -148,6 +153,10 @@ async def _no_groups(user: str) -> list[str] | None:
 
 async def _no_server(user: str, server_name: str) -> bool:
     return False
+
+
+async def _cannot_tell(user: str) -> bool | None:
+    return None
 
 
 class BrokerApplication(web.Application):

@@ -584,11 +584,16 @@ class QuotaHandler(APIHandler):
     quota of a ``user`` or ``group`` (admins); applies from the next pass."""
 
     @auth.needs(auth.ADMIN_SCOPE)
-    def put(self, kind: str, name: str) -> None:
+    async def put(self, kind: str, name: str) -> None:
         kind, name = validation.quota_path(kind, name)
         guaranteed, limit = validation.quota_body(validation.parse_json_object(self.request.body))
         self.broker.set_quota(kind, name, guaranteed, limit, actor=self.me)
-        self.write_json(self.broker.quotas())
+        answer = self.broker.quotas()
+        if kind == "user" and await self.settings["has_user"](name) is False:
+            # kept: users are often given quotas before their first login
+            unknown = f"user {name}: the hub has no such user (yet); the quota applies once it has"
+            answer["warnings"] = [unknown, *answer["warnings"]]
+        self.write_json(answer)
 
     @auth.needs(auth.ADMIN_SCOPE)
     def delete(self, kind: str, name: str) -> None:

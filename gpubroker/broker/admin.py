@@ -15,6 +15,7 @@ from .. import scheduler
 from ..commands import command
 from ..errors import BadRequest, Conflict, NotFound
 from ..policy_config import SchedulingPolicy
+from ..scheduler.quota_check import quota_warnings
 from ..store.models import Lease, LeaseState, QuotaRow
 from ..store.repository import Repository
 from ..views import device_view, lease_view
@@ -63,8 +64,12 @@ class AdminOps:
         self.log = log
 
     def quotas(self) -> dict[str, Any]:
-        """Quotas in force: ``{"users": {…}, "groups": {…}, "default_user": {…}}``."""
+        """Quotas in force: ``{"users": {…}, "groups": {…}, "default_user": {…},
+        "warnings": [...]}``; ``warnings``: guarantees that cannot be met and
+        limits that hold no one back, against the GPUs in service now
+        (:func:`~gpubroker.scheduler.quota_check.quota_warnings`)."""
         policy = self.policy()
+        capacity = float(sum(1 for d in self.world.present_devices() if not d.drained))
 
         def shape(q: scheduler.Quota) -> dict[str, float | None]:
             return {"guaranteed": q.guaranteed, "limit": q.limit}
@@ -73,6 +78,7 @@ class AdminOps:
             "users": {n: shape(q) for n, q in sorted(policy.user_quotas.items())},
             "groups": {n: shape(q) for n, q in sorted(policy.group_quotas.items())},
             "default_user": shape(policy.default_user_quota),
+            "warnings": quota_warnings(policy, capacity),
         }
 
     @command("admin")

@@ -284,7 +284,7 @@ class QuotasHandler(PanelHandler):
             done=self.done(),
         )
 
-    def post(self) -> None:
+    async def post(self) -> None:
         values = {k: self.form(k, "") for k in ("kind", "name", "guaranteed", "limit", "action")}
         try:
             kind, name = validation.quota_path(values["kind"], values["name"])  # as the API
@@ -307,7 +307,10 @@ class QuotasHandler(PanelHandler):
             self.set_status(err.status)
             self._show(err.message, values)  # inline, under the form
             return
-        self.back("quotas", f"Quota of {kind} {name} set; it applies from the next pass.")
+        done = f"Quota of {kind} {name} set; it applies from the next pass."
+        if kind == "user" and await self.settings["has_user"](name) is False:
+            done += " The hub has no such user (yet): it applies once it has."
+        self.back("quotas", done)
 
 
 def _number(text: str, field: str) -> float:

@@ -211,9 +211,24 @@ def test_quota_editor_refuses_a_limit_below_the_guarantee(
         "limit": 6.0,
     }
     assert page.locator("tr[data-quota='group:physics']").count() == 1
+    # a quota for someone who has not logged in yet, above every GPU there
+    # is: kept, and the admin is told both
+    form = page.locator("#quota-form")
+    form.locator("select[name=kind]").select_option("user")
+    form.locator("input[name=name]").fill("newcomer")
+    form.locator("input[name=guaranteed]").fill("0")
+    form.locator("input[name=limit]").fill("100")
+    form.get_by_role("button", name="Set").click()
+    page.wait_for_url(re.compile(r".*/quotas\?done=.*"))
+    assert "The hub has no such user (yet)" in page.locator(".done").inner_text()
+    warnings = page.locator("#quota-warnings").inner_text()
+    assert "user newcomer: its limit of 100 GPUs is above the" in warnings
     page.screenshot(path=str(shots / "quotas.png"), full_page=True)
     audit = hub.broker_api("GET", "/audit", params={"kind": "quota-set"}).json()["entries"]
-    assert audit[0]["actor"] == "admin" and audit[0]["target"] == "group:physics"
+    assert [(e["actor"], e["target"]) for e in audit[:2]] == [
+        ("admin", "user:newcomer"),
+        ("admin", "group:physics"),
+    ]
     context.close()
 
 

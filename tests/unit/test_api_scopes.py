@@ -143,14 +143,16 @@ class ServedAPI:
     """The broker's API on 127.0.0.1, its tokens checked by a HubAuth on
     :class:`FakeHub`."""
 
-    def __init__(self, broker: Broker, hub: FakeHub, server_running: Any = None) -> None:
+    def __init__(
+        self, broker: Broker, hub: FakeHub, server_running: Any = None, **settings: Any
+    ) -> None:
         hub_auth = HubAuth(
             api_url=hub.api_url,
             api_token="broker-secret",
             access_scopes={ACCESS},
             cache_max_age=5,
         )
-        self.app = make_app(broker, hub_auth=hub_auth, server_running=server_running)
+        self.app = make_app(broker, hub_auth=hub_auth, server_running=server_running, **settings)
         self.server = HTTPServer(self.app)
         sock, self.port = _bound()
         self.server.add_sockets([sock])
