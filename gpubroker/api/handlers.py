@@ -473,7 +473,9 @@ class LeaseHandler(APIHandler):
                     "slurm_job: must be a Slurm job id (1 to 20 digits), not with container_id,"
                     f" got {validation.echo(job)}"
                 )
-            self.write_json(self.broker.set_server_url(lease_id, url, container, engine, job))
+            self.write_json(
+                self.broker.set_server_url(lease_id, url, container, engine, job, actor=self.me)
+            )
             return
         name = body.get("priority_class")
         if not isinstance(name, str):

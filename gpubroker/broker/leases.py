@@ -525,6 +525,7 @@ class Leases:
 
         return self._reconcile_release(gone, what)
 
+    @command("broker")
     def set_server_url(
         self,
         lease_id: int,
@@ -542,16 +543,27 @@ class Leases:
         server runs as (``SlurmGPUSpawner``), which
         :meth:`reconcile_slurm_servers` checks; ``None`` leaves it as it is.
 
+        The change is noted in the lease's transition log (``server-recorded``,
+        with what was recorded and the actor), so the audit log shows an
+        admin's record on another user's lease (reconciliation ends a lease
+        by what is recorded here); the spawner's own records, made with the
+        broker's service token, act for the user and are not audited.
+
         Raises:
             NotFound: no such lease.
         """
+        now = self.runner.now()
         with self.runner.write() as repo:
             lease = lease_or_404(repo, lease_id)
             lease.server_url = url
+            detail: dict[str, Any] = {"server_url": url}
             if container_id is not None:
                 lease.container_id, lease.docker_engine = container_id, docker_engine
+                detail |= {"container_id": container_id, "docker_engine": docker_engine}
             if slurm_job is not None:
                 lease.slurm_job = slurm_job
+                detail["slurm_job"] = slurm_job
+            self.runner.rec(repo, now).note(lease, "server-recorded", "server recorded", detail)
             view = lease_view(lease)
         return view
 

@@ -60,6 +60,7 @@ NOTES = frozenset(
         "adopted",
         "preparing",
         "grant-failed",
+        "server-recorded",
     }
 )
 

@@ -29,6 +29,7 @@ LEASE_ACTIONS = (
     "culled",
     "priority-changed",
     "grant-failed",
+    "server-recorded",
 )
 
 

@@ -383,7 +383,8 @@ class _Range:
         #: it ended within the range
         self.ended_here = and_(c.end_s.is_not(None), c.end_s >= lo, c.end_s < hi)
         #: the intervals read: overlapping, or ending exactly at ``start_s``
-        self.touches = and_(c.start_s < hi, or_(c.end_s.is_(None), c.end_s >= lo))
+        #: (an open one ends at ``now_s``: a range after it touches nothing)
+        self.touches = and_(c.start_s < hi, end >= lo)
 
 
 def interval_rows(

@@ -48,9 +48,21 @@ def build_report(
                 rows.extend(combine([(label, s) for s in sums], prices, day) or [_empty(label)])
             else:
                 empty = _EMPTY.get(request.by, "")
-                named = {k or empty: v for k, v in counted.items()}
+                named = _merged(counted, empty)
                 rows.extend(combine([(s["key"] or empty, s) for s in sums], prices, named))
     return rows
+
+
+def _merged(counted: dict[Any, dict[str, int]], empty: str) -> dict[str, dict[str, int]]:
+    """``counted`` with no key (no group, the default pool) named ``empty``,
+    its counts added to those of a key that is named so (a group called
+    ``(none)``), as the GPU-hours of both are added up in one row."""
+    named: dict[str, dict[str, int]] = {}
+    for key, values in counted.items():
+        into = named.setdefault(key or empty, {})
+        for name, value in values.items():
+            into[name] = into.get(name, 0) + value
+    return named
 
 
 def _empty(key: str) -> ReportRow:

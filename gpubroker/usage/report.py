@@ -274,7 +274,9 @@ def combine(
     Returns:
         One row per key, sorted by allocated GPU-hours (most first), then
         key. ``efficiency`` is used ÷ the allocated GPU-hours whose use was
-        sampled (``None`` when none was: no GPU use is known).
+        sampled (``None`` when none was: no GPU use is known). ``cost`` is
+        ``None`` unless every allocated GPU-hour of the row is on a model
+        with a price (its own or ``*``'s).
     """
     acc: dict[str, dict[str, float]] = {}
     priced: dict[str, bool] = {}
@@ -291,7 +293,9 @@ def combine(
         price = price_of(str(s["model"] or ""), prices) if hours > 0 else None
         if price is not None:
             a["cost"] += hours * price
-            priced[key] = True
+            priced.setdefault(key, True)
+        elif hours > 0:  # a part without a price: no cost that covers only the rest
+            priced[key] = False
     rows = [
         ReportRow(
             key=key,

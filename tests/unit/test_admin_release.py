@@ -176,3 +176,30 @@ async def test_a_job_lease_is_stopped_first_whatever_the_caller_says(
     )
     assert done.outcome is Outcome.stopping and done.holder == "job"
     assert stops == [lease["id"]]
+
+
+# --- where a server runs, recorded by hand, is audited (the usage review) -------
+
+
+async def test_an_admins_record_of_where_a_server_runs_is_audited_the_spawners_not(
+    served: ServedAPI, broker: Broker
+) -> None:
+    """Reconciliation ends a lease by its recorded container or Slurm job;
+    before, an admin's ``PATCH`` of another user's lease left no trace."""
+    lease = _server_lease(broker, "ann")
+    spawner = {"server_url": "http://127.0.0.1:9/user/ann/"}
+    answer = await served.call("PATCH", f"/leases/{lease['id']}", "admin-token", spawner)
+    assert answer.code == 200
+    by_hand = {"server_url": "http://127.0.0.1:9/", "container_id": "a" * 12}
+    answer = await served.call("PATCH", f"/leases/{lease['id']}", "root-token", by_hand)
+    assert answer.code == 200
+    notes = [e for e in broker.lease_events(lease["id"]) if e["kind"] == "server-recorded"]
+    assert [(e["actor"], e["detail"].get("container_id")) for e in notes] == [
+        ("gpubroker", None),
+        ("root", "a" * 12),
+    ]
+    audit = json.loads((await served.call("GET", "/audit", "root-token")).body)["entries"]
+    recorded = [e for e in audit if e["action"] == "server-recorded"]
+    assert [(e["actor"], e["target"]) for e in recorded] == [
+        ("root", f"lease {lease['id']} of ann")
+    ]

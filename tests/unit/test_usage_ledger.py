@@ -19,7 +19,7 @@ from gpubroker.devices.fake import FakeDeviceBackend
 from gpubroker.store.db import make_engine, make_session_factory
 from gpubroker.usage.ledger import Ledger
 from gpubroker.usage.query import build_report
-from gpubroker.usage.report import ReportError, ReportRow, parse_request
+from gpubroker.usage.report import ReportError, ReportRow, combine, parse_request
 
 from ..conftest import make_broker
 from .test_sharing_core import sharing_broker
@@ -637,3 +637,52 @@ def test_a_cull_ending_on_a_days_boundary_counts_on_the_day_it_ends(
     assert days["2026-11-03"].culls == 1
     assert days["2026-11-03"].idle_gpu_hours_culled == pytest.approx(1.0)
     assert report(broker, clock, start="2026-11-03", end="2026-11-04")["ann"].culls == 1
+
+
+# --- a review of the usage reports ------------------------------------------------
+
+
+def test_a_group_named_like_no_group_is_one_row_with_every_lease_counted(
+    db_url: str, clock: Clock
+) -> None:
+    broker = make_broker(db_url)
+    ledger = ledger_of(broker, clock)
+    broker.request_lease("ann", "", 1, holder_kind="external")  # no group
+    for user, gpus in (("bob", 2), ("cat", 1)):
+        broker.request_lease(
+            user, "", gpus, holder_kind="external", group="(none)", groups=["(none)"]
+        )
+    clock.advance(HOUR)
+    ledger.flush()
+    row = report(broker, clock, by="group")["(none)"]
+    # before, the GPU-hours of both were added up, and the lease count of one was lost
+    assert (row.gpu_hours_allocated, row.leases) == (pytest.approx(4.0), 3)
+
+
+def test_a_period_after_the_last_sign_of_life_lists_nobody(db_url: str, clock: Clock) -> None:
+    broker = make_broker(db_url)
+    ledger = ledger_of(broker, clock)
+    broker.request_lease("bob", "", 1, holder_kind="external")
+    clock.advance(HOUR)
+    ledger.flush()
+    assert report(broker, clock, start="2026-12-01", end="2027-01-01") == {}
+    assert report(broker, clock)["bob"].gpu_hours_allocated == pytest.approx(1.0)
+
+
+def test_a_cost_never_covers_only_part_of_a_row() -> None:
+    def hours(model: str) -> dict[str, object]:
+        return {
+            "model": model,
+            "allocated": 3600.0,
+            "used": 0,
+            "sampled": 0,
+            "wait": 0,
+            "idle_culled": 0,
+        }
+
+    sums = [("ann", hours("H100")), ("ann", hours("A100")), ("bob", hours("H100"))]
+    rows = {r.key: r for r in combine(sums, {"H100": 2.5}, {})}
+    assert rows["ann"].gpu_hours_allocated == 2.0 and rows["ann"].cost is None
+    assert rows["bob"].cost == 2.5
+    rows = {r.key: r for r in combine(sums, {"H100": 2.5, "*": 1.0}, {})}
+    assert rows["ann"].cost == 3.5
