@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import Forbidden
+from ..errors import Forbidden, NotFound
 
 #: custom scope for broker administration (define it in the hub's config)
 ADMIN_SCOPE = "custom:gpubroker:admin"
@@ -70,6 +70,10 @@ OwnerFinder = Callable[..., "str | None"]
 #: ``(handler, *path_args) -> what or None``: a part of the request only
 #: admins may ask for, as the 403 names it (None: nothing such)
 AdminPart = Callable[..., "str | None"]
+#: ``(handler, *path_args) -> message``: the 404 a caller who is neither the
+#: owner nor an admin gets for a thing of another user named by its id
+#: (its existence and owner are not told: ids can be walked)
+Unseen = Callable[..., str]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -91,12 +95,17 @@ class Need:
             ``scope`` even from the owner.
         action: what the 403 says needs the scope (``"this endpoint needs
             scope …"``).
+        unseen: with ``unless_owner``, for a path naming another user's
+            lease or job: the caller who is neither its owner nor holds
+            ``scope`` gets this 404, as for an id nobody has, instead of a
+            403 naming the owner.
     """
 
     scope: str | None
     unless_owner: OwnerFinder | None = None
     admin_for: AdminPart | None = None
     action: str = "this endpoint"
+    unseen: Unseen | None = None
 
     @property
     def token(self) -> bool:
@@ -122,6 +131,7 @@ def needs(
     unless_owner: OwnerFinder | None = None,
     admin_for: AdminPart | None = None,
     action: str = "this endpoint",
+    unseen: Unseen | None = None,
 ) -> Callable[[_F], _F]:
     """Declare what a handler method needs (checked by the base handler's
     ``prepare`` before the method runs).
@@ -135,12 +145,16 @@ def needs(
         admin_for: ``(handler, *path_args) -> what | None``: a part of the
             request that needs ``scope`` even from the owner.
         action: what the 403 of a caller without ``scope`` names.
+        unseen: ``(handler, *path_args) -> message``: a caller who is not
+            the owner and lacks ``scope`` gets 404 with it (see :class:`Need`).
     """
     if not scope or (scope == ACCESS_SCOPE and (unless_owner or admin_for)):
         raise ValueError(f"needs({scope!r}): unless_owner/admin_for need a scope beyond access")
     if admin_for is not None and unless_owner is None:
         raise ValueError("needs: admin_for goes with unless_owner")
-    need = Need(scope, unless_owner, admin_for, action)
+    if unseen is not None and unless_owner is None:
+        raise ValueError("needs: unseen goes with unless_owner")
+    need = Need(scope, unless_owner, admin_for, action, unseen)
 
     def declare(method: _F) -> _F:
         setattr(method, ATTRIBUTE, need)
@@ -216,6 +230,7 @@ def check(need: Need, model: dict[str, Any], handler: Any, *args: Any) -> str | 
 
     Raises:
         Forbidden: naming the scope that is missing.
+        NotFound: with ``unseen``, another user's lease or job.
     """
     scope = need.scope
     if scope is None or scope == ACCESS_SCOPE:
@@ -230,6 +245,10 @@ def check(need: Need, model: dict[str, Any], handler: Any, *args: Any) -> str | 
             raise Forbidden(f"{need.action} needs scope {scope}")
         return None
     owner = need.unless_owner(handler, *args)  # always: it may answer 400/404 first
+    hide = owner is not None and need.unseen is not None and not held
+    if hide and own_user(model) != owner:
+        assert need.unseen is not None
+        raise NotFound(need.unseen(handler, *args))
     if owner is not None:
         check_owner(model, owner, scope)
     elif not held:

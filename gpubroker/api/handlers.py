@@ -263,6 +263,10 @@ class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
         """The user of the path's lease (an ``unless_owner`` finder)."""
         return str(self.lease(raw_id)["user"])
 
+    def lease_unseen(self, raw_id: str) -> str:
+        """The 404 of another user's lease (an ``unseen`` message)."""
+        return f"lease {self.lease_id(raw_id)}: no such lease"
+
     def named_user(self, *args: Any) -> str | None:
         """The ``?user=`` argument (an ``unless_owner`` finder)."""
         return self.name_arg("user")
@@ -398,7 +402,9 @@ class LeaseHandler(APIHandler):
 
     _gone: asyncio.Event | None = None
 
-    @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.lease_owner)
+    @auth.needs(
+        auth.ADMIN_SCOPE, unless_owner=APIHandler.lease_owner, unseen=APIHandler.lease_unseen
+    )
     async def get(self, raw_id: str) -> None:
         """The lease; with ``wait``, a long-poll, one of at most
         ``GPUBrokerApp.max_long_polls_per_user`` of this caller (one more
@@ -485,7 +491,9 @@ class LeaseHandler(APIHandler):
         name = validation.check_name(name, "priority_class")
         self.write_json(self.broker.set_priority_class(lease_id, name, actor=self.me))
 
-    @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.lease_owner)
+    @auth.needs(
+        auth.ADMIN_SCOPE, unless_owner=APIHandler.lease_owner, unseen=APIHandler.lease_unseen
+    )
     async def delete(self, raw_id: str) -> None:
         lease = self.lease(raw_id)
         body = validation.parse_json_object(self.request.body)
@@ -548,7 +556,9 @@ class LeaseEventsHandler(APIHandler):
     """``GET /api/v1/leases/{id}/events``: the lease's transition log (its
     owner or an admin)."""
 
-    @auth.needs(auth.ADMIN_SCOPE, unless_owner=APIHandler.lease_owner)
+    @auth.needs(
+        auth.ADMIN_SCOPE, unless_owner=APIHandler.lease_owner, unseen=APIHandler.lease_unseen
+    )
     def get(self, raw_id: str) -> None:
         lease_id = self.lease(raw_id)["id"]
         self.write_json({"events": self.broker.lease_events(lease_id)})
@@ -758,6 +768,10 @@ class _JobHandler(APIHandler):
         """The user of the path's job (an ``unless_owner`` finder)."""
         return str(self.jobs.owner(self.job_id(raw_id)))
 
+    def job_unseen(self, raw_id: str) -> str:
+        """The 404 of another user's job (an ``unseen`` message)."""
+        return f"job {self.job_id(raw_id)}: no such job"
+
 
 class JobsHandler(_JobHandler):
     """``POST /api/v1/jobs`` (submit a batch job: a notebook or a command on a
@@ -800,11 +814,11 @@ class JobHandler(_JobHandler):
     a queued job leaves the queue, a running one is stopped); the job's
     owner or an admin."""
 
-    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner)
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner, unseen=_JobHandler.job_unseen)
     def get(self, raw_id: str) -> None:
         self.write_json(self.jobs.get(self.job_id(raw_id)))
 
-    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner)
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner, unseen=_JobHandler.job_unseen)
     async def delete(self, raw_id: str) -> None:
         job_id = self.job_id(raw_id)
         reason = f"cancelled by {self.me}"
@@ -816,7 +830,7 @@ class JobLogsHandler(_JobHandler):
     ``offset``; with ``wait`` seconds (at most 60), waits for more text
     while the job runs (follow mode: call again with the returned offset)."""
 
-    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner)
+    @auth.needs(auth.ADMIN_SCOPE, unless_owner=_JobHandler.job_owner, unseen=_JobHandler.job_unseen)
     async def get(self, raw_id: str) -> None:
         job_id = self.job_id(raw_id)
         offset = validation.optional_int(self.get_argument("offset", None), "offset") or 0

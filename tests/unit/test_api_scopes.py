@@ -240,11 +240,21 @@ async def test_owners_and_admins_and_nobody_else(api: tuple[ServedAPI, FakeHub])
     assert created.code == 201
     lease = json.loads(created.body)
     refused = "user: 'ann' may not act on leases of 'bob' (needs scope custom:gpubroker:admin)"
+    # a lease of another user, named by its id, is answered as one nobody
+    # has: ids can be walked, and neither its existence nor its owner is told
+    unseen = f"lease {lease['id']}: no such lease"
     for method, path, body in [
         ("GET", f"/leases/{lease['id']}", None),
         ("GET", f"/leases/{lease['id']}?wait=5", None),
         ("GET", f"/leases/{lease['id']}/events", None),
         ("DELETE", f"/leases/{lease['id']}", {}),
+    ]:
+        assert error(await served.call(method, path, "ann-token", body)) == (404, unseen)
+    assert error(await served.call("GET", "/leases/999999", "ann-token")) == (
+        404,
+        "lease 999999: no such lease",
+    )
+    for method, path, body in [
         ("GET", "/leases?user=bob", None),
         ("GET", "/notices?user=bob", None),
         ("GET", "/pools?user=bob", None),
@@ -296,7 +306,7 @@ async def test_a_service_named_like_a_user_owns_nothing_of_theirs(
             "user: 'ann' may not act on leases of 'ann' (needs scope custom:gpubroker:admin)",
         ), (path, answer)
     for path in (f"/leases/{lease['id']}", f"/leases/{lease['id']}/events"):
-        assert (await served.call("GET", path, "ann-service-token")).code == 403
+        assert (await served.call("GET", path, "ann-service-token")).code == 404
     # the device listing is open to every caller, but shows the holders of
     # its own leases only: a service has none
     devices = json.loads((await served.call("GET", "/devices", "ann-service-token")).body)
