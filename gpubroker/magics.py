@@ -21,7 +21,10 @@ that are not in its saved file gets a warning: the job runs the saved file.
 
 A relative NOTEBOOK is one in this kernel's directory. Run as a job
 (``$GPUBROKER_JOB_ID`` set), a notebook's own ``%gpu_submit`` and
-``%%gpu_job`` cells submit nothing and return ``None``.
+``%%gpu_job`` cells submit nothing and return ``None``, and ``%gpu``,
+``%gpu_jobs``, ``%gpu_logs`` and ``%gpu_cancel`` say that they are not
+available there (a job has no broker token) and return ``None``, so the
+job's run goes on.
 
 They call the broker over HTTP with the server's own token
 (``$JUPYTERHUB_API_TOKEN``: the user's rights only) through
@@ -42,7 +45,7 @@ import sys
 import time
 from typing import Any
 
-from IPython.core.error import UsageError
+from IPython.core.error import StdinNotImplementedError, UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
@@ -158,6 +161,21 @@ def _parse(magic: Any, line: str) -> Any:
     return magic.parser.parse_args(argv)
 
 
+def _not_in_job(name: str) -> bool:
+    """Whether this kernel runs outside a batch job; inside one (a notebook
+    run as a job that also shows ``%gpu`` or ``%gpu_jobs``), says why the
+    magic does nothing there: a job carries no broker token (it gets no
+    more than it needs to run), so the magic would fail the job's run."""
+    job_id = os.environ.get("GPUBROKER_JOB_ID")
+    if job_id:
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES") or "none"
+        print(
+            f"{name}: not available inside job {job_id}, which has no broker token "
+            f"(its devices: {devices}); run it in your server"
+        )
+    return not job_id
+
+
 def _in_job(name: str) -> bool:
     """Whether this kernel runs inside a batch job (``$GPUBROKER_JOB_ID``):
     then the notebook being run holds its own ``%gpu_submit`` cell, which
@@ -248,6 +266,8 @@ class GPUMagics(Magics):
     @line_magic
     def gpu(self, line: str) -> dict[str, Any] | None:
         """``%gpu``: this server's lease and notices."""
+        if not _not_in_job("%gpu"):
+            return None
         lease_id = os.environ.get("GPUBROKER_LEASE_ID")
         lease = self._call("lease", int(lease_id)) if lease_id else None
         if lease is None:
@@ -355,10 +375,16 @@ class GPUMagics(Magics):
         if not lease_id:
             raise UsageError("%gpu_submit --release: this server holds no GPU lease")
         if not args.yes:
-            answer = input(
-                f"Release lease {lease_id} once the job is accepted? This server stops "
-                "(save your work first). [y/N] "
-            )
+            try:
+                answer = input(
+                    f"Release lease {lease_id} once the job is accepted? This server stops "
+                    "(save your work first). [y/N] "
+                )
+            except (StdinNotImplementedError, EOFError):  # nbconvert, papermill, some IDEs
+                raise UsageError(
+                    "%gpu_submit --release: cannot ask for confirmation here (this "
+                    "frontend takes no input); add --yes to release without asking"
+                ) from None
             if answer.strip().lower() not in ("y", "yes"):
                 raise UsageError("%gpu_submit: not submitted (--release was not confirmed)")
         return int(lease_id)
@@ -383,12 +409,14 @@ class GPUMagics(Magics):
             )
 
     @line_magic
-    def gpu_jobs(self, line: str) -> list[dict[str, Any]]:
+    def gpu_jobs(self, line: str) -> list[dict[str, Any]] | None:
         """``%gpu_jobs``: your jobs, newest first, as a table of one line per
         job (the notebook or command on one line, cut to
         :data:`~gpubroker.jobs.text.WHAT_WIDTH` characters; the devices; the
         queue's reason while waiting, and the job's own); returns the jobs
-        as the broker gave them."""
+        as the broker gave them (``None`` inside a job)."""
+        if not _not_in_job("%gpu_jobs"):
+            return None
         jobs = self._call("jobs")
         _table([{**j, **job_cells(j)} for j in jobs], JOB_COLUMNS)
         return ShownList(jobs)
@@ -400,10 +428,14 @@ class GPUMagics(Magics):
     def gpu_logs(self, line: str) -> None:
         """``%gpu_logs ID [--follow]``: the job's log."""
         args = _parse(self.gpu_logs, line)
+        if not _not_in_job("%gpu_logs"):
+            return
         offset = 0
         while True:
             logs = self._call("job_logs", args.job, offset, 10.0 if args.follow else 0)
             sys.stdout.write(logs["text"])
+            if offset == 0 and not logs["text"] and logs["state"] == "queued" and not args.follow:
+                print(f"job {args.job} is queued: no log yet (--follow waits for it)")
             offset = logs["offset"]
             if logs["text"]:  # more may follow at once (a read is at most 1 MiB)
                 continue
@@ -414,9 +446,12 @@ class GPUMagics(Magics):
     @magic_arguments()
     @argument("job", type=int, help="the job's id")
     @line_magic
-    def gpu_cancel(self, line: str) -> dict[str, Any]:
-        """``%gpu_cancel ID``: cancel a queued or running job."""
+    def gpu_cancel(self, line: str) -> dict[str, Any] | None:
+        """``%gpu_cancel ID``: cancel a queued or running job (``None``
+        inside a job)."""
         args = _parse(self.gpu_cancel, line)
+        if not _not_in_job("%gpu_cancel"):
+            return None
         job = self._call("cancel_job", args.job)
         print(f"job {job['id']} {job['state']}")
         return ShownJob(job)

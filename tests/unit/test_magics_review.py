@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from IPython.core.error import UsageError
+from IPython.core.error import StdinNotImplementedError, UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from gpubroker.client import BrokerClientError
@@ -357,3 +357,70 @@ def test_the_async_client_does_not_follow_a_redirect_nor_choke_on_html(fake: Fak
         assert info.value.status == 502
     finally:
         other.close()
+
+
+# --- a researcher's trial of the demo ------------------------------------------------
+
+
+class _Broker:
+    """A client that must not be called (a job has no broker token)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"called the broker: {name}")
+
+
+def test_a_notebook_job_showing_gpu_or_its_jobs_runs_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, a job whose notebook also held ``%gpu`` failed at that cell
+    ("no broker URL"), its GPU time spent."""
+    monkeypatch.setenv("GPUBROKER_JOB_ID", "11")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
+    ip = InteractiveShell.instance()
+    try:
+        ip.register_magics(GPUMagics(ip, client=_Broker()))  # type: ignore[arg-type]
+        for name, line in (("gpu", ""), ("gpu_jobs", ""), ("gpu_logs", "3"), ("gpu_cancel", "3")):
+            assert ip.run_line_magic(name, line) is None
+            assert capsys.readouterr().out == (
+                f"%{name}: not available inside job 11, which has no broker token "
+                "(its devices: GPU-abc); run it in your server\n"
+            )
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_release_without_yes_where_nothing_can_be_asked_is_a_usage_error(
+    shell: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nbconvert, papermill and some IDEs take no input: ``input()`` raised
+    a bare ``StdinNotImplementedError`` traceback."""
+    ip, recorder = shell
+    monkeypatch.setenv("GPUBROKER_LEASE_ID", "42")
+
+    def no_stdin(prompt: str) -> str:
+        raise StdinNotImplementedError(
+            "raw_input was called, but this frontend does not support input requests."
+        )
+
+    monkeypatch.setattr("builtins.input", no_stdin)
+    with pytest.raises(UsageError, match=r"cannot ask for confirmation here .*add --yes"):
+        ip.run_line_magic("gpu_submit", "train.ipynb --gpus 1 --release")
+    assert recorder.bodies == []
+
+
+class _Queued:
+    def job_logs(self, job: int, offset: int, wait: float) -> dict[str, Any]:
+        return {"text": "", "offset": 0, "state": "queued"}
+
+
+def test_the_log_of_a_queued_job_says_there_is_none_yet(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GPUBROKER_JOB_ID", raising=False)
+    ip = InteractiveShell.instance()
+    try:
+        ip.register_magics(GPUMagics(ip, client=_Queued()))  # type: ignore[arg-type]
+        ip.run_line_magic("gpu_logs", "4")
+        assert capsys.readouterr().out == "job 4 is queued: no log yet (--follow waits for it)\n"
+    finally:
+        InteractiveShell.clear_instance()
