@@ -80,6 +80,10 @@ class GPUBrokerApp(Application):
     subcommands = {
         "serve": ("gpubroker.app.ServeCommand", "Run the broker service."),
         "upgrade-db": ("gpubroker.app.UpgradeDBCommand", "Migrate the store to the newest schema."),
+        "downgrade-db": (
+            "gpubroker.app.DowngradeDBCommand",
+            "Take the store's schema down to an older release's (broker stopped).",
+        ),
         "report": (
             "gpubroker.usage.cli.ReportCommand",
             "Usage report: GPU-hours allocated and used per user, group, pool, model or day.",
@@ -325,6 +329,48 @@ class UpgradeDBCommand(_Command):
             lock.release()
             engine.dispose()
         self.log.info("Store %s is at the newest schema", _shown(self.broker_app.db_url))
+
+
+class DowngradeDBCommand(_Command):
+    """``gpubroker downgrade-db REVISION``: take the store's schema down to
+    ``REVISION`` (a migration's number, e.g. ``0014``), before going back to
+    the release whose newest migration it is. Refused while a broker holds
+    the database (a broker running on a schema taken from under it fails
+    every command), as ``upgrade-db`` is."""
+
+    description = (
+        "Take the store (GPUBrokerApp.db_url) down to schema REVISION (e.g. 0014), the "
+        "newest migration of the release to go back to; the broker must be stopped."
+    )
+
+    def start(self) -> None:
+        from .store.db import UnknownSchema, downgrade, make_engine
+        from .store.lock import DatabaseLocked, WriterLock
+
+        args = self.broker_app.extra_args
+        if len(args) != 1:
+            self.log.critical(
+                "Not downgrading: give one REVISION, e.g. gpubroker downgrade-db 0014"
+            )
+            self.exit(2)
+        revision = args[0]
+        url = self.broker_app.db_url
+        engine = make_engine(url)
+        lock = WriterLock(engine)
+        try:
+            lock.acquire()  # never under a live broker
+        except DatabaseLocked as err:
+            self.log.critical("Not downgrading: %s", err)
+            self.exit(2)
+        try:
+            before = downgrade(url, revision)
+        except UnknownSchema as err:
+            self.log.critical("Not downgrading: %s", err)
+            self.exit(2)
+        finally:
+            lock.release()
+            engine.dispose()
+        self.log.info("Store %s taken from schema %s down to %s", _shown(url), before, revision)
 
 
 def _shown(url: str) -> str:

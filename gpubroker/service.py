@@ -36,7 +36,7 @@ from .hub_tls import InternalTLS, from_environment
 from .jobs.service import JobService
 from .observe.metrics import BrokerMetrics
 from .share_guard import ShareGuard
-from .store.db import make_engine, make_session_factory, upgrade
+from .store.db import make_engine, make_session_factory, shown_url, upgrade
 from .store.lock import DatabaseLocked, DatabaseUnavailable, WriterLock, describe_self
 from .usage.ledger import EngineTelemetry, Ledger
 
@@ -104,6 +104,7 @@ class BrokerService:
 
     def _build(self) -> None:
         app = self.app
+        self.log.info("Store: %s", shown_url(app.db_url))
         if app.upgrade_db:
             upgrade(app.db_url)
         self.backend = load_backend(app.device_backend, parent=app, log=self.log)

@@ -162,6 +162,7 @@ def lease_view(lease: Lease) -> dict[str, Any]:
         "restarts": lease.restarts or 0,
         "restart_of": lease.restart_of,
         "slurm_job": lease.slurm_job,
+        "container_id": lease.container_id,
         "reclaimable": lease.reclaimable,
         "preemption": preemption,
         "devices": [device_view(a.device) for a in lease.allocations if a.active or not granted],

@@ -136,6 +136,46 @@ def upgrade(url: str, revision: str = "head") -> None:
     command.upgrade(cfg, revision)
 
 
+def downgrade(url: str, revision: str) -> str | None:
+    """Take the database at ``url`` down to ``revision`` (a packaged
+    migration's number, e.g. ``"0014"``), for going back to the release whose
+    newest migration that is. Every migration has a downgrade.
+
+    Returns:
+        the revision the database was at before.
+
+    Raises:
+        UnknownSchema: ``revision`` is not a packaged migration, or the
+            database is at a revision this gpubroker does not know, or below
+            ``revision`` already (nothing was changed).
+        sqlalchemy.exc.SQLAlchemyError: the database cannot be reached or migrated.
+    """
+    cfg = alembic_config(url)
+    if not _known(cfg, revision):
+        raise UnknownSchema(
+            f"revision {revision!r} is not a migration of this gpubroker (its files in "
+            "gpubroker/store/migrations/versions/ are numbered 0001 to "
+            f"{head_revision()})"
+        )
+    engine = make_engine(url, poolclass=NullPool)
+    try:
+        at = current_revision(engine)
+    finally:
+        engine.dispose()
+    if at is None or not _known(cfg, at):
+        raise UnknownSchema(
+            f"the database {shown_url(url)} is at schema revision {at!r}, which this "
+            "gpubroker does not know: nothing to take down"
+        )
+    if int(at) < int(revision):
+        raise UnknownSchema(
+            f"the database {shown_url(url)} is at schema revision {at!r}, below "
+            f"{revision!r} already: use upgrade-db to go up"
+        )
+    command.downgrade(cfg, revision)
+    return at
+
+
 def _known(cfg: Config, revision: str) -> bool:
     """Whether ``revision`` is one of the packaged migrations."""
     try:

@@ -208,6 +208,14 @@ def test_a_server_container_gets_exactly_its_leased_gpu_and_stopping_releases_it
     # the broker's own token never reaches the user's container
     assert docker_hub.broker_env["JUPYTERHUB_API_TOKEN"] not in env.values()
     assert "GPUBROKER_API_TOKEN" not in env
+    # the user's volume (new, on a base without the directory) is writable
+    # by the user; the sources the image was built from are gone
+    check = (
+        "import os; open('/home/jovyan/work/x', 'w').close(); "
+        "print(os.stat('/home/jovyan/work/x').st_uid, os.path.exists('/tmp/gpubroker-src'))"
+    )
+    made = container.exec_run(["python3", "-c", check], user="1000")
+    assert made.output.split() == [b"1000", b"False"], made.output
     # the server in the container answers through the hub's proxy
     r = requests.get(
         f"{hub.url}/user/ann/api/status", headers={"Authorization": f"token {token}"}, timeout=10
