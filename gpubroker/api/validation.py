@@ -227,7 +227,9 @@ def require_name(data: dict[str, Any], key: str, *, allow_empty: bool = False) -
     Raises:
         BadRequest: missing, not a string, or malformed.
     """
-    return check_name(data.get(key, "" if allow_empty else None), key, allow_empty=allow_empty)
+    if key not in data and not allow_empty:
+        raise BadRequest(f"{key}: required, and missing")
+    return check_name(data.get(key, ""), key, allow_empty=allow_empty)
 
 
 def lease_request(data: dict[str, Any]) -> dict[str, Any]:
@@ -321,8 +323,8 @@ def slot_request(data: dict[str, Any]) -> dict[str, Any]:
     if given == ["gpus"]:
         if data["gpus"] == 0 and not isinstance(data["gpus"], bool):
             raise BadRequest(
-                "gpus: must be at least 1, got 0 (a lease holds GPUs: a server "
-                "without a GPU needs no lease)"
+                "gpus: must be at least 1, got 0 (a lease holds GPUs: a server or "
+                "job without a GPU needs no lease)"
             )
         shape["gpus"] = require_int(data, "gpus", 1)
     elif given == ["mig_profile"]:

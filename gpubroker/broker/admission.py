@@ -334,8 +334,8 @@ class Admission:
                 taken -= held_weight(replacing)
             if taken + gpus > q.limit + 1e-9:
                 raise Forbidden(
-                    f"quota: {kind} {name} holds or waits for {_units(taken)} GPUs; "
-                    f"{_units(gpus)} more would exceed the {kind} limit of {_units(q.limit)} GPUs"
+                    f"quota: {kind} {name} holds or waits for {_gpus(taken)}; "
+                    f"{_units(gpus)} more would exceed the {kind} limit of {_gpus(q.limit)}"
                 )
 
 
@@ -343,6 +343,12 @@ def _units(value: float) -> str:
     """Device units for a message: to three decimals, never in exponent
     notation (``1000``, not ``1e+03``; ``0.429`` for 3/7)."""
     return f"{round(value, 3):.12g}"
+
+
+def _gpus(value: float) -> str:
+    """:func:`_units` with its noun: ``1 GPU``, ``2 GPUs``, ``0.429 GPUs``."""
+    text = _units(value)
+    return f"{text} GPU" if text == "1" else f"{text} GPUs"
 
 
 def held_weight(lease: Lease) -> float:

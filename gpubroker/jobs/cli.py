@@ -6,6 +6,7 @@ rights of that token's owner, like the notebook magics."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from typing import Any
@@ -49,13 +50,19 @@ class _JobsCall(Application):
             print(json.dumps(job, indent=2))
             return
         queue = job.get("queue") or {}
-        print(f"job {job['id']} of {job['user']}: {job['state']} ({job['reason'] or '-'})")
-        what = job["spec"].get("notebook") or " ".join(job["spec"].get("command") or [])
+        reason = f" ({job['reason']})" if job.get("reason") else ""
+        print(f"job {job['id']} of {job['user']}: {job['state']}{reason}")
+        what = job["spec"].get("notebook") or shlex.join(job["spec"].get("command") or [])
         print(f"  {job['kind']}: {what}")
         if job["state"] == "queued":
             print(f"  {queue.get('message') or 'waiting'}")
+        ended = [
+            f"{name} {job[key]}"
+            for name, key in (("exit code", "exit_code"), ("signal", "signal"))
+            if job.get(key) is not None
+        ]
         devices = ", ".join(job.get("devices") or []) or "-"
-        print(f"  devices: {devices}; exit code {job['exit_code']}, signal {job['signal']}")
+        print(f"  devices: {devices}" + "".join(f"; {x}" for x in ended))
         if job.get("output"):
             print(f"  output: {job['output']}")
 

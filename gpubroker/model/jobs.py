@@ -102,7 +102,11 @@ def parse_time(text: Any) -> float:
             raise JobError("time", f"not a duration: {text!r} (use seconds, or 90s, 10m, 12h, 2d)")
         seconds = float(match[1]) * _UNITS[match[2]]
     if not 0 < seconds <= MAX_TIME:
-        raise JobError("time", f"must be more than 0 s and at most {MAX_TIME:g} s, got {seconds:g}")
+        raise JobError(
+            "time",
+            f"must be more than 0 s and at most {MAX_TIME / 86400:g} days "
+            f"({MAX_TIME:.0f} s), got {seconds:g} s",
+        )
     return seconds
 
 
@@ -283,7 +287,11 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
             "notebook", path, (), params, kernel, cwd, dict(env), time_limit, retries, python
         )
     if isinstance(command, str):
+        if not command.strip():  # it would hold its GPUs to run nothing
+            raise JobError("command", "must not be empty")
         command = ["/bin/sh", "-c", command]
+    if isinstance(command, list) and command and command[0] == "":
+        raise JobError("command", "its first argument (the program) must not be empty")
     if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
         raise JobError("command", "must be a shell line or a list of arguments")
     if params or python:

@@ -62,7 +62,7 @@ def test_named_server_over_the_user_limit_is_refused_with_403(policy_hub: Runnin
         f"{hub.url}/hub/api/users/solo/servers/second", json={"gpus": 1}, headers=as_solo
     )
     assert r.status_code == 403, r.text
-    assert "user limit of 1 GPUs" in r.json()["message"]
+    assert "user limit of 1 GPU" in r.json()["message"]
     assert hub.server("solo", "second") is None
     assert [x["id"] for x in hub.leases(user="solo")] == [first["id"]]
     assert hub.broker_api("GET", f"/leases/{first['id']}").json()["state"] == "granted"

@@ -244,7 +244,7 @@ def quota_broker(db_url: str, **policy) -> Broker:
 def test_limit_refuses_at_once_with_403_naming_the_quota(db_url: str) -> None:
     broker = quota_broker(db_url, user_quotas={"ann": {"limit": 1}})
     first = broker.request_lease("ann", "", 1)
-    with pytest.raises(Forbidden, match="user ann holds or waits for 1 GPUs; 1 more would exceed"):
+    with pytest.raises(Forbidden, match="user ann holds or waits for 1 GPU; 1 more would exceed"):
         broker.request_lease("ann", "second", 1)
     assert broker.get_lease(first["id"])["state"] == "granted"
     assert [x["id"] for x in broker.list_leases(user="ann")] == [first["id"]]

@@ -9,6 +9,7 @@ import pytest
 
 from gpubroker.client_sync import job_body
 from gpubroker.jobs.cli import SubmitCommand
+from gpubroker.model.jobs import JobError, parse_spec, parse_time
 
 
 def submitted(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
@@ -49,3 +50,61 @@ def test_a_notebook_or_param_with_a_command_is_refused_not_dropped(
     with pytest.raises(SystemExit) as ended:
         submitted(argv, monkeypatch)
     assert ended.value.code == 2
+
+
+# --- a researcher's trial of the demo --------------------------------------------
+
+
+def _job(**fields: Any) -> dict[str, Any]:
+    job = {
+        "id": 3,
+        "user": "alice",
+        "state": "queued",
+        "reason": None,
+        "kind": "command",
+        "spec": {"command": ["/bin/sh", "-c", "python train.py --name 'run a'"]},
+        "queue": {"message": "waiting: …"},
+        "devices": [],
+        "exit_code": None,
+        "signal": None,
+    }
+    return job | fields
+
+
+def test_show_prints_no_python_none_and_quotes_the_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    app = SubmitCommand()
+    app.show(_job())
+    assert capsys.readouterr().out == (
+        "job 3 of alice: queued\n"
+        "  command: /bin/sh -c 'python train.py --name '\"'\"'run a'\"'\"''\n"
+        "  waiting: …\n"
+        "  devices: -\n"
+    )
+    app.show(_job(state="failed", reason="exit code 1", devices=["GPU-a"], exit_code=1))
+    out = capsys.readouterr().out
+    assert out.startswith("job 3 of alice: failed (exit code 1)\n")
+    assert out.endswith("  devices: GPU-a; exit code 1\n")
+
+
+@pytest.mark.parametrize(
+    ("command", "words"),
+    [
+        ("", "command: must not be empty"),
+        ("   ", "command: must not be empty"),
+        (["", "x"], "command: its first argument (the program) must not be empty"),
+    ],
+)
+def test_an_empty_command_is_refused(command: Any, words: str) -> None:
+    with pytest.raises(JobError) as refused:
+        parse_spec({"command": command})
+    assert str(refused.value) == words
+
+
+def test_the_time_limits_bound_is_said_in_days() -> None:
+    with pytest.raises(JobError) as refused:
+        parse_time(0)
+    assert (
+        str(refused.value) == "time: must be more than 0 s and at most 30 days (2592000 s), got 0 s"
+    )

@@ -118,7 +118,7 @@ async def test_saved_options_the_broker_refuses_fall_back_to_the_default(
 ) -> None:
     """docs/user.md: saved options the hub refused when they were posted do
     not leave the user stuck; a quota refusal (403) of the dry run too."""
-    broker.refuse = (403, "quota: user ann holds or waits for 1 GPUs; 2 more would exceed")
+    broker.refuse = (403, "quota: user ann holds or waits for 1 GPU; 2 more would exceed")
     posted = make_spawner(broker.url)
     posted.handler = api_handler(b'{"gpus": 2}')
     with pytest.raises(web.HTTPError) as info:  # refused when posted (the hub saves them)
