@@ -56,12 +56,17 @@ def children(pid: int) -> list[int]:
     return found
 
 
+#: set once :func:`watch` interrupted the kernel on the broker's warning
+INTERRUPTED = threading.Event()
+
+
 def watch(flag: Path, interval: float = 0.5) -> None:
     """Wait for ``flag`` to exist, then interrupt the kernel once."""
     kernels: list[int] = []
     while not (flag.exists() and kernels):  # and the kernel has started
         time.sleep(interval)
         kernels = children(os.getpid())
+    INTERRUPTED.set()
     for pid in kernels:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGINT)
@@ -113,14 +118,19 @@ def main(argv: list[str]) -> None:
 ERROR_WIDTH = 300
 
 
-def error_line(err: BaseException) -> str:
+def error_line(err: BaseException, interrupted: bool = False) -> str:
     """One line saying why papermill failed: a cell's exception as
     ``ENAME: EVALUE (at "In [N]")`` (papermill's ``PapermillExecutionError``
-    names the cell's execution count), else ``Type: message``; at most
-    :data:`ERROR_WIDTH` characters."""
+    names the cell's execution count; ``ENAME`` alone without a value),
+    else ``Type: message``; after the broker's warning interrupted the
+    kernel (``interrupted``), a ``KeyboardInterrupt`` is said to be that;
+    at most :data:`ERROR_WIDTH` characters."""
     ename = getattr(err, "ename", None)
     if ename is not None:
-        line = f"{ename}: {getattr(err, 'evalue', '')}"
+        evalue = str(getattr(err, "evalue", "") or "").strip()
+        line = f"{ename}: {evalue}" if evalue else str(ename)
+        if interrupted and ename == "KeyboardInterrupt":
+            line = f"interrupted on the broker's warning (time limit or preemption near): {line}"
         count = getattr(err, "exec_count", None)
         if count is not None:
             line += f' (at "In [{count}]")'
@@ -140,7 +150,7 @@ def record_error(err: BaseException) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(error_line(err) + "\n")
+            f.write(error_line(err, INTERRUPTED.is_set()) + "\n")
     except OSError as exc:
         print(f"gpubroker: cannot record the error in {path}: {exc}", file=sys.stderr)
 

@@ -1642,7 +1642,10 @@ class JobService(LoggingConfigurable):
         with self.sessions.begin() as session:
             self._get(session, job_id).warned_at = now
         why = "its lease is being preempted" if preempting else "its time limit is near"
-        message = f"job {job_id} got {self.warn_signal}: {why}"
+        warned = (
+            f"got {self.warn_signal}" if watch.kind == "command" else "had its kernel interrupted"
+        )
+        message = f"job {job_id} {warned}: {why}"
         self.broker.note_lease(lease["id"], "job-warned", message, {"job": job_id})
 
     def _restarts_left(self, job_id: int, preempted: bool) -> bool:

@@ -248,6 +248,27 @@ def test_a_notebook_jobs_kernel_is_interrupted_before_its_time_limit(
     assert "job-warned" in kinds
 
 
+def test_a_notebook_job_interrupted_by_the_warning_says_so_when_it_fails(
+    jobs: JobService, home: Path
+) -> None:
+    """A cell that does not catch the warning's interrupt fails the job;
+    its reason said ``KeyboardInterrupt: (at "In [2]")`` (a stray colon,
+    and nothing of the warning), and the lease's note spoke of a signal."""
+    jobs.warn_before = 6
+    notebook(home / "ivy" / "train.ipynb", ["import time", "while True:\n    time.sleep(0.1)"])
+    job = jobs.submit("ivy", {"notebook": "train.ipynb", "gpus": 1, "time": "12s"})
+    done = run_until_done(jobs, job["id"])
+    assert done["state"] == "failed"
+    assert done["reason"] == (
+        "exit code 1: interrupted on the broker's warning (time limit or preemption near): "
+        'KeyboardInterrupt (at "In [2]")'
+    )
+    notes = [e for e in jobs.broker.lease_events(done["lease_id"]) if e["kind"] == "job-warned"]
+    assert [e["reason"] for e in notes] == [
+        f"job {job['id']} had its kernel interrupted: its time limit is near"
+    ]
+
+
 def test_a_notebook_runs_in_a_kernel_of_the_python_it_was_submitted_from(
     jobs: JobService, home: Path
 ) -> None:
