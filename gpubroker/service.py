@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import math
 import os
 import signal
 import time
@@ -455,12 +456,18 @@ class BrokerService:
         # servers), retried every second until the hub answers, then every
         # reconcile_interval
         started = False
+        said = -math.inf  # when the last failure was logged as a warning
         while True:
             try:
                 await self.reconcile_once()
                 started = True
             except Exception as err:
-                self.log.warning("Reconciliation with the hub failed: %s", err)
+                # while the hub starts, once a minute, not every second
+                now = time.monotonic()
+                log = self.log.warning if started or now - said >= 60 else self.log.debug
+                if log is self.log.warning:
+                    said = now
+                log("Reconciliation with the hub at %s failed: %s", self.hub.api_url, err)
             await asyncio.sleep(self.app.reconcile_interval if started else 1.0)
 
     async def _watch_loop(self) -> None:
