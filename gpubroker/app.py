@@ -344,7 +344,7 @@ class DowngradeDBCommand(_Command):
     )
 
     def start(self) -> None:
-        from .store.db import UnknownSchema, downgrade, make_engine
+        from .store.db import UnknownSchema, downgrade, make_engine, sqlite_path
         from .store.lock import DatabaseLocked, WriterLock
 
         args = self.broker_app.extra_args
@@ -355,6 +355,10 @@ class DowngradeDBCommand(_Command):
             self.exit(2)
         revision = args[0]
         url = self.broker_app.db_url
+        path = sqlite_path(url)
+        if path is not None and not os.path.exists(path):  # make_engine would create it
+            self.log.critical("Not downgrading: the database %s does not exist", _shown(url))
+            self.exit(2)
         engine = make_engine(url)
         lock = WriterLock(engine)
         try:

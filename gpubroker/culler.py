@@ -600,6 +600,11 @@ class Culler(LoggingConfigurable):
                     # idle tab keeps fresh, is no reason to withdraw a
                     # warning given on the kernels' word; the deadline holds
                     return False
+                if signals.busy and signals.gpu_util is None and track.busy_since_gpu_idle:
+                    # the GPU could not be read this time (an NVML error): a
+                    # busy kernel is no reason to withdraw a warning given on
+                    # the GPU's word (its clock runs on); the deadline holds
+                    return False
                 if not self.dry_run:
                     message = f"active again: {verdict.reason}"
                     self.broker.add_notice(lease, "cull-withdrawn", message)

@@ -6,14 +6,16 @@ panel's **Release**), so they cannot drift apart:
 
 - a granted job lease's process is stopped first (the job service releases
   the lease once it has ended);
-- a granted server lease whose server the hub still runs is stopped first
-  (the hub stops it; the spawner then releases the lease), unless the caller
-  says the server is stopped already (``holder_stopped``: the spawner's
-  release after its own stop);
+- a granted server lease whose server the hub still runs, or whose Docker
+  container or Slurm job an engine follows, is stopped first (the hub or
+  the engine stops it; then the lease is released), unless the caller says
+  the server is stopped already (``holder_stopped``: the spawner's release
+  after its own stop);
 - anything else is released at once;
 - with ``tell`` (a human admin's release of another user's lease), the
-  lease's user gets one ``admin-release`` notice; a release repeated while
-  its stop is under way asks nothing more and tells no one again.
+  lease's user gets one ``admin-release`` notice; a release asked while a
+  stop of its holder is under way (by anyone: a repeat, the culler, a
+  preemption) asks nothing more and tells no one.
 
 Where the rule comes from: a server keeps no GPU it gave back (the GPU
 would go to the next user while the server still has it in
@@ -97,17 +99,25 @@ async def release_asked(
     holder = lease["holder_kind"]
     if lease["state"] not in (LeaseState.pending.value, LeaseState.granted.value):
         return AskedRelease(lease, Outcome.ended_already, holder)
+    granted = lease["state"] == LeaseState.granted.value
+    if granted and not holder_stopped and broker.stops.open_stop(lease_id) is not None:
+        # asked again while its stop is under way: nothing more, no notice
+        return AskedRelease(lease, Outcome.stopping_already, holder)
     stop_first = False
-    if lease["state"] == LeaseState.granted.value:
-        if holder == HolderKind.job.value:
-            stop_first = True
-        elif holder == HolderKind.server.value and not holder_stopped:
-            stop_first = await server_running(lease["user"], lease["server_name"])
-            lease = broker.get_lease(lease_id)  # other commands ran meanwhile
-            if lease["state"] != LeaseState.granted.value:
-                return AskedRelease(lease, Outcome.ended_already, holder)
-    if stop_first and broker.stops.open_stop(lease_id) is not None:
-        return AskedRelease(broker.get_lease(lease_id), Outcome.stopping_already, holder)
+    if granted and holder == HolderKind.job.value:
+        stop_first = True
+    elif granted and holder == HolderKind.server.value and not holder_stopped:
+        # a server an engine follows (its Docker container, its Slurm job) is
+        # stopped first whatever the hub says: after a failed stop the hub
+        # forgets a server whose container still runs on the devices
+        stop_first = _followed(broker, lease) or await server_running(
+            lease["user"], lease["server_name"]
+        )
+        lease = broker.get_lease(lease_id)  # other commands ran meanwhile
+        if lease["state"] != LeaseState.granted.value:
+            return AskedRelease(lease, Outcome.ended_already, holder)
+        if broker.stops.open_stop(lease_id) is not None:
+            return AskedRelease(lease, Outcome.stopping_already, holder)
     if stop_first:
         broker.stop_lease(lease_id, reason, actor=actor)
         outcome = Outcome.stopping
@@ -117,3 +127,12 @@ async def release_asked(
     if tell:
         broker.note_lease(lease_id, "admin-release", reason, notify=True, actor=actor)
     return AskedRelease(broker.get_lease(lease_id), outcome, holder)
+
+
+def _followed(broker: Broker, lease: dict[str, Any]) -> bool:
+    """Whether an engine follows ``lease``'s server: a Docker container or a
+    Slurm job recorded on it, or a lease the service's engines watch
+    (:attr:`~gpubroker.broker.stops.ServerStops.followed`)."""
+    if lease.get("container_id") or lease.get("slurm_job"):
+        return True
+    return lease["id"] in broker.stops.followed()

@@ -39,7 +39,7 @@ from .accounting import EPS, Accounting
 from .messages import UNTIMED, clock, drained, ordinal, unplanned, wait_parts
 from .messages import gpus as gpus_text
 from .placement import NEVER, Pool
-from .preemption import VictimIndex, find_victims, unlocked_at
+from .preemption import VictimIndex, earliest_reclaim, find_victims
 from .sharing import Miss, SharingPool
 from .types import (
     INTERACTIVE_POOLS,
@@ -661,12 +661,13 @@ def _reserve(p: _Pass, request: Request) -> None:
 
 def _reclaim_later(p: _Pass, request: Request) -> tuple[dt.datetime, dt.datetime] | None:
     """For a request within guarantee that found no lease to reclaim now
-    (step 4): when a reclaim can start, because the borrowed leases that
-    would make room are still inside their class's ``min_runtime``, and
-    when the devices are then expected free (after the victims' grace).
-    ``None``: no such reclaim (none within guarantee, or even then no node
-    could make room). Cached per shape and user while the pool and the
-    pass's preemptions stay the same."""
+    (step 4): the first time a reclaim can start, because the borrowed
+    leases of others that would make room are still inside their class's
+    ``min_runtime``, and when the devices are then expected free (after the
+    victims' grace); only a reclaim of lent GPUs counts, never a class
+    preemption. ``None``: no such reclaim (not within guarantee, or even
+    then no node could make room). Cached per shape and user while the pool
+    and the pass's preemptions stay the same."""
     policy = p.state.policy
     if not (
         policy.has_guarantees
@@ -679,12 +680,11 @@ def _reclaim_later(p: _Pass, request: Request) -> tuple[dt.datetime, dt.datetime
     seen = p.reclaim_later.get(key)
     if seen is not None and seen[0] == valid:
         return seen[1]
-    found = None
-    plan = find_victims(request, True, p.later_victims(), p.pool, p.acct, policy, p.spare)
-    if plan is not None and plan.victims:
-        start, eta = unlocked_at(plan, policy, p.now)
-        if start > p.now:  # else a reclaim would have been found now (step 4)
-            found = (start, eta)
+    borrowed, user = p.acct.borrowed, request.user
+    lent = p.later_victims().only(lambda v: v.lease_id in borrowed and v.user != user)
+    found = earliest_reclaim(request, lent, p.pool, p.acct, policy, p.spare, p.now)
+    if found is not None and found[0] <= p.now:  # a reclaim would have been found now (step 4)
+        found = None
     p.reclaim_later[key] = (valid, found)
     return found
 

@@ -13,7 +13,7 @@ fewest victims wins.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .accounting import Accounting
@@ -86,6 +86,19 @@ class VictimIndex:
             leases.sort(key=order)
         #: the nodes with candidates, sorted (kept: a search does not sort them)
         self.nodes: list[str] = sorted(self.by_node)
+
+    def only(self, keep: Callable[[Running], bool]) -> VictimIndex:
+        """A copy holding the candidates ``keep`` accepts, in the same
+        victim order (the index a build from those candidates would give)."""
+        copy = object.__new__(VictimIndex)
+        copy.rank = self.rank
+        copy.by_node = {}
+        for node, leases in self.by_node.items():
+            kept = [v for v in leases if keep(v)]
+            if kept:
+                copy.by_node[node] = kept
+        copy.nodes = sorted(copy.by_node)
+        return copy
 
     def remove(self, victims: Sequence[Running], node: str) -> None:
         """Forget ``victims`` (told now) on ``node``."""
@@ -187,18 +200,52 @@ def find_victims(
     return None if best is None else best[1]
 
 
-def unlocked_at(plan: Plan, policy: Policy, now: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
-    """When every victim of ``plan`` has run its class's ``min_runtime``
-    (never before ``now``), and when their devices are free: that time plus
-    the longest grace among them (both aware UTC). For a plan found among
-    leases still inside their minimum runtime (``VictimIndex`` built at a
-    later ``now``), to say when the reclaim can start."""
-    at = now
-    for victim in plan.victims:
-        cls = policy.class_of(victim.priority_class)
-        at = max(at, victim.started + dt.timedelta(seconds=cls.min_runtime))
+def unlocks(victim: Running, policy: Policy) -> dt.datetime:
+    """When ``victim`` has run its class's ``min_runtime`` (aware UTC): from
+    then on it may be preempted or reclaimed."""
+    return victim.started + dt.timedelta(seconds=policy.class_of(victim.priority_class).min_runtime)
+
+
+def earliest_reclaim(
+    request: Request,
+    lent: VictimIndex,
+    pool: Pool,
+    acct: Accounting,
+    policy: Policy,
+    spare: Mapping[str, Sequence[str]] | None,
+    now: dt.datetime,
+) -> tuple[dt.datetime, dt.datetime] | None:
+    """The first time a reclaim for ``request`` (within guarantee) can
+    start, and its ETA (that time plus the longest grace of its victims),
+    both aware UTC; ``None`` when no time gives one.
+
+    Args:
+        lent: the candidates that may ever be reclaimed for it (borrowed
+            leases of others), whatever their minimum runtime.
+
+    Of the times at which candidates pass their ``min_runtime``, the
+    earliest at which :func:`find_victims` finds a plan among those past
+    it (more candidates never lose a plan, so the times are searched by
+    halves)."""
+    times = sorted({max(unlocks(v, policy), now) for vs in lent.by_node.values() for v in vs})
+
+    def plan_at(at: dt.datetime) -> Plan | None:
+        index = lent.only(lambda v: unlocks(v, policy) <= at)
+        return find_victims(request, True, index, pool, acct, policy, spare)
+
+    if not times or plan_at(times[-1]) is None:
+        return None
+    lo, hi = 0, len(times) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if plan_at(times[mid]) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    plan = plan_at(times[lo])
+    assert plan is not None
     grace = max((policy.class_of(v.priority_class).grace for v in plan.victims), default=0.0)
-    return at, at + dt.timedelta(seconds=grace)
+    return times[lo], times[lo] + dt.timedelta(seconds=grace)
 
 
 def _prune(

@@ -151,6 +151,13 @@ def downgrade(url: str, revision: str) -> str | None:
         sqlalchemy.exc.SQLAlchemyError: the database cannot be reached or migrated.
     """
     cfg = alembic_config(url)
+    if not (revision.isascii() and revision.isdigit() and len(revision) == 4):
+        raise UnknownSchema(
+            f"revision {revision!r} is not a migration's number (four digits, e.g. 0014)"
+        )
+    path = sqlite_path(url)
+    if path is not None and not os.path.exists(path):
+        raise UnknownSchema(f"the database {shown_url(url)} does not exist: nothing to take down")
     if not _known(cfg, revision):
         raise UnknownSchema(
             f"revision {revision!r} is not a migration of this gpubroker (its files in "

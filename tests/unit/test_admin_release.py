@@ -203,3 +203,45 @@ async def test_an_admins_record_of_where_a_server_runs_is_audited_the_spawners_n
     assert [(e["actor"], e["target"]) for e in recorded] == [
         ("root", f"lease {lease['id']} of ann")
     ]
+
+
+# --- a review of the shared rule --------------------------------------------------
+
+
+async def test_a_server_whose_container_still_runs_is_stopped_first_whatever_the_hub_says(
+    broker: Broker, stops: list[int]
+) -> None:
+    """After a failed stop the hub forgets a server whose container runs on;
+    released at once, its GPU went to the next user beside that container."""
+    lease = _server_lease(broker, "ann")
+    broker.set_server_url(lease["id"], "http://127.0.0.1:9/", "c0ffee123456", "engine-1")
+    done = await broker.release_asked(lease["id"], "maintenance", "root", server_running=_gone)
+    assert done.outcome is Outcome.stopping and stops == [lease["id"]]
+
+
+async def test_a_release_asked_while_a_stop_is_under_way_asks_and_tells_nothing_more(
+    broker: Broker,
+) -> None:
+    asked: list[int] = []
+    broker.on_evict = lambda view: asked.append(view["id"])  # the hub stops it, slowly
+    lease = _server_lease(broker, "ann")
+
+    async def running(user: str, server_name: str) -> bool:
+        return True
+
+    first = await broker.release_asked(
+        lease["id"], "maintenance", "root", server_running=running, tell=True
+    )
+    assert first.outcome is Outcome.stopping and asked == [lease["id"]]
+    # the hub forgot the server meanwhile: still no release, no second notice
+    again = await broker.release_asked(
+        lease["id"], "maintenance again", "root", server_running=_gone, tell=True
+    )
+    assert again.outcome is Outcome.stopping_already and again.lease["state"] == "granted"
+    assert [n["message"] for n in broker.notices("ann")] == ["maintenance"]
+    # the spawner's release after its stop goes through, with the stop's reason
+    done = await broker.release_asked(
+        lease["id"], "server stopped", "gpubroker", server_running=_gone, holder_stopped=True
+    )
+    assert done.outcome is Outcome.released
+    assert done.lease["release_reason"] == "maintenance (server stopped)"

@@ -231,3 +231,42 @@ async def test_an_exempt_class_that_is_no_class_is_reported_at_start(
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert "exempt_priority_classes: no priority class is named bach" in caplog.text
+
+
+async def test_an_unreadable_gpu_does_not_withdraw_a_busy_kernels_gpu_idle_warning(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel busy for an hour on an idle GPU is warned; an NVML error at
+    the next check withdrew the warning (a busy kernel counts as use when
+    the GPU is unknown), and the check after warned again with a new
+    grace: every hiccup put the cull off."""
+    hub, lease, start = idle_server(broker)
+    culler = Culler(  # type: ignore[arg-type]
+        broker, hub, cull_busy_gpu_idle=True, busy_gpu_idle_timeout=3600, grace=600
+    )
+    culler.pid_lease = lambda pid: None  # type: ignore[method-assign]
+
+    async def busy(*_: Any, **__: Any) -> tuple[list[dict[str, Any]], None]:
+        return [{"execution_state": "busy", "last_activity": None}], None
+
+    monkeypatch.setattr(culler, "_kernels", busy)
+    real = broker.backend.usage
+    failing = [False]
+
+    def usage(uuid: str) -> Any:
+        if failing[0]:
+            raise RuntimeError("NVML_ERROR_UNKNOWN")
+        return real(uuid)
+
+    monkeypatch.setattr(broker.backend, "usage", usage)
+    for minute in (0, 30, 61):
+        await culler.check_once(start + minute * MIN)
+    assert kinds(broker, lease["id"]) == ["cull-warning"]
+    deadline = culler.tracks[lease["id"]].warned_until
+    failing[0] = True
+    await culler.check_once(start + 62 * MIN)
+    failing[0] = False
+    await culler.check_once(start + 63 * MIN)
+    assert kinds(broker, lease["id"]) == ["cull-warning"]
+    assert culler.tracks[lease["id"]].warned_until == deadline
+    assert await culler.check_once(start + 71 * MIN) == [lease["id"]]

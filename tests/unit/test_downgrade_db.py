@@ -34,6 +34,8 @@ def test_downgrade_db_takes_the_schema_down_and_refuses_what_it_cannot(tmp_path:
     for args, words in [
         ((), "give one REVISION, e.g. gpubroker downgrade-db 0014"),
         (("0099",), "revision '0099' is not a migration of this gpubroker"),
+        (("head",), "revision 'head' is not a migration's number (four digits, e.g. 0014)"),
+        (("0014@head",), "is not a migration's number"),
         ((head,), f"at schema revision '{older}', below '{head}' already: use upgrade-db"),
     ]:
         refused = _downgrade(url, *args)
@@ -53,3 +55,10 @@ def test_downgrade_db_refuses_while_a_broker_holds_the_store(tmp_path: Path) -> 
     assert done.returncode == 2, done.stderr
     assert "Not downgrading: another gpubroker is the active broker" in done.stderr
     assert current_revision(make_engine(url)) == head_revision()
+
+
+def test_downgrade_db_of_a_database_that_does_not_exist_makes_none(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'none.sqlite'}"
+    refused = _downgrade(url, "0012")
+    assert refused.returncode == 2 and "does not exist" in refused.stderr
+    assert list(tmp_path.iterdir()) == []
