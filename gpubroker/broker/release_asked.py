@@ -120,13 +120,14 @@ async def release_asked(
             return AskedRelease(lease, Outcome.stopping_already, holder)
     if stop_first:
         broker.stop_lease(lease_id, reason, actor=actor)
-        outcome = Outcome.stopping
+        outcome, view = Outcome.stopping, None
     else:
-        broker.release_lease(lease_id, reason, actor=actor)
+        view = broker.release_lease(lease_id, reason, actor=actor)
         outcome = Outcome.released
     if tell:
         broker.note_lease(lease_id, "admin-release", reason, notify=True, actor=actor)
-    return AskedRelease(broker.get_lease(lease_id), outcome, holder)
+        view = None  # the note changed the lease's version
+    return AskedRelease(view or broker.get_lease(lease_id), outcome, holder)
 
 
 def _followed(broker: Broker, lease: dict[str, Any]) -> bool:
