@@ -12,7 +12,8 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from traitlets import Bool, Enum, Float, Integer, Unicode, default
@@ -310,24 +311,9 @@ class UpgradeDBCommand(_Command):
     description = "Migrate the store (GPUBrokerApp.db_url) to the newest schema."
 
     def start(self) -> None:
-        from .store.db import UnknownSchema, make_engine, upgrade
-        from .store.lock import DatabaseLocked, WriterLock
+        from .store.db import upgrade
 
-        engine = make_engine(self.broker_app.db_url)
-        lock = WriterLock(engine)
-        try:
-            lock.acquire()  # never migrate under a live broker
-        except DatabaseLocked as err:
-            self.log.critical("Not upgrading: %s", err)
-            self.exit(2)
-        try:
-            upgrade(self.broker_app.db_url)
-        except UnknownSchema as err:
-            self.log.critical("Not upgrading: %s", err)
-            self.exit(2)
-        finally:
-            lock.release()
-            engine.dispose()
+        _migrate(self, "upgrading", upgrade)
         self.log.info("Store %s is at the newest schema", _shown(self.broker_app.db_url))
 
 
@@ -344,8 +330,7 @@ class DowngradeDBCommand(_Command):
     )
 
     def start(self) -> None:
-        from .store.db import UnknownSchema, downgrade, make_engine, sqlite_path
-        from .store.lock import DatabaseLocked, WriterLock
+        from .store.db import downgrade, sqlite_path
 
         args = self.broker_app.extra_args
         if len(args) != 1:
@@ -359,22 +344,38 @@ class DowngradeDBCommand(_Command):
         if path is not None and not os.path.exists(path):  # make_engine would create it
             self.log.critical("Not downgrading: the database %s does not exist", _shown(url))
             self.exit(2)
-        engine = make_engine(url)
-        lock = WriterLock(engine)
-        try:
-            lock.acquire()  # never under a live broker
-        except DatabaseLocked as err:
-            self.log.critical("Not downgrading: %s", err)
-            self.exit(2)
-        try:
-            before = downgrade(url, revision)
-        except UnknownSchema as err:
-            self.log.critical("Not downgrading: %s", err)
-            self.exit(2)
-        finally:
-            lock.release()
-            engine.dispose()
+        before = _migrate(self, "downgrading", lambda url: downgrade(url, revision))
         self.log.info("Store %s taken from schema %s down to %s", _shown(url), before, revision)
+
+
+_T = TypeVar("_T")
+
+
+def _migrate(command: _Command, verb: str, change: Callable[[str], _T]) -> _T:
+    """Run ``change(db_url)`` holding the database's writer lock: never
+    under a live broker. A held lock or an :class:`UnknownSchema` is logged
+    as ``Not <verb>: …`` and ends the command with status 2."""
+    from .store.db import UnknownSchema, make_engine
+    from .store.lock import DatabaseLocked, WriterLock
+
+    url = command.broker_app.db_url
+    engine = make_engine(url)
+    lock = WriterLock(engine)
+    try:
+        lock.acquire()
+    except DatabaseLocked as err:
+        engine.dispose()
+        command.log.critical("Not %s: %s", verb, err)
+        command.exit(2)
+    try:
+        return change(url)
+    except UnknownSchema as err:
+        command.log.critical("Not %s: %s", verb, err)
+        command.exit(2)
+        raise  # not reached: exit raises SystemExit
+    finally:
+        lock.release()
+        engine.dispose()
 
 
 def _shown(url: str) -> str:
