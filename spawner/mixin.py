@@ -530,8 +530,8 @@ class GPUSpawnerMixin(LoggingConfigurable):
         else:
             instead = f"the default ({self.default_gpus} GPUs)"
         message = (
-            f"Your saved spawn options {form.shown(options)} are no "
-            f"longer offered ({err}); starting with {instead} instead."
+            f"Your saved spawn options {form.shown(options)} are not "
+            f"accepted now ({err}); starting with {instead} instead."
         )
         self.log.warning(
             "%s: saved user_options %s refused (%s); using %s",

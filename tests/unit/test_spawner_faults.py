@@ -388,7 +388,7 @@ async def test_a_stale_saved_profile_falls_back_to_the_default_with_a_notice(
     assert spawner.gpu_profile == "none"
     (notice,) = messages(spawner)
     assert notice == (
-        'Your saved spawn options {"profile": "gpu-legacy"} are no longer offered '
+        'Your saved spawn options {"profile": "gpu-legacy"} are not accepted now '
         "(profile: unknown profile 'gpu-legacy' (choices: full-h100, mig, none)); "
         "starting with the default profile 'none' instead."
     )
