@@ -228,6 +228,9 @@ class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
 
     #: how the container ended, as :meth:`gpu_poll_server` last found it
     _gpu_exit: str | None = None
+    #: the container :meth:`gpu_poll_server` removed after reading its end:
+    #: not found later, it is not "gone from the Docker engine"
+    _gpu_removed: str | None = None
 
     async def gpu_poll_server(self) -> int | None:
         """Ask Docker about this server's container (its remembered id, else
@@ -244,6 +247,8 @@ class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
         try:
             container = await self.docker("inspect_container", target)
         except NotFound:
+            if target == self._gpu_removed:
+                return 0  # removed here, after its end was read and logged
             self.log.warning(
                 "%s: container %s is gone from the Docker engine", self._log_name, target[:12]
             )
@@ -269,6 +274,7 @@ class DockerGPUSpawner(GPUSpawnerMixin, DockerSpawner):  # type: ignore[misc]
         if self.remove:
             try:
                 await self.remove_object()
+                self._gpu_removed = target
             except Exception as err:
                 self.log.warning(
                     "%s: cannot remove ended container %s: %s", self._log_name, target[:12], err

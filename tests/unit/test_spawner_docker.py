@@ -4,6 +4,7 @@ spawner runs against a real engine in tests/integration/test_docker_spawner_hub.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -206,3 +207,29 @@ async def test_an_oom_kill_is_the_release_reason(broker: Broker) -> None:
 
 def test_docker_never_removes_a_container_before_its_end_is_read() -> None:
     assert _merged({"auto_remove": True}, gpu_host_config({}))["auto_remove"] is False
+
+
+async def test_a_container_removed_after_its_end_was_read_is_not_gone(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Docker trial: after ``docker kill`` the hub logged the container's
+    end, then twice that it was "gone from the Docker engine", for a
+    container the spawner had just removed itself."""
+    spawner = make_spawner(broker_url=broker.url, remove=True)
+    spawner.object_id = "ef" * 32
+    spawner.gpu_lease_id = 9
+    removed: list[str] = []
+
+    async def docker(method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "remove_container":
+            removed.append(args[0])
+            return None
+        if removed:
+            raise api_error(404)
+        return {"Id": "ef" * 32, "State": {"Running": False, "ExitCode": 137, "Error": ""}}
+
+    spawner.docker = docker
+    assert await spawner.poll() == 137
+    with caplog.at_level(logging.WARNING):
+        assert await spawner.gpu_poll_server() == 0
+    assert removed == ["ef" * 32] and "gone from the Docker engine" not in caplog.text
