@@ -122,7 +122,9 @@ class GPUBrokerApp(Application):
 
     upgrade_db = Bool(
         True,
-        help="Upgrade the store's schema at start (as `gpubroker upgrade-db` does).",
+        help="Upgrade the store's schema at start (as `gpubroker upgrade-db` does). "
+        "Off: the broker starts only on a store at this release's newest schema "
+        "(run `gpubroker upgrade-db` first); it refuses any other with status 2.",
     ).tag(config=True)
 
     device_backend = Enum(

@@ -37,7 +37,7 @@ from .hub_tls import InternalTLS, from_environment
 from .jobs.service import JobService
 from .observe.metrics import BrokerMetrics
 from .share_guard import ShareGuard
-from .store.db import make_engine, make_session_factory, shown_url, upgrade
+from .store.db import check_schema, make_engine, make_session_factory, shown_url, upgrade
 from .store.lock import DatabaseLocked, DatabaseUnavailable, WriterLock, describe_self
 from .usage.ledger import EngineTelemetry, Ledger
 
@@ -108,6 +108,8 @@ class BrokerService:
         self.log.info("Store: %s", shown_url(app.db_url))
         if app.upgrade_db:
             upgrade(app.db_url)
+        else:
+            check_schema(app.db_url)  # never run on a schema of another release
         self.backend = load_backend(app.device_backend, parent=app, log=self.log)
         self.broker = Broker(
             parent=app, session_factory=make_session_factory(self.engine), backend=self.backend

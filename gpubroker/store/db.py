@@ -107,8 +107,47 @@ def alembic_config(url: str) -> Config:
 
 
 class UnknownSchema(RuntimeError):
-    """The database is at a schema revision this version of gpubroker does
-    not ship (written by a newer gpubroker); the message says what to do."""
+    """The database's schema is not one this gpubroker can run on: a
+    revision it does not ship (written by a newer gpubroker), or, where the
+    broker does not migrate at start, an older one or none; the message
+    says what to do."""
+
+
+def check_schema(url: str) -> None:
+    """Refuse a database this gpubroker cannot run on without migrating it
+    (``GPUBrokerApp.upgrade_db`` off): it must be at this release's newest
+    revision. Nothing is changed.
+
+    Raises:
+        UnknownSchema: at a revision this gpubroker does not know (a newer
+            release migrated it), at an older one, or without a schema.
+        sqlalchemy.exc.SQLAlchemyError: the database cannot be reached.
+    """
+    engine = make_engine(url, poolclass=NullPool)
+    try:
+        at = current_revision(engine)
+    finally:
+        engine.dispose()
+    head = head_revision()
+    if at == head:
+        return
+    if at is not None and not _known(alembic_config(url), at):
+        raise UnknownSchema(_newer(url, at))
+    found = "has no gpubroker schema" if at is None else f"is at schema revision {at!r}"
+    raise UnknownSchema(
+        f"the database {shown_url(url)} {found}, and this gpubroker needs {head!r}; "
+        "upgrade_db is off, so run `gpubroker upgrade-db` first (see the admin guide)"
+    )
+
+
+def _newer(url: str, at: str) -> str:
+    """The refusal of a database at revision ``at``, which a newer gpubroker wrote."""
+    return (
+        f"the database {shown_url(url)} is at schema revision {at!r}, which this "
+        f"gpubroker (newest revision {head_revision()!r}) does not know: a newer "
+        "gpubroker migrated it. Run that release again, or take the schema down "
+        "with it to this release's newest revision first (see the admin guide)"
+    )
 
 
 def upgrade(url: str, revision: str = "head") -> None:
@@ -127,12 +166,7 @@ def upgrade(url: str, revision: str = "head") -> None:
     finally:
         engine.dispose()
     if at is not None and not _known(cfg, at):
-        raise UnknownSchema(
-            f"the database {shown_url(url)} is at schema revision {at!r}, which this "
-            f"gpubroker (newest revision {head_revision()!r}) does not know: a newer "
-            "gpubroker migrated it. Run that release again, or take the schema down "
-            "with it to this release's newest revision first (see the admin guide)"
-        )
+        raise UnknownSchema(_newer(url, at))
     command.upgrade(cfg, revision)
 
 

@@ -1,7 +1,8 @@
 """``gpubroker report``: the usage report from the store, on the shell.
 
-It reads the store (``--db-url``, or ``GPUBrokerApp.db_url`` of the
-``--config`` file) and writes nothing, so it may run beside a live broker:
+It reads the store (``--db-url``, else ``GPUBrokerApp.db_url`` of the
+``--config`` file, else ``$GPUBROKER_DB_URL``, as ``gpubroker serve``
+finds it) and writes nothing, so it may run beside a live broker:
 the ledger in the store is as new as its last write
 (``Ledger.flush_interval``); ``GET /api/v1/usage`` writes first. An
 interval still open counts up to the broker's last sign of life, never past
@@ -34,7 +35,8 @@ class StoreCommand(Application):
     db_url = Unicode(
         "",
         help="SQLAlchemy URL of the store (default: GPUBrokerApp.db_url of the config "
-        "file, else sqlite:///gpubroker.sqlite).",
+        "file, else $GPUBROKER_DB_URL, else sqlite:///gpubroker.sqlite, as the broker "
+        "finds it).",
     ).tag(config=True)
 
     def initialize(self, argv: list[str] | None = None) -> None:
@@ -47,11 +49,16 @@ class StoreCommand(Application):
             self.update_config(loaded)
 
     def store_url(self) -> str:
-        """The store to read."""
+        """The store to read: ``--db-url``, else the config file's
+        ``GPUBrokerApp.db_url``, else ``$GPUBROKER_DB_URL``, else
+        ``sqlite:///gpubroker.sqlite`` (the broker's own order,
+        :class:`gpubroker.app.GPUBrokerApp`)."""
         if self.db_url:
             return self.db_url
         app = self.config.get("GPUBrokerApp", {})
-        return str(app.get("db_url", "sqlite:///gpubroker.sqlite"))
+        if "db_url" in app:
+            return str(app["db_url"])
+        return os.environ.get("GPUBROKER_DB_URL") or "sqlite:///gpubroker.sqlite"
 
     def sessions(self) -> Any:
         """A session factory of the store (refusing a store that does not exist)."""

@@ -252,6 +252,43 @@ def test_the_commands_refuse_a_newer_schema_with_its_message_and_status_2(
     assert "schema revision '0099'" in said and "Traceback" not in said
 
 
+def test_without_upgrade_db_only_this_releases_schema_is_run_on(tmp_path: Path) -> None:
+    """With ``upgrade_db`` off the broker checked no schema at all: an older
+    release started on a newer release's schema and wrote to it (the docs
+    promised a refusal). Now any schema but this release's newest is
+    refused, saying what to do, and nothing is changed."""
+    from gpubroker.store.db import UnknownSchema, check_schema, head_revision
+
+    url = f"sqlite:///{tmp_path / 's.sqlite'}"
+    with pytest.raises(UnknownSchema, match=r"has no gpubroker schema.*gpubroker upgrade-db"):
+        check_schema(url)
+    upgrade(url, "0001")
+    with pytest.raises(UnknownSchema, match=r"revision '0001'.*needs '\d{4}'.*upgrade_db is off"):
+        check_schema(url)
+    upgrade(url)
+    check_schema(url)  # this release's newest: runs
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = '0099'"))
+    with pytest.raises(UnknownSchema, match=rf"'0099'.*newest revision '{head_revision()}'"):
+        check_schema(url)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0099"
+    engine.dispose()
+    run = _gpubroker(
+        tmp_path,
+        "serve",
+        f"--db-url={url}",
+        "--GPUBrokerApp.upgrade_db=False",
+        "--device-backend=fake",
+        "--port=0",
+    )
+    said = run.stderr + run.stdout
+    assert run.returncode == 2, said
+    assert "Not starting: the database" in said and "'0099'" in said
+    assert "Traceback" not in said
+
+
 def test_a_priority_class_name_fits_the_store_or_is_refused_at_load(db_url: str) -> None:
     """The store keeps a lease's class in 64 characters: a longer class name
     was accepted at load, and on PostgreSQL every request of that class

@@ -4,7 +4,9 @@ fake GPUs and a clock the test moves (hours pass in no time)."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -350,6 +352,30 @@ def test_report_and_audit_commands_read_the_store(db_url: str, tmp_path: Path) -
     assert ("granted", "scheduler") in actions
     done = _cli("audit", f"--db-url={db_url}", "--kind=quota-set")
     assert done.returncode == 0 and "group:physics" in done.stdout
+
+
+def test_report_and_audit_find_the_store_as_the_broker_does(db_url: str, tmp_path: Path) -> None:
+    """``$GPUBROKER_DB_URL`` (the Docker stack's only setting of the store)
+    was ignored: the commands read ``sqlite:///gpubroker.sqlite`` and exited
+    "No store" (or read a stray file). The order is the broker's: the
+    command line, the config file, the variable."""
+    broker = make_broker(db_url)
+    broker.set_quota("group", "optics", 1.0, 2.0, actor="root")
+    env = {**os.environ, "GPUBROKER_DB_URL": db_url}
+    run = functools.partial(
+        subprocess.run, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
+    done = run([sys.executable, "-m", "gpubroker", "audit", "--kind=quota-set"])
+    assert done.returncode == 0, done.stderr
+    assert "group:optics" in done.stdout
+    done = run([sys.executable, "-m", "gpubroker", "report", "--format=json"])
+    assert done.returncode == 0, done.stderr
+    # the config file's db_url wins over the variable, as for `gpubroker serve`
+    (tmp_path / "gpubroker_config.py").write_text(
+        f"c.GPUBrokerApp.db_url = 'sqlite:///{tmp_path / 'none.sqlite'}'\n"
+    )
+    done = run([sys.executable, "-m", "gpubroker", "audit"])
+    assert done.returncode == 2 and "No store at" in done.stderr
 
 
 def test_the_audit_command_prints_one_line_per_entry_whatever_the_reason(
