@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import nbformat
 
@@ -24,3 +25,14 @@ def write_notebook(path: Path, cells: list[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, path)
     return path
+
+
+def new_shell() -> Any:
+    """IPython's shell instance for the magics tests, its history in memory:
+    a history file under a home directory a test had removed failed
+    IPython's exit hook after the run ("attempt to write a readonly
+    database")."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    return InteractiveShell.instance(config=Config({"HistoryManager": {"hist_file": ":memory:"}}))

@@ -20,7 +20,7 @@ from gpubroker.jobs.text import WHAT_WIDTH, job_what
 from gpubroker.magics import GPUMagics
 from gpubroker.store import jobs_repo
 
-from ..nbutil import write_notebook
+from ..nbutil import new_shell, write_notebook
 from .test_jobs import run_until_done
 
 #: a ``%%gpu_job`` cell of three lines
@@ -189,7 +189,7 @@ class Recorder:
 
 @pytest.fixture
 def shell() -> Any:
-    ip = InteractiveShell.instance()
+    ip = new_shell()
     ip.register_magics(GPUMagics(ip, client=Recorder()))  # type: ignore[arg-type]
     yield ip
     InteractiveShell.clear_instance()

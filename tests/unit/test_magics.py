@@ -14,7 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from gpubroker.magics import GPUMagics, unsaved_cells
 
-from ..nbutil import write_notebook
+from ..nbutil import new_shell, write_notebook
 
 
 class Recorder:
@@ -54,8 +54,11 @@ class Recorder:
 
 
 @pytest.fixture
-def shell() -> tuple[InteractiveShell, Recorder]:
-    ip = InteractiveShell.instance()
+def shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[InteractiveShell, Recorder]:
+    """A shell in its home directory (``tmp_path``), as a single-user server's kernel."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    ip = new_shell()
     recorder = Recorder()
     ip.register_magics(GPUMagics(ip, client=recorder))  # type: ignore[arg-type]
     yield ip, recorder

@@ -21,7 +21,7 @@ from gpubroker.client_sync import SyncBrokerClient
 from gpubroker.jobs.cli import LogsCommand
 from gpubroker.magics import GPUMagics
 
-from ..nbutil import write_notebook
+from ..nbutil import new_shell, write_notebook
 
 Handler = Callable[[http.server.BaseHTTPRequestHandler], None]
 
@@ -97,7 +97,7 @@ def shell(
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path / "sub")
-    ip = InteractiveShell.instance()
+    ip = new_shell()
     recorder = Recorder()
     ip.register_magics(GPUMagics(ip, client=recorder))  # type: ignore[arg-type]
     yield ip, recorder
@@ -229,7 +229,7 @@ def test_the_magics_say_when_no_broker_url_is_set(
     type``; now a ``UsageError`` that names the variable."""
     monkeypatch.delenv("GPUBROKER_URL", raising=False)
     monkeypatch.delenv("GPUBROKER_JOB_ID", raising=False)
-    ip = InteractiveShell.instance()
+    ip = new_shell()
     try:
         ip.register_magics(GPUMagics(ip))
         with pytest.raises(UsageError, match=r"no broker URL \(GPUBROKER_URL"):
@@ -376,7 +376,7 @@ def test_a_notebook_job_showing_gpu_or_its_jobs_runs_on(
     ("no broker URL"), its GPU time spent."""
     monkeypatch.setenv("GPUBROKER_JOB_ID", "11")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
-    ip = InteractiveShell.instance()
+    ip = new_shell()
     try:
         ip.register_magics(GPUMagics(ip, client=_Broker()))  # type: ignore[arg-type]
         for name, line in (("gpu", ""), ("gpu_jobs", ""), ("gpu_logs", "3"), ("gpu_cancel", "3")):
@@ -417,7 +417,7 @@ def test_the_log_of_a_queued_job_says_there_is_none_yet(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("GPUBROKER_JOB_ID", raising=False)
-    ip = InteractiveShell.instance()
+    ip = new_shell()
     try:
         ip.register_magics(GPUMagics(ip, client=_Queued()))  # type: ignore[arg-type]
         ip.run_line_magic("gpu_logs", "4")
