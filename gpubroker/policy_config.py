@@ -101,6 +101,24 @@ class SchedulingPolicy(LoggingConfigurable):
         help="Blocked requests that get a reservation and an ETA per scheduling pass.",
     ).tag(config=True)
 
+    def __init__(self, **kwargs: Any) -> None:
+        """Load the configuration, then check that the default class is one
+        of the classes (traitlets validates a value only when it is set: a
+        ``priority_classes`` list without ``interactive`` and no
+        ``default_priority_class`` passed, and every spawn was then refused).
+
+        Raises:
+            TraitError: the default class is not one of the classes.
+        """
+        super().__init__(**kwargs)
+        names = [c.get("name") for c in self.priority_classes]
+        if self.default_priority_class not in names:
+            raise TraitError(
+                f"default_priority_class: must be one of {names}, got "
+                f"{self.default_priority_class!r} (set it when priority_classes leaves "
+                f"out {self.default_priority_class!r})"
+            )
+
     @validate("priority_classes")
     def _check_classes(self, proposal: Any) -> list[dict[str, Any]]:
         self._classes(proposal["value"])

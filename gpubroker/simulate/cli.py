@@ -348,7 +348,8 @@ class SimulateCommand(Application):
         unknown = sorted({j.priority_class for j in workload.jobs} - set(policy.classes))
         if unknown:
             self.log.warning(
-                "Priority classes %s are not in the policy: they rank lowest and are preemptible",
+                "Priority classes %s are not in the policy: they rank lowest and are not "
+                "preemptible, so their jobs run only within guarantees",
                 ", ".join(unknown),
             )
         self.log.info(

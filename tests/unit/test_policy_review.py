@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from traitlets import TraitError
+from traitlets.config import Config
 
 from gpubroker.policy_config import SchedulingPolicy
 from gpubroker.scheduler import Policy, Quota, SchedulerState, WaitReason, schedule
@@ -84,6 +85,20 @@ def test_duplicate_class_name_is_refused_at_load() -> None:
     classes = [{"name": "batch", "rank": 50}, {"name": "batch", "rank": 60}]
     with pytest.raises(TraitError, match="class 'batch' is defined twice"):
         SchedulingPolicy(priority_classes=classes, default_priority_class="batch")
+
+
+def test_a_class_list_without_the_default_class_is_refused_at_load() -> None:
+    """traitlets checks ``default_priority_class`` only when it is set: a
+    ``priority_classes`` list that left out ``interactive`` loaded, and every
+    request naming no class (every spawn) was then a 400."""
+    classes = [{"name": "course", "rank": 90}]
+    with pytest.raises(TraitError, match=r"must be one of \['course'\], got 'interactive'"):
+        SchedulingPolicy(priority_classes=classes)
+    config = Config({"SchedulingPolicy": {"priority_classes": classes}})
+    with pytest.raises(TraitError, match="default_priority_class"):
+        SchedulingPolicy(config=config)
+    policy = SchedulingPolicy(priority_classes=classes, default_priority_class="course")
+    assert policy.build().classes.keys() == {"course"}
 
 
 def test_good_classes_still_load_and_schedule() -> None:
