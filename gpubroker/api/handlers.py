@@ -496,13 +496,8 @@ class LeaseHandler(APIHandler):
     )
     async def delete(self, raw_id: str) -> None:
         lease = self.lease(raw_id)
-        body = validation.parse_json_object(self.request.body)
-        reason = body.get("reason") or f"released by {self.me}"
-        if not isinstance(reason, str) or len(reason) > 1000:
-            raise validation.BadRequest("reason: must be a string of at most 1000 characters")
-        stopped = body.get("holder_stopped", False)
-        if not isinstance(stopped, bool):
-            raise validation.BadRequest("holder_stopped: must be true or false")
+        given, stopped = validation.release_body(validation.parse_json_object(self.request.body))
+        reason = given or f"released by {self.me}"
         if stopped and not self.admin:
             raise Forbidden(
                 f"holder_stopped: only a broker admin (the spawner, {auth.ADMIN_SCOPE}) "

@@ -232,6 +232,40 @@ def require_name(data: dict[str, Any], key: str, *, allow_empty: bool = False) -
     return check_name(data.get(key, ""), key, allow_empty=allow_empty)
 
 
+#: what a ``DELETE /leases/{id}`` body may hold
+RELEASE_FIELDS = frozenset({"reason", "holder_stopped"})
+#: most characters of a release's reason
+MAX_REASON = 1000
+
+
+def release_body(data: dict[str, Any]) -> tuple[str | None, bool]:
+    """Validate a ``DELETE /leases/{id}`` body: ``{"reason": TEXT,
+    "holder_stopped": BOOL}``, both optional.
+
+    Returns:
+        the reason (``None``: not given, or empty) and ``holder_stopped``.
+
+    Raises:
+        BadRequest: an unknown field (a misspelt ``holder_stopped`` would
+            otherwise be dropped and the server stopped first), a reason
+            that is not a string of at most :data:`MAX_REASON` characters,
+            a ``holder_stopped`` that is not a boolean.
+    """
+    unknown = sorted(set(data) - RELEASE_FIELDS)
+    if unknown:
+        allowed = ", ".join(sorted(RELEASE_FIELDS))
+        raise BadRequest(f"{unknown[0][:60]}: unknown field (allowed: {allowed})")
+    reason = data.get("reason")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON):
+        raise BadRequest(
+            f"reason: must be a string of at most {MAX_REASON} characters, got {echo(reason)}"
+        )
+    stopped = data.get("holder_stopped", False)
+    if not isinstance(stopped, bool):
+        raise BadRequest(f"holder_stopped: must be true or false, got {echo(stopped)}")
+    return reason or None, stopped
+
+
 def lease_request(data: dict[str, Any]) -> dict[str, Any]:
     """Validate a ``POST /leases`` body.
 

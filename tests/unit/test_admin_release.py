@@ -101,8 +101,20 @@ async def test_only_an_admin_may_say_the_holder_stopped(
     answer = await served.call(
         "DELETE", f"/leases/{lease['id']}", "admin-token", {"holder_stopped": "yes"}
     )
-    assert error(answer) == (400, "holder_stopped: must be true or false")
+    assert error(answer) == (400, 'holder_stopped: must be true or false, got "yes"')
+    # a misspelt field was dropped, and the server stopped first; a reason of
+    # another type was taken for none: both are now 400s naming the field
+    answer = await served.call(
+        "DELETE", f"/leases/{lease['id']}", "admin-token", {"holder_stoped": True}
+    )
+    assert error(answer) == (
+        400,
+        "holder_stoped: unknown field (allowed: holder_stopped, reason)",
+    )
+    answer = await served.call("DELETE", f"/leases/{lease['id']}", "admin-token", {"reason": 0})
+    assert error(answer) == (400, "reason: must be a string of at most 1000 characters, got 0")
     assert broker.get_lease(lease["id"])["state"] == "granted"  # nothing lost
+    assert stops == []
     # her own release of her running server stops it first, with no notice
     answer = await served.call("DELETE", f"/leases/{lease['id']}", "ann-token", {})
     assert answer.code == 200 and stops == [lease["id"]]
