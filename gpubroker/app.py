@@ -33,6 +33,7 @@ from .jobs.service import JobService
 from .policy_config import SchedulingPolicy
 from .pools import Pools
 from .share_guard import ShareGuard
+from .store.db import DEFAULT_DB_URL
 from .usage.ledger import Ledger
 
 
@@ -118,7 +119,7 @@ class GPUBrokerApp(Application):
 
     @default("db_url")
     def _default_db_url(self) -> str:
-        return os.environ.get("GPUBROKER_DB_URL", "sqlite:///gpubroker.sqlite")
+        return os.environ.get("GPUBROKER_DB_URL") or DEFAULT_DB_URL  # empty: unset
 
     upgrade_db = Bool(
         True,

@@ -319,6 +319,7 @@ class Broker(LoggingConfigurable):
             default_class=lambda: self.policy.default_priority_class,
             max_gpus=lambda: self.max_gpus_per_request,
         )
+        self.policy.check_default_class()  # a TraitError: a setting is wrong
         self.admin = AdminOps(
             self.runner,
             self._world,

@@ -101,16 +101,17 @@ class SchedulingPolicy(LoggingConfigurable):
         help="Blocked requests that get a reservation and an ETA per scheduling pass.",
     ).tag(config=True)
 
-    def __init__(self, **kwargs: Any) -> None:
-        """Load the configuration, then check that the default class is one
-        of the classes (traitlets validates a value only when it is set: a
+    def check_default_class(self) -> None:
+        """Check that the default class is one of the classes, as the broker
+        does at start (traitlets validates a value only when it is set: a
         ``priority_classes`` list without ``interactive`` and no
-        ``default_priority_class`` passed, and every spawn was then refused).
+        ``default_priority_class`` loaded, and every spawn was then
+        refused). The simulator does not ask: its jobs' default class is
+        ``Enrichment.default_class``.
 
         Raises:
             TraitError: the default class is not one of the classes.
         """
-        super().__init__(**kwargs)
         names = [c.get("name") for c in self.priority_classes]
         if self.default_priority_class not in names:
             raise TraitError(

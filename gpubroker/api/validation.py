@@ -243,20 +243,22 @@ def release_body(data: dict[str, Any]) -> tuple[str | None, bool]:
     "holder_stopped": BOOL}``, both optional.
 
     Returns:
-        the reason (``None``: not given, or empty) and ``holder_stopped``.
+        the reason (``None``: absent, or empty) and ``holder_stopped``.
 
     Raises:
         BadRequest: an unknown field (a misspelt ``holder_stopped`` would
             otherwise be dropped and the server stopped first), a reason
-            that is not a string of at most :data:`MAX_REASON` characters,
+            that is not a string of at most :data:`MAX_REASON` characters
+            (``null`` included),
             a ``holder_stopped`` that is not a boolean.
     """
     unknown = sorted(set(data) - RELEASE_FIELDS)
     if unknown:
         allowed = ", ".join(sorted(RELEASE_FIELDS))
-        raise BadRequest(f"{unknown[0][:60]}: unknown field (allowed: {allowed})")
-    reason = data.get("reason")
-    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON):
+        name = unknown[0] if _PLAIN_ARG.fullmatch(unknown[0]) else echo(unknown[0])
+        raise BadRequest(f"{name}: unknown field (allowed: {allowed})")
+    reason = data.get("reason", "")
+    if not isinstance(reason, str) or len(reason) > MAX_REASON:
         raise BadRequest(
             f"reason: must be a string of at most {MAX_REASON} characters, got {echo(reason)}"
         )

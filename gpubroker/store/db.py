@@ -26,6 +26,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+#: the store where neither ``--db-url``, the config file nor ``$GPUBROKER_DB_URL`` names one
+DEFAULT_DB_URL = "sqlite:///gpubroker.sqlite"
 
 
 def shown_url(url: str) -> str:
@@ -116,7 +118,8 @@ class UnknownSchema(RuntimeError):
 def check_schema(url: str) -> None:
     """Refuse a database this gpubroker cannot run on without migrating it
     (``GPUBrokerApp.upgrade_db`` off): it must be at this release's newest
-    revision. Nothing is changed.
+    revision. The schema is not changed (a SQLite file that did not exist
+    is created, empty, as any open of it does).
 
     Raises:
         UnknownSchema: at a revision this gpubroker does not know (a newer

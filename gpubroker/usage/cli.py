@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from traitlets import Unicode
-from traitlets.config import Application, PyFileConfigLoader
+from traitlets.config import Application
+
+from ..store.db import DEFAULT_DB_URL
 
 
 class StoreCommand(Application):
@@ -43,10 +45,10 @@ class StoreCommand(Application):
         """Parse the command line, then load the config file (the command line wins)."""
         super().initialize(argv)
         if os.path.isfile(self.config_file):
-            directory, name = os.path.split(os.path.abspath(self.config_file))
-            loaded = PyFileConfigLoader(name, path=directory, log=self.log).load_config()
-            loaded.merge(self.cli_config)
-            self.update_config(loaded)
+            # as the broker loads it (GPUBrokerApp.load_config_file): the
+            # file's name with .py and with .json
+            self.load_config_file(self.config_file)
+            self.update_config(self.cli_config)
 
     def store_url(self) -> str:
         """The store to read: ``--db-url``, else the config file's
@@ -58,7 +60,7 @@ class StoreCommand(Application):
         app = self.config.get("GPUBrokerApp", {})
         if "db_url" in app:
             return str(app["db_url"])
-        return os.environ.get("GPUBROKER_DB_URL") or "sqlite:///gpubroker.sqlite"
+        return os.environ.get("GPUBROKER_DB_URL") or DEFAULT_DB_URL
 
     def sessions(self) -> Any:
         """A session factory of the store (refusing a store that does not exist)."""
@@ -67,7 +69,11 @@ class StoreCommand(Application):
         url = self.store_url()
         path = sqlite_path(url)
         if path is not None and not Path(path).exists():
-            self.log.critical("No store at %s (--db-url)", url)
+            self.log.critical(
+                "No store at %s (from --db-url, else the config file's "
+                "GPUBrokerApp.db_url, else $GPUBROKER_DB_URL)",
+                url,
+            )
             self.exit(2)
         return make_session_factory(make_engine(url))
 

@@ -113,6 +113,15 @@ async def test_only_an_admin_may_say_the_holder_stopped(
     )
     answer = await served.call("DELETE", f"/leases/{lease['id']}", "admin-token", {"reason": 0})
     assert error(answer) == (400, "reason: must be a string of at most 1000 characters, got 0")
+    answer = await served.call(
+        "DELETE", f"/leases/{lease['id']}", "admin-token", {"reason": None, "x\nINFO y": 1}
+    )
+    assert error(answer)[1].startswith('"x\\nINFO y": unknown field')  # escaped
+    answer = await served.call("DELETE", f"/leases/{lease['id']}", "admin-token", {"reason": None})
+    assert error(answer) == (
+        400,
+        "reason: must be a string of at most 1000 characters, got null",
+    )
     assert broker.get_lease(lease["id"])["state"] == "granted"  # nothing lost
     assert stops == []
     # her own release of her running server stops it first, with no notice

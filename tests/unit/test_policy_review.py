@@ -9,8 +9,11 @@ import pytest
 from traitlets import TraitError
 from traitlets.config import Config
 
+from gpubroker.core import Broker
+from gpubroker.devices.fake import FakeDeviceBackend
 from gpubroker.policy_config import SchedulingPolicy
 from gpubroker.scheduler import Policy, Quota, SchedulerState, WaitReason, schedule
+from gpubroker.store.db import make_engine, make_session_factory
 
 from .policy_helpers import HOUR, NOW, node, req, running
 
@@ -87,18 +90,26 @@ def test_duplicate_class_name_is_refused_at_load() -> None:
         SchedulingPolicy(priority_classes=classes, default_priority_class="batch")
 
 
-def test_a_class_list_without_the_default_class_is_refused_at_load() -> None:
+def test_a_class_list_without_the_default_class_is_refused_by_the_broker(db_url: str) -> None:
     """traitlets checks ``default_priority_class`` only when it is set: a
     ``priority_classes`` list that left out ``interactive`` loaded, and every
-    request naming no class (every spawn) was then a 400."""
+    request naming no class (every spawn) was then a 400. The broker now
+    refuses it when it is built (``gpubroker serve``: status 2); the
+    simulator, whose jobs' default class is its own, still runs it."""
     classes = [{"name": "course", "rank": 90}]
+    policy = SchedulingPolicy(priority_classes=classes)
+    assert policy.build().classes.keys() == {"course"}  # the simulator's use
     with pytest.raises(TraitError, match=r"must be one of \['course'\], got 'interactive'"):
-        SchedulingPolicy(priority_classes=classes)
+        policy.check_default_class()
     config = Config({"SchedulingPolicy": {"priority_classes": classes}})
     with pytest.raises(TraitError, match="default_priority_class"):
-        SchedulingPolicy(config=config)
-    policy = SchedulingPolicy(priority_classes=classes, default_priority_class="course")
-    assert policy.build().classes.keys() == {"course"}
+        Broker(
+            session_factory=make_session_factory(make_engine(db_url)),
+            backend=FakeDeviceBackend(inventory=["1 x H100"], node_name="n"),
+            config=config,
+        )
+    config.SchedulingPolicy.default_priority_class = "course"
+    SchedulingPolicy(config=config).check_default_class()
 
 
 def test_good_classes_still_load_and_schedule() -> None:

@@ -370,12 +370,18 @@ def test_report_and_audit_find_the_store_as_the_broker_does(db_url: str, tmp_pat
     assert "group:optics" in done.stdout
     done = run([sys.executable, "-m", "gpubroker", "report", "--format=json"])
     assert done.returncode == 0, done.stderr
-    # the config file's db_url wins over the variable, as for `gpubroker serve`
-    (tmp_path / "gpubroker_config.py").write_text(
-        f"c.GPUBrokerApp.db_url = 'sqlite:///{tmp_path / 'none.sqlite'}'\n"
-    )
+    # the config file's db_url wins over the variable, as for `gpubroker serve`,
+    # a .json beside the .py too, as the broker loads them
+    none = f"sqlite:///{tmp_path / 'none.sqlite'}"
+    (tmp_path / "gpubroker_config.py").write_text("c.Ledger.price_per_gpu_hour = {'*': 1}\n")
+    (tmp_path / "gpubroker_config.json").write_text(json.dumps({"GPUBrokerApp": {"db_url": none}}))
     done = run([sys.executable, "-m", "gpubroker", "audit"])
-    assert done.returncode == 2 and "No store at" in done.stderr
+    assert done.returncode == 2 and f"No store at {none} (from --db-url" in done.stderr
+    # an empty variable is no setting, for the broker's commands too
+    (tmp_path / "gpubroker_config.json").unlink()
+    env["GPUBROKER_DB_URL"] = ""
+    done = run([sys.executable, "-m", "gpubroker", "audit"])
+    assert done.returncode == 2 and "No store at sqlite:///gpubroker.sqlite" in done.stderr
 
 
 def test_the_audit_command_prints_one_line_per_entry_whatever_the_reason(
