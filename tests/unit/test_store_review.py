@@ -219,15 +219,22 @@ def test_a_schema_from_a_newer_release_is_refused_with_a_clear_message(
 ) -> None:
     """Going back to an older release without taking the schema down first
     failed with alembic's bare "Can't locate revision identified by ..."."""
-    from gpubroker.store.db import UnknownSchema, head_revision
 
     url = f"sqlite:///{tmp_path / 'newer.sqlite'}"
     upgrade(url)
+    _newer_is_refused_unchanged(url, upgrade)
+
+
+def _newer_is_refused_unchanged(url: str, check: Callable[[str], object]) -> None:
+    """The store at ``url`` (at this release's newest schema) is put at a
+    newer release's revision; ``check(url)`` refuses it and changes nothing."""
+    from gpubroker.store.db import UnknownSchema, head_revision
+
     engine = make_engine(url)
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE alembic_version SET version_num = '0099'"))
     with pytest.raises(UnknownSchema, match=rf"'0099'.*newest revision '{head_revision()}'"):
-        upgrade(url)
+        check(url)
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0099"
     engine.dispose()
@@ -257,7 +264,7 @@ def test_without_upgrade_db_only_this_releases_schema_is_run_on(tmp_path: Path) 
     release started on a newer release's schema and wrote to it (the docs
     promised a refusal). Now any schema but this release's newest is
     refused, saying what to do, and nothing is changed."""
-    from gpubroker.store.db import UnknownSchema, check_schema, head_revision
+    from gpubroker.store.db import UnknownSchema, check_schema
 
     url = f"sqlite:///{tmp_path / 's.sqlite'}"
     with pytest.raises(UnknownSchema, match=r"has no gpubroker schema.*gpubroker upgrade-db"):
@@ -267,14 +274,7 @@ def test_without_upgrade_db_only_this_releases_schema_is_run_on(tmp_path: Path) 
         check_schema(url)
     upgrade(url)
     check_schema(url)  # this release's newest: runs
-    engine = make_engine(url)
-    with engine.begin() as conn:
-        conn.execute(sa.text("UPDATE alembic_version SET version_num = '0099'"))
-    with pytest.raises(UnknownSchema, match=rf"'0099'.*newest revision '{head_revision()}'"):
-        check_schema(url)
-    with engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0099"
-    engine.dispose()
+    _newer_is_refused_unchanged(url, check_schema)
     run = _gpubroker(
         tmp_path,
         "serve",
