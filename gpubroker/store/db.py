@@ -126,11 +126,7 @@ def check_schema(url: str) -> None:
             release migrated it), at an older one, or without a schema.
         sqlalchemy.exc.SQLAlchemyError: the database cannot be reached.
     """
-    engine = make_engine(url, poolclass=NullPool)
-    try:
-        at = current_revision(engine)
-    finally:
-        engine.dispose()
+    at = _revision_at(url)
     head = head_revision()
     if at == head:
         return
@@ -141,6 +137,16 @@ def check_schema(url: str) -> None:
         f"the database {shown_url(url)} {found}, and this gpubroker needs {head!r}; "
         "upgrade_db is off, so run `gpubroker upgrade-db` first (see the admin guide)"
     )
+
+
+def _revision_at(url: str) -> str | None:
+    """The schema revision of the database at ``url`` (``None``: none), read
+    on a connection of its own."""
+    engine = make_engine(url, poolclass=NullPool)
+    try:
+        return current_revision(engine)
+    finally:
+        engine.dispose()
 
 
 def _newer(url: str, at: str) -> str:
@@ -163,11 +169,7 @@ def upgrade(url: str, revision: str = "head") -> None:
     """
     create_private_sqlite(url)
     cfg = alembic_config(url)
-    engine = make_engine(url, poolclass=NullPool)
-    try:
-        at = current_revision(engine)
-    finally:
-        engine.dispose()
+    at = _revision_at(url)
     if at is not None and not _known(cfg, at):
         raise UnknownSchema(_newer(url, at))
     command.upgrade(cfg, revision)
@@ -201,11 +203,7 @@ def downgrade(url: str, revision: str) -> str | None:
             "gpubroker/store/migrations/versions/ are numbered 0001 to "
             f"{head_revision()})"
         )
-    engine = make_engine(url, poolclass=NullPool)
-    try:
-        at = current_revision(engine)
-    finally:
-        engine.dispose()
+    at = _revision_at(url)
     if at is None or not _known(cfg, at):
         raise UnknownSchema(
             f"the database {shown_url(url)} is at schema revision {at!r}, which this "
