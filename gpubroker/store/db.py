@@ -115,11 +115,17 @@ class UnknownSchema(RuntimeError):
     says what to do."""
 
 
-def check_schema(url: str) -> None:
+#: what :func:`check_schema` tells the broker's admin by default
+UPGRADE_ADVICE = "upgrade_db is off, so run `gpubroker upgrade-db` first (see the admin guide)"
+
+
+def check_schema(url: str, advice: str = UPGRADE_ADVICE) -> None:
     """Refuse a database this gpubroker cannot run on without migrating it
-    (``GPUBrokerApp.upgrade_db`` off): it must be at this release's newest
-    revision. The schema is not changed (a SQLite file that did not exist
-    is created, empty, as any open of it does).
+    (``GPUBrokerApp.upgrade_db`` off, or a command that only reads it): it
+    must be at this release's newest revision. The schema is not changed (a
+    SQLite file that did not exist is created, empty, as any open of it
+    does). ``advice``: what the refusal of an older schema, or of none,
+    tells the reader to do.
 
     Raises:
         UnknownSchema: at a revision this gpubroker does not know (a newer
@@ -134,8 +140,7 @@ def check_schema(url: str) -> None:
         raise UnknownSchema(_newer(url, at))
     found = "has no gpubroker schema" if at is None else f"is at schema revision {at!r}"
     raise UnknownSchema(
-        f"the database {shown_url(url)} {found}, and this gpubroker needs {head!r}; "
-        "upgrade_db is off, so run `gpubroker upgrade-db` first (see the admin guide)"
+        f"the database {shown_url(url)} {found}, and this gpubroker needs {head!r}; {advice}"
     )
 
 

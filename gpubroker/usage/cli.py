@@ -63,8 +63,22 @@ class StoreCommand(Application):
         return os.environ.get("GPUBROKER_DB_URL") or DEFAULT_DB_URL
 
     def sessions(self) -> Any:
-        """A session factory of the store (refusing a store that does not exist)."""
-        from ..store.db import make_engine, make_session_factory, sqlite_path
+        """A session factory of the store; exits with status 2 and one line
+        where there is no store there, it cannot be reached, or its schema
+        is not this release's newest (none: not a broker's database, or no
+        broker has run on it; older: not migrated yet; newer: written by a
+        newer release), since the report's and the audit's queries read
+        this release's tables."""
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from ..store.db import (
+            UnknownSchema,
+            check_schema,
+            make_engine,
+            make_session_factory,
+            shown_url,
+            sqlite_path,
+        )
 
         url = self.store_url()
         path = sqlite_path(url)
@@ -75,7 +89,28 @@ class StoreCommand(Application):
                 url,
             )
             self.exit(2)
+        try:
+            check_schema(url, READ_ADVICE)
+        except UnknownSchema as err:
+            self.log.critical("Cannot read the store: %s", err)
+            self.exit(2)
+        except SQLAlchemyError as err:
+            self.log.critical("Cannot reach the store %s: %s", shown_url(url), _first_line(err))
+            self.exit(2)
         return make_session_factory(make_engine(url))
+
+
+#: what a report or audit on a database without this release's schema advises
+READ_ADVICE = (
+    "is it the broker's database (--db-url, else the config file's GPUBrokerApp.db_url, "
+    "else $GPUBROKER_DB_URL)? A broker migrates its database when it starts "
+    "(or run `gpubroker upgrade-db`, see the admin guide)"
+)
+
+
+def _first_line(err: Exception) -> str:
+    """The first line of a database error (SQLAlchemy adds the statement and a link)."""
+    return str(getattr(err, "orig", None) or err).splitlines()[0]
 
 
 class ReportCommand(StoreCommand):

@@ -18,7 +18,7 @@ from traitlets.config import Config
 import gpubroker.core as core
 from gpubroker.core import Broker
 from gpubroker.devices.fake import FakeDeviceBackend
-from gpubroker.store.db import make_engine, make_session_factory
+from gpubroker.store.db import make_engine, make_session_factory, upgrade
 from gpubroker.usage.ledger import Ledger
 from gpubroker.usage.query import build_report
 from gpubroker.usage.report import ReportError, ReportRow, combine, parse_request
@@ -382,6 +382,28 @@ def test_report_and_audit_find_the_store_as_the_broker_does(db_url: str, tmp_pat
     env["GPUBROKER_DB_URL"] = ""
     done = run([sys.executable, "-m", "gpubroker", "audit"])
     assert done.returncode == 2 and "No store at sqlite:///gpubroker.sqlite" in done.stderr
+
+
+def test_report_and_audit_refuse_a_database_without_this_releases_schema(tmp_path: Path) -> None:
+    """An empty SQLite file (what a refused broker start leaves) and a
+    database no broker has migrated yet gave a SQLAlchemy traceback ("no
+    such table: ledger_mark") and status 1; now one line naming the
+    database and what to check, status 2."""
+    empty = tmp_path / "empty.sqlite"
+    empty.touch()
+    older = f"sqlite:///{tmp_path / 'older.sqlite'}"
+    upgrade(older, "0001")
+    for url, found in (
+        (f"sqlite:///{empty}", "has no gpubroker schema"),
+        (older, "is at schema revision '0001'"),
+    ):
+        for command in ("report", "audit"):
+            done = _cli(command, f"--db-url={url}")
+            assert done.returncode == 2, done.stderr
+            assert "Traceback" not in done.stderr
+            (line,) = done.stderr.strip().splitlines()
+            assert f"Cannot read the store: the database {url} {found}" in line
+            assert "is it the broker's database (--db-url" in line
 
 
 def test_the_audit_command_prints_one_line_per_entry_whatever_the_reason(
