@@ -114,7 +114,7 @@ class GPUSpawnerMixin(LoggingConfigurable):
     broker_url_for_servers = Unicode(
         "",
         help="""Base URL servers and their kernels reach the broker at (their
-        GPUBROKER_URL: the notebook magics, `gpubroker-job`); empty means
+        GPUBROKER_URL: the notebook magics, `gpubroker jobs`); empty means
         broker_url. Set it when servers cannot use broker_url: on other
         hosts (Docker, Slurm) where 127.0.0.1 is not the broker's, or with
         JupyterHub's internal_ssl, where the broker accepts only the hub's

@@ -61,6 +61,7 @@ NOTES = frozenset(
         "preparing",
         "grant-failed",
         "server-recorded",
+        "rebound",
     }
 )
 
