@@ -484,7 +484,6 @@ c.JupyterHub.services = [
             "-m",
             "gpubroker",
             "serve",
-            f"--db-url={os.environ.get('GPUBROKER_DEMO_DB_URL', default_db)}",
             f"--device-backend={backend}",
             f"--FakeDeviceBackend.inventory={inventory}",
             f"--FakeDeviceBackend.node_name={node_name}",
@@ -499,6 +498,9 @@ c.JupyterHub.services = [
             *extra_broker_args,
         ],
         "cwd": str(state),
+        # the store's URL (a password, for PostgreSQL) in the environment, not
+        # the command line, which every local user can read (ps, /proc)
+        "environment": {"GPUBROKER_DB_URL": os.environ.get("GPUBROKER_DEMO_DB_URL", default_db)},
     }
 ]
 if os.environ.get("GPUBROKER_DEMO_EXTERNAL_BROKER") == "1":

@@ -58,9 +58,10 @@ c.JupyterHub.services = [
             "gpubroker",
             "serve",
             "--device-backend=nvml",
-            f"--db-url={BROKER_DB}",
             "--config=/etc/gpubroker/gpubroker_config.py",  # optional; missing is fine
         ],
+        # the store's URL (its password) in the environment, never on the command
+        # line: every local user can read a process's arguments (ps, /proc)
         "environment": {"GPUBROKER_DB_URL": BROKER_DB},
     }
 ]

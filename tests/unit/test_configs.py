@@ -48,6 +48,24 @@ def test_production_example_loads(monkeypatch) -> None:
     assert "--device-backend=nvml" in command
 
 
+@pytest.mark.parametrize("name", ["jupyterhub_config.py", "demo_config.py"])
+def test_the_stores_password_is_not_on_the_brokers_command_line(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The production example passed its PostgreSQL URL as --db-url: any
+    local user (every notebook user, with LocalGPUSpawner) read the password
+    with ps. It goes in the service's environment now, in both configs."""
+    url = "postgresql+psycopg://gpubroker:S3cret@db.example/gpubroker"
+    for var in ("GPUBROKER_API_TOKEN", "CONFIGPROXY_AUTH_TOKEN", "GPUBROKER_DEMO_API_TOKEN"):
+        monkeypatch.setenv(var, "x")
+    monkeypatch.setenv("GPUBROKER_DEMO_DIR", str(tmp_path))
+    monkeypatch.setenv("GPUBROKER_DB_URL", url)
+    monkeypatch.setenv("GPUBROKER_DEMO_DB_URL", url)
+    (broker,) = [s for s in load(name).JupyterHub.services if s["name"] == "gpubroker"]
+    assert not [arg for arg in broker["command"] if "S3cret" in arg or "db-url" in arg]
+    assert broker["environment"]["GPUBROKER_DB_URL"] == url
+
+
 def test_production_example_stops_servers_before_the_broker(monkeypatch) -> None:
     """Loaded by the hub itself, the production example wraps the hub's
     cleanup so servers stop (and release their leases) before the managed
