@@ -45,6 +45,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -114,11 +115,14 @@ class MPSControl(LoggingConfigurable):
         help="The MPS control program: a name looked up on PATH or an absolute path.",
     ).tag(config=True)
     pipe_root = Unicode(
-        "/tmp/gpubroker-mps",
+        "/run/gpubroker-mps",
         help="Directory holding one pipe directory (<root>/<device>/pipe, the daemon's "
         "CUDA_MPS_PIPE_DIRECTORY) and one log directory (<root>/<device>/log) per device. "
         "Must be local to the node and reachable by the users' kernels; keep it short, "
-        "since UNIX socket paths are limited to 107 bytes.",
+        "since UNIX socket paths are limited to 107 bytes. It and the directories under "
+        "it must be the broker's account's own (mode 0755, no links): others found there "
+        "are refused, since a daemon planted in them would serve every share of the "
+        "device; so keep it out of world-writable places such as /tmp.",
     ).tag(config=True)
     start_timeout = Float(
         10, help="Seconds 'nvidia-cuda-mps-control -d' may take to start the daemon."
@@ -232,6 +236,42 @@ class MPSControl(LoggingConfigurable):
             return "absent"
         return "running"
 
+    def _own_directories(self, device_uuid: str) -> None:
+        """Create ``pipe_root``, the device's directory and its pipe and log
+        directories where missing (mode 0755, whatever the umask), and
+        check that each is a directory of the broker's account that no one
+        else can write (the daemon, run as the broker, serves every share of
+        the device from them; its log is written into the log directory).
+
+        Raises:
+            EnforcementError: one cannot be created, or one is a link, not a
+                directory, another account's, or writable by group or others
+                (e.g. made beforehand in a world-writable ``pipe_root`` by a
+                user who wants their own daemon to serve others' shares).
+        """
+        root = Path(self.pipe_root)
+        device = root / safe_name(device_uuid)
+        try:
+            root.parent.mkdir(parents=True, exist_ok=True)
+            for path in (root, device, device / "pipe", device / "log"):
+                try:
+                    path.mkdir(mode=0o755)
+                except FileExistsError:
+                    pass
+                else:
+                    os.chmod(path, 0o755)
+                problem = _not_own_directory(os.lstat(path))
+                if problem:
+                    raise EnforcementError(
+                        f"MPS directory {path} {problem}: not used, since a daemon found "
+                        "there would serve every share of the device; remove it, or set "
+                        "MPSControl.pipe_root to a directory only the broker's account "
+                        "can write"
+                    )
+        except OSError as exc:
+            message = f"cannot create MPS directories under {self.pipe_root}: {exc}"
+            raise EnforcementError(message) from exc
+
     def _command(self) -> str:
         """The control command's path.
 
@@ -273,6 +313,7 @@ class MPSControl(LoggingConfigurable):
             self._ensure_daemon(device_uuid)
 
     def _ensure_daemon(self, device_uuid: str) -> None:
+        self._own_directories(device_uuid)
         state = self.daemon_state(device_uuid)
         if state == "running":
             if device_uuid not in self.started:
@@ -288,12 +329,6 @@ class MPSControl(LoggingConfigurable):
             for name in (CONTROL, PID_FILE):
                 (pipe / name).unlink(missing_ok=True)
             self.started.discard(device_uuid)
-        try:
-            pipe.mkdir(mode=0o755, parents=True, exist_ok=True)
-            log.mkdir(mode=0o755, parents=True, exist_ok=True)
-        except OSError as exc:
-            message = f"cannot create MPS directories under {self.pipe_root}: {exc}"
-            raise EnforcementError(message) from exc
         # stderr to a file, not a pipe: the daemon forks and may keep inherited
         # descriptors, which would make reading a pipe wait for it to exit
         with tempfile.TemporaryFile() as err:
@@ -387,3 +422,16 @@ class MPSControl(LoggingConfigurable):
                 errors.append(f"{device_uuid}: {err}")
         if errors:
             raise EnforcementError("cannot stop MPS daemons: " + "; ".join(errors))
+
+
+def _not_own_directory(found: os.stat_result) -> str:
+    """What is wrong with a directory the broker's MPS daemons use, from its
+    ``lstat`` (empty: nothing): a link or not a directory, another
+    account's, or writable by group or others."""
+    if not stat.S_ISDIR(found.st_mode):
+        return "is not a directory (a link or a file)"
+    if found.st_uid != os.geteuid():
+        return f"belongs to uid {found.st_uid}, not to the broker's account ({os.geteuid()})"
+    if found.st_mode & 0o022:
+        return f"can be written by group or others (mode {stat.S_IMODE(found.st_mode):04o})"
+    return ""

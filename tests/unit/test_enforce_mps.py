@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -274,3 +275,76 @@ def test_an_unwritable_pipe_root_is_a_clear_error(standin: StandIn, tmp_path: Pa
     with pytest.raises(EnforcementError, match="cannot create MPS directories"):
         mps.ensure_daemon(UUID)
     assert standin.calls() == []
+
+
+@pytest.fixture
+def live_pid() -> Iterator[int]:
+    """A live process of its own (the stand-in's teardown ends the pids in
+    the pid files it finds)."""
+    proc = subprocess.Popen(["sleep", "300"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def _planted(standin: StandIn, pid: int) -> Path:
+    """A device's directory made beforehand, with a daemon's ``control``
+    endpoint and a pid file naming a live process."""
+    pipe = standin.root / safe_name(UUID) / "pipe"
+    pipe.mkdir(parents=True)
+    os.mkfifo(pipe / "control")
+    (pipe / PID_FILE).write_text(str(pid))
+    return pipe
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another account needs root")
+def test_a_daemon_planted_by_another_account_is_not_adopted(
+    standin: StandIn, live_pid: int
+) -> None:
+    """With pipe_root in a world-writable place, a user could make the
+    device's pipe directory first, with a control endpoint and a pid file of
+    a live process: the broker adopted that 'daemon' and pointed every
+    share of the device at it. Now refused, naming the directory."""
+    pipe = _planted(standin, live_pid)
+    for path in (standin.root, pipe.parent, pipe):
+        os.chown(path, 65534, 65534)
+    mps = standin.control()
+    with pytest.raises(EnforcementError, match=r"mps belongs to uid 65534, not to the broker"):
+        mps.ensure_daemon(UUID)
+    assert mps.started == set() and standin.calls() == []
+
+
+def test_a_directory_others_can_write_is_refused(standin: StandIn, live_pid: int) -> None:
+    pipe = _planted(standin, live_pid)
+    pipe.parent.chmod(0o777)
+    mps = standin.control()
+    with pytest.raises(EnforcementError, match=r"can be written by group or others \(mode 0777\)"):
+        mps.ensure_daemon(UUID)
+    assert mps.started == set() and standin.calls() == []
+
+
+def test_a_linked_log_directory_is_refused(standin: StandIn, tmp_path: Path) -> None:
+    """A log directory linked elsewhere had the daemon, run as the broker,
+    write its log wherever the link pointed."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    device = standin.root / safe_name(UUID)
+    device.mkdir(parents=True)
+    (device / "log").symlink_to(elsewhere)
+    mps = standin.control()
+    with pytest.raises(EnforcementError, match=r"log is not a directory \(a link or a file\)"):
+        mps.ensure_daemon(UUID)
+    assert standin.calls() == [] and list(elsewhere.iterdir()) == []
+
+
+def test_the_directories_it_makes_are_0755_whatever_the_umask(standin: StandIn) -> None:
+    old = os.umask(0o002)
+    try:
+        standin.control().ensure_daemon(UUID)
+    finally:
+        os.umask(old)
+    device = standin.root / safe_name(UUID)
+    for path in (standin.root, device, device / "pipe", device / "log"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o755, path
+    for pid in standin.daemon_pids():
+        os.kill(pid, 15)
