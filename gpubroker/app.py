@@ -30,6 +30,7 @@ from .engines.docker import DockerEngine
 from .engines.slurm import SlurmEngine
 from .hub import HubClient
 from .jobs.service import JobService
+from .logfmt import OneLineFormatter
 from .policy_config import SchedulingPolicy
 from .pools import Pools
 from .share_guard import ShareGuard
@@ -39,6 +40,9 @@ from .usage.ledger import Ledger
 
 class GPUBrokerApp(Application):
     """The broker: configuration, wiring and subcommands."""
+
+    #: each record's message on one line (:mod:`gpubroker.logfmt`)
+    _log_formatter_cls = OneLineFormatter
 
     name = "gpubroker"
     version = __version__

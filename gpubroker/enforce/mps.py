@@ -323,7 +323,7 @@ class MPSControl(LoggingConfigurable):
         if state == "absent" and device_uuid in self.started:
             return  # started by us; its control endpoint is not up yet
         command = self._command()
-        pipe, log = self.pipe_dir(device_uuid), self.log_dir(device_uuid)
+        pipe = self.pipe_dir(device_uuid)
         if state == "stale":
             self.log.warning("MPS daemon for %s is gone; starting a new one", device_uuid)
             for name in (CONTROL, PID_FILE):

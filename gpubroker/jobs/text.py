@@ -8,6 +8,8 @@ import shlex
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..oneline import one_line as printable
+
 #: most characters of a job's notebook or command, and of its reason, in a
 #: table's row
 WHAT_WIDTH = 80
@@ -21,7 +23,7 @@ def one_line(text: str, width: int | None = WHAT_WIDTH) -> str:
     limit): a character that is not printable (a newline, a tab, a
     terminal's escape) is shown as Python writes it in a string (``\\n``,
     ``\\t``, ``\\x1b``), and a longer text is cut, ending in ``...``."""
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    shown = printable(text)
     if width is None or len(shown) <= width:
         return shown
     return shown[: max(width - len(CUT), 0)] + CUT

@@ -10,6 +10,7 @@ import sys
 
 from traitlets import Bool, Integer, Unicode, default
 
+from ..oneline import one_line
 from ..usage.cli import StoreCommand
 
 
@@ -83,13 +84,3 @@ class AuditCommand(StoreCommand):
                 f"{entry['at']}  {one_line(entry['actor']):<12} {entry['action']}{cause:<14} "
                 f"{one_line(entry['target'])}: {one_line(entry['reason'])}\n"
             )
-
-
-def one_line(text: str) -> str:
-    """``text`` with every character that is not printable (newlines, tabs,
-    terminal escapes, Unicode line separators) written as its Python escape
-    (``\\n``, ``\\x1b``), so one entry is one line and a reason cannot
-    forge other lines or move the terminal's cursor; other text is kept."""
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in text)
