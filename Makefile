@@ -63,13 +63,15 @@ setup: $(BIN)/.installed $(PROXY)
 
 demo: setup
 	@echo "JupyterHub with gpubroker on simulated GPUs: open http://127.0.0.1:$${GPUBROKER_DEMO_PORT:-8000}"
-	@echo "and log in as any user with any password (user 'admin' is also a broker admin);"
+	@echo "and log in as any user with the password the hub prints below (user 'admin', a"
+	@echo "broker admin, with the admin password printed beside it);"
 	@echo "pick a GPU profile on the spawn page. Ctrl-C stops it."
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyterhub -f jupyterhub_config/demo_config.py
 
 demo-slurm: setup slurm
 	@echo "JupyterHub with gpubroker on a two-node Slurm cluster (n1, n2: 4 GPUs each):"
-	@echo "open http://127.0.0.1:$${GPUBROKER_DEMO_PORT:-8000}, log in as any user; servers"
+	@echo "open http://127.0.0.1:$${GPUBROKER_DEMO_PORT:-8000}, log in as any user with the"
+	@echo "password the hub prints; servers"
 	@echo "and jobs run as Slurm jobs (squeue shows them). Ctrl-C stops hub and cluster."
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m gpubroker.engines.slurm_testbed \
 	  $(BIN)/jupyterhub -f jupyterhub_config/demo_config.py

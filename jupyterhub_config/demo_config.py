@@ -1,8 +1,14 @@
-"""JupyterHub config of the gpubroker demo: fake GPUs, local processes, any login.
+"""JupyterHub config of the gpubroker demo: fake GPUs, local processes, any user name.
 
 Run it with ``make demo`` (or ``jupyterhub -f jupyterhub_config/demo_config.py``
 from the repository root with the project's virtualenv active). Everything
-binds to 127.0.0.1. Log in with any user name and password.
+binds to 127.0.0.1. Log in with any user name and the demo's password
+(JupyterHub's ``SharedPasswordAuthenticator``); the user ``admin`` with the
+admin password. The hub prints both at its start; they are made at the first
+start and kept in the state dir (``demo-password``, ``demo-admin-password``).
+Every server runs as the account that started the demo (root, if root did),
+so anyone who could log in without a password could act as that account:
+other accounts of the machine reach 127.0.0.1 too.
 
 Environment variables (all optional; the tests use them to run this same
 config on free ports):
@@ -17,6 +23,9 @@ config on free ports):
 - ``GPUBROKER_DEMO_PORT``: public port of the hub (default 8000);
   ``GPUBROKER_DEMO_HUB_PORT``, ``GPUBROKER_DEMO_PROXY_API_PORT`` and
   ``GPUBROKER_DEMO_BROKER_PORT``: internal ports (defaults 8081, 8001, 10101).
+- ``GPUBROKER_DEMO_PASSWORD`` (at least 8 characters) and
+  ``GPUBROKER_DEMO_ADMIN_PASSWORD`` (at least 32): the login passwords
+  (default: made at the first start, kept in the state dir).
 - ``GPUBROKER_DEMO_DB_URL``: the broker's store (default the SQLite file
   ``gpubroker.sqlite`` in the state dir; the tests also use PostgreSQL).
 - ``GPUBROKER_DEMO_INVENTORY``: fake devices (default ``8 x NVIDIA H100 80GB HBM3``;
@@ -103,13 +112,23 @@ def _port(name, fallback):
     return int(os.environ.get(f"GPUBROKER_DEMO_{name}", fallback))
 
 
-def _secret(name):
-    """A secret kept in the state dir, so restarts of the hub keep it."""
+def _secret(name, make=lambda: secrets.token_hex(32)):
+    """A secret kept in the state dir (mode 0600 from its creation), so
+    restarts of the hub keep it; ``make()`` makes it at the first start."""
     path = state / name
     if not path.exists():
-        path.write_text(secrets.token_hex(32))
-        path.chmod(0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(make())
     return path.read_text().strip()
+
+
+def _password(name, variable, nbytes):
+    """A login password of the demo: ``$GPUBROKER_DEMO_<variable>``, else
+    one of ``nbytes`` random bytes (URL-safe text) kept in the state dir."""
+    return os.environ.get(f"GPUBROKER_DEMO_{variable}") or _secret(
+        name, lambda: secrets.token_urlsafe(nbytes)
+    )
 
 
 # -- the simulated GPUs and how the demo shares them -------------------------------------
@@ -398,9 +417,27 @@ c.JupyterHub.allow_named_servers = True
 c.JupyterHub.cleanup_servers = True
 if JupyterHub.initialized():  # loaded by the hub itself (not read by a test)
     stop_servers_before_services(JupyterHub.instance())
-c.JupyterHub.authenticator_class = "dummy"
+# any user name, with the demo's password: every server runs as the account
+# that started the demo, so a login without one would be that account's for
+# anyone who reaches 127.0.0.1 (other accounts of the machine included)
+c.JupyterHub.authenticator_class = "shared-password"
+c.SharedPasswordAuthenticator.user_password = _password("demo-password", "PASSWORD", 9)
+c.SharedPasswordAuthenticator.admin_password = _password(
+    "demo-admin-password", "ADMIN_PASSWORD", 24
+)
 c.Authenticator.allow_all = True
 c.Authenticator.admin_users = {"admin"}
+if JupyterHub.initialized():  # the hub's start: say how to log in
+    passwords = c.SharedPasswordAuthenticator
+    print(
+        f"gpubroker demo: log in at http://127.0.0.1:{c.JupyterHub.port} with any user name "
+        f"and the password {passwords.user_password}; as 'admin' (hub and broker "
+        f"admin) with {passwords.admin_password} (set by "
+        "$GPUBROKER_DEMO_PASSWORD and $GPUBROKER_DEMO_ADMIN_PASSWORD, else kept in "
+        f"{state}/demo-password and demo-admin-password).",
+        file=sys.stderr,
+        flush=True,
+    )
 
 proxy = repo / "node_modules" / ".bin" / "configurable-http-proxy"
 c.ConfigurableHTTPProxy.command = [str(proxy) if proxy.exists() else "configurable-http-proxy"]

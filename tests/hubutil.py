@@ -59,6 +59,9 @@ class RunningHub:
         self.workdir = workdir
         self.port = free_port()
         self.token = secrets.token_hex(16)
+        #: the demo's login passwords (any user name; ``admin`` with its own)
+        self.password = secrets.token_urlsafe(9)
+        self.admin_password = secrets.token_urlsafe(24)
         self.url = f"http://127.0.0.1:{self.port}"
         self.broker = f"{self.url}/services/gpubroker/api/v1"
         self.broker_port = free_port()
@@ -71,6 +74,8 @@ class RunningHub:
             "GPUBROKER_DEMO_PROXY_API_PORT": str(free_port()),
             "GPUBROKER_DEMO_BROKER_PORT": str(self.broker_port),
             "GPUBROKER_DEMO_API_TOKEN": self.token,
+            "GPUBROKER_DEMO_PASSWORD": self.password,
+            "GPUBROKER_DEMO_ADMIN_PASSWORD": self.admin_password,
             "GPUBROKER_DEMO_SHARING": "0",
             "GPUBROKER_DEMO_CHECK_STATE": "raise",
             "GPUBROKER_DEMO_LEDGER_INTERVAL": "0.5",

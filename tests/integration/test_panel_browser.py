@@ -56,7 +56,7 @@ def login(browser: Any, hub: RunningHub, name: str) -> Any:
     context.on("dialog", on_dialog)
     page.goto(f"{hub.url}/hub/login")
     page.fill("#username_input", name)
-    page.fill("#password_input", "any")
+    page.fill("#password_input", hub.admin_password if name == "admin" else hub.password)
     page.click("#login_submit")
     page.wait_for_url(lambda url: "/hub/login" not in url)
     page.close()

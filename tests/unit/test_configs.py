@@ -39,6 +39,27 @@ def test_demo_config_registers_the_broker_service(tmp_path, monkeypatch) -> None
     assert c.JupyterHub.spawner_class == "gpubroker-simple"
 
 
+def test_the_demo_asks_for_a_password_kept_in_its_state_dir(tmp_path, monkeypatch) -> None:
+    """Any login got a server running as the demo's account (root, when
+    root started it), for anyone who reached 127.0.0.1. Logins now need
+    the demo's passwords, made at the first start and kept (0600)."""
+    monkeypatch.setenv("GPUBROKER_DEMO_DIR", str(tmp_path))
+    for var in ("GPUBROKER_DEMO_PASSWORD", "GPUBROKER_DEMO_ADMIN_PASSWORD"):
+        monkeypatch.delenv(var, raising=False)
+    c = load("demo_config.py")
+    assert c.JupyterHub.authenticator_class == "shared-password"
+    auth = c.SharedPasswordAuthenticator
+    user, admin = auth.user_password, auth.admin_password
+    assert len(user) >= 8 and len(admin) >= 32 and user != admin
+    for name, value in (("demo-password", user), ("demo-admin-password", admin)):
+        kept = tmp_path / name
+        assert kept.read_text() == value and kept.stat().st_mode & 0o777 == 0o600
+    again = load("demo_config.py").SharedPasswordAuthenticator
+    assert (again.user_password, again.admin_password) == (user, admin)
+    monkeypatch.setenv("GPUBROKER_DEMO_PASSWORD", "given-password")
+    assert load("demo_config.py").SharedPasswordAuthenticator.user_password == "given-password"
+
+
 def test_production_example_loads(monkeypatch) -> None:
     monkeypatch.setenv("GPUBROKER_API_TOKEN", "x")
     monkeypatch.setenv("CONFIGPROXY_AUTH_TOKEN", "y")
