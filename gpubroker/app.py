@@ -420,7 +420,14 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``gpubroker`` console script."""
     app = GPUBrokerApp.instance()
     app.initialize(argv)
-    app.start()
+    try:
+        app.start()
+    except BrokenPipeError:
+        # output piped into a reader that stopped (`gpubroker jobs list | head`):
+        # no traceback; stdout to /dev/null so that the exit's flush does not fail
+        # again (Python's documentation, "Note on SIGPIPE")
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,11 @@ class _JobsCall(Application):
         what = job["spec"].get("notebook") or shlex.join(job["spec"].get("command") or [])
         print(f"  {job['kind']}: {what}")
         if job["state"] == "queued":
-            print(f"  {queue.get('message') or 'waiting'}")
+            granted = "its GPUs are granted; waiting for its launch"
+            print(f"  {queue.get('message') or (granted if job.get('devices') else 'waiting')}")
+        if job.get("engine_wait"):
+            # running for the broker, not started by its engine yet (Slurm PENDING)
+            print(f"  held by its engine: {one_line(job['engine_wait'], None)}")
         ended = [
             f"{name} {job[key]}"
             for name, key in (("exit code", "exit_code"), ("signal", "signal"))

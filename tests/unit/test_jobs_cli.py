@@ -3,6 +3,10 @@ what it refuses before sending."""
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,3 +112,38 @@ def test_the_time_limits_bound_is_said_in_days() -> None:
     assert (
         str(refused.value) == "time: must be more than 0 s and at most 30 days (2592000 s), got 0 s"
     )
+
+
+def test_show_says_why_a_job_has_not_started(capsys: pytest.CaptureFixture[str]) -> None:
+    """A new admin's trial of the Slurm demo: `show` printed `running` for a
+    job Slurm held PENDING (only `list` said why), and a bare `waiting` for
+    a job whose GPUs were granted but whose launch had not happened."""
+    app = SubmitCommand()
+    app.show(_job(state="running", devices=["GPU-a"], engine_wait="PENDING (Resources)"))
+    assert "  held by its engine: PENDING (Resources)\n" in capsys.readouterr().out
+    app.show(_job(queue={}, devices=["GPU-a"]))
+    assert "  its GPUs are granted; waiting for its launch\n" in capsys.readouterr().out
+    app.show(_job(queue={}))
+    assert "  waiting\n" in capsys.readouterr().out
+
+
+def test_a_closed_pipe_ends_the_command_without_a_traceback(tmp_path: Path) -> None:
+    """`gpubroker jobs list | head -2` ended in a BrokenPipeError traceback."""
+    script = (
+        "import gpubroker.app as a\n"
+        "class Loud(a.GPUBrokerApp):\n"
+        "    def start(self):\n"
+        "        for i in range(100000): print('job', i)\n"
+        "a.GPUBrokerApp = Loud\n"
+        "a.main([])\n"
+    )
+    done = subprocess.run(
+        f"{sys.executable} -c {shlex.quote(script)} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.stdout == "job 0\n"
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
