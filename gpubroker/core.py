@@ -416,6 +416,28 @@ class Broker(LoggingConfigurable):
         """The pool of device ``uuid`` (:meth:`SharingOps.pool_spec`)."""
         return self.sharing.pool_spec(uuid)
 
+    def inventory_source(self) -> dict[str, Any]:
+        """Where the devices come from, as ``GET /devices`` says it:
+        ``{"kind", "simulated", "message"}``. On the local engine, the
+        device backend's (``nvml``, ``fake``: simulated); on Slurm,
+        ``slurm``: the cluster's GRES, simulated only where the broker runs
+        with the fake backend by choice (``make demo-slurm``), not where
+        ``auto`` fell back to it on a head node without a driver."""
+        backend = self.backend
+        if self.engine.name == "local":
+            simulated = bool(backend.simulated)
+            kind = backend.kind
+        else:
+            simulated = bool(backend.simulated) and not backend.fallback
+            kind = self.engine.name
+        if simulated:
+            message = "SIMULATED GPUs: no NVIDIA driver is in use; these devices are fake"
+        elif kind == "slurm":
+            message = "Slurm: the GPUs (GRES) of the cluster's nodes"
+        else:
+            message = "NVML"
+        return {"kind": kind, "simulated": simulated, "message": message}
+
     def request_limit(self) -> int:
         """Most GPUs one lease may ask for now (:meth:`Admission.request_limit`)."""
         return self.admission.request_limit()

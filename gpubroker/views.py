@@ -207,14 +207,7 @@ def device_listing(broker: Any, admin: bool, me: str, log: Any) -> dict[str, Any
     )
     summary["absent"] = len(devices) - len(present)
     summary["request_limit"] = broker.request_limit()
-    backend = broker.backend
-    message = (
-        "SIMULATED GPUs: no NVIDIA driver is in use; these devices are fake"
-        if backend.simulated
-        else "NVML"
-    )
-    kind = {"kind": backend.kind, "simulated": backend.simulated, "message": message}
-    return {"backend": kind, "devices": devices, "summary": summary}
+    return {"backend": broker.inventory_source(), "devices": devices, "summary": summary}
 
 
 def _device(

@@ -76,6 +76,8 @@ def load_backend(
         except DeviceBackendError as err:
             log.warning("NO NVIDIA DRIVER FOUND (%s)", err)
     backend = backend_class("fake")(parent=parent, log=log)
+    # not chosen: an engine with an inventory of its own (Slurm) is not simulated
+    backend.fallback = kind == "auto"
     log.warning(
         "USING SIMULATED GPUS (FakeDeviceBackend: %s). "
         "NOTHING THIS BROKER HANDS OUT IS A REAL GPU.",

@@ -151,6 +151,9 @@ class DeviceBackend(LoggingConfigurable, metaclass=_BackendMeta):
     kind: str = "base"
     #: ``True`` for a backend that simulates GPUs; the broker says so loudly
     simulated: bool = False
+    #: ``True`` for the fake backend that ``auto`` fell back to (no driver),
+    #: not one chosen (:func:`gpubroker.devices.load_backend`)
+    fallback: bool = False
 
     @abc.abstractmethod
     def devices(self) -> list[DeviceInfo]:

@@ -173,7 +173,7 @@ class PanelHandler(HubOAuthenticated, web.RequestHandler):  # type: ignore[misc]
             xsrf=Markup(self.xsrf_form_html()),  # Tornado escapes the token
             xsrf_token=token.decode() if isinstance(token, bytes) else token,
             hub_url=self.settings.get("hub_url") or "/hub/",
-            simulated=self.broker.backend.simulated,
+            simulated=self.broker.inventory_source()["simulated"],
             refresh=self.settings.get("panel_refresh", 5),
         )
         self.set_header("Content-Type", "text/html; charset=utf-8")
