@@ -44,6 +44,19 @@ class GPUBrokerApp(Application):
     #: each record's message on one line (:mod:`gpubroker.logfmt`)
     _log_formatter_cls = OneLineFormatter
 
+    def get_default_logging_config(self) -> dict[str, Any]:
+        """traitlets' logging setup, with the modules' own loggers
+        (``gpubroker.*``, e.g. the local engine's) on the same handler and
+        format as the broker's log (before: their INFO lines were dropped and
+        their warnings written unformatted by Python's last resort)."""
+        config: dict[str, Any] = super().get_default_logging_config()
+        config["loggers"]["gpubroker"] = {
+            "level": "DEBUG",
+            "handlers": ["console"],
+            "propagate": False,
+        }
+        return config
+
     name = "gpubroker"
     version = __version__
     description = "A GPU broker for JupyterHub: leases, queue and sharing of GPUs."
@@ -299,6 +312,8 @@ class GPUBrokerApp(Application):
 class _Command(Application):
     """A subcommand; reads options from its parent :class:`GPUBrokerApp`."""
 
+    _log_formatter_cls = OneLineFormatter
+
     @property
     def broker_app(self) -> GPUBrokerApp:
         parent = self.parent
@@ -419,8 +434,8 @@ class ServeCommand(_Command):
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``gpubroker`` console script."""
     app = GPUBrokerApp.instance()
-    app.initialize(argv)
     try:
+        app.initialize(argv)  # --help and --help-all print here
         app.start()
     except BrokenPipeError:
         # output piped into a reader that stopped (`gpubroker jobs list | head`):

@@ -472,7 +472,7 @@ class SlurmSpawner(Spawner):  # type: ignore[misc]
     async def stop(self, now: bool = False) -> None:
         """SIGTERM, ``stop_grace`` seconds (none with ``now``), then
         ``scancel``. Slurm not answering: the job is cancelled outright
-        (``scancel --signal=KILL``), and an error is raised if that fails
+        (``scancel --full --signal=9``), and an error is raised if that fails
         too (the broker's reconciliation releases the lease once the job
         is gone)."""
         if not self.slurm_job_id:

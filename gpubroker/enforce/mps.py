@@ -237,8 +237,9 @@ class MPSControl(LoggingConfigurable):
         return "running"
 
     def _own_directories(self, device_uuid: str) -> None:
-        """Create ``pipe_root``, the device's directory and its pipe and log
-        directories where missing (mode 0755, whatever the umask), and
+        """Create ``pipe_root`` (and its missing parents), the device's
+        directory and its pipe and log directories where missing (mode
+        0755, whatever the umask), and
         check that each is a directory of the broker's account that no one
         else can write (the daemon, run as the broker, serves every share of
         the device from them; its log is written into the log directory).
@@ -252,7 +253,10 @@ class MPSControl(LoggingConfigurable):
         root = Path(self.pipe_root)
         device = root / safe_name(device_uuid)
         try:
-            root.parent.mkdir(parents=True, exist_ok=True)
+            missing = [p for p in reversed(root.parents) if not os.path.lexists(p)]
+            for path in missing:  # pipe_root's parents it makes: 0755 too
+                path.mkdir(mode=0o755)
+                os.chmod(path, 0o755)
             for path in (root, device, device / "pipe", device / "log"):
                 try:
                     path.mkdir(mode=0o755)

@@ -6,7 +6,6 @@ rights of that token's owner, like the notebook magics."""
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import time
 from typing import Any
@@ -16,11 +15,14 @@ from traitlets.config import Application
 
 from ..client import BrokerClientError
 from ..client_sync import SyncBrokerClient, job_body
-from .text import job_cells, one_line
+from ..logfmt import OneLineFormatter
+from .text import job_cells, job_what, one_line
 
 
 class _JobsCall(Application):
     """A ``gpubroker jobs`` subcommand: one call of the API."""
+
+    _log_formatter_cls = OneLineFormatter  # messages on one line (gpubroker.logfmt)
 
     url = Unicode("", help="The broker's URL (default: $GPUBROKER_URL).").tag(config=True)
     as_json = Bool(False, help="Print JSON.").tag(config=True)
@@ -50,13 +52,13 @@ class _JobsCall(Application):
             print(json.dumps(job, indent=2))
             return
         queue = job.get("queue") or {}
-        reason = f" ({job['reason']})" if job.get("reason") else ""
-        print(f"job {job['id']} of {job['user']}: {job['state']}{reason}")
-        what = job["spec"].get("notebook") or shlex.join(job["spec"].get("command") or [])
-        print(f"  {job['kind']}: {what}")
+        reason = f" ({one_line(job['reason'], None)})" if job.get("reason") else ""
+        print(f"job {job['id']} of {one_line(job['user'], None)}: {job['state']}{reason}")
+        print(f"  {job['kind']}: {job_what(job, None)}")
         if job["state"] == "queued":
             granted = "its GPUs are granted; waiting for its launch"
-            print(f"  {queue.get('message') or (granted if job.get('devices') else 'waiting')}")
+            waiting = granted if job.get("devices") else "waiting"
+            print(f"  {one_line(queue.get('message') or waiting, None)}")
         if job.get("engine_wait"):
             # running for the broker, not started by its engine yet (Slurm PENDING)
             print(f"  held by its engine: {one_line(job['engine_wait'], None)}")
@@ -68,7 +70,7 @@ class _JobsCall(Application):
         devices = ", ".join(job.get("devices") or []) or "-"
         print(f"  devices: {devices}" + "".join(f"; {x}" for x in ended))
         if job.get("output"):
-            print(f"  output: {job['output']}")
+            print(f"  output: {one_line(job['output'], None)}")
 
 
 class SubmitCommand(_JobsCall):
@@ -212,6 +214,8 @@ class CancelCommand(_JobsCall):
 
 class JobsCommand(Application):
     """``gpubroker jobs``: batch jobs through the broker's API."""
+
+    _log_formatter_cls = OneLineFormatter  # messages on one line (gpubroker.logfmt)
 
     name = "jobs"
     description = "Batch jobs: submit, list, show, logs, cancel."

@@ -24,6 +24,7 @@ from traitlets.config import Application, Configurable, catch_config_error
 from traitlets.config.loader import PyFileConfigLoader
 
 from .. import __version__
+from ..logfmt import OneLineFormatter
 from ..policy_config import SchedulingPolicy
 from .baselines import SlurmSettings
 from .cluster import Cluster, ClusterError, load_cluster
@@ -90,6 +91,8 @@ class SlurmLikeConfig(Configurable):
 
 class SimulateCommand(Application):
     """``gpubroker simulate``: replay a trace through the scheduler and baselines."""
+
+    _log_formatter_cls = OneLineFormatter  # messages on one line (gpubroker.logfmt)
 
     name = "gpubroker-simulate"
     version = __version__

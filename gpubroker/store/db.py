@@ -38,6 +38,14 @@ def shown_url(url: str) -> str:
 def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.close()
+    _sqlite_reader_pragmas(dbapi_connection, connection_record)
+
+
+def _sqlite_reader_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
+    """The pragmas that change nothing in the file (the journal mode does:
+    a read of another program's database must leave it as it was)."""
+    cursor = dbapi_connection.cursor()
     # NORMAL in WAL mode: a commit survives any crash of the broker process;
     # only an OS crash or power loss can lose the last commits, and that also
     # ends every server and job those commits were about (a full fsync per
@@ -81,17 +89,18 @@ def create_private_sqlite(url: str) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
+def make_engine(url: str, wal: bool = True, **kwargs: Any) -> Engine:
     """Create an engine for ``url`` (any SQLAlchemy URL).
 
     For SQLite, the file is created 0600 (:func:`create_private_sqlite`);
-    WAL journal mode, foreign keys and a 5 s busy timeout are set on every
+    WAL journal mode (unless ``wal`` is false: the file's journal mode is
+    left as it is), foreign keys and a 5 s busy timeout are set on every
     connection.
     """
     create_private_sqlite(url)
     engine = create_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
-        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "connect", _sqlite_pragmas if wal else _sqlite_reader_pragmas)
     return engine
 
 
@@ -146,8 +155,9 @@ def check_schema(url: str, advice: str = UPGRADE_ADVICE) -> None:
 
 def _revision_at(url: str) -> str | None:
     """The schema revision of the database at ``url`` (``None``: none), read
-    on a connection of its own."""
-    engine = make_engine(url, poolclass=NullPool)
+    on a connection of its own that changes nothing (not even a SQLite
+    file's journal mode: the file may be another program's)."""
+    engine = make_engine(url, wal=False, poolclass=NullPool)
     try:
         return current_revision(engine)
     finally:

@@ -22,11 +22,14 @@ from typing import Any
 from traitlets import Unicode
 from traitlets.config import Application
 
+from ..logfmt import OneLineFormatter
 from ..store.db import DEFAULT_DB_URL
 
 
 class StoreCommand(Application):
     """A subcommand that reads the store: ``--db-url`` and ``--config``."""
+
+    _log_formatter_cls = OneLineFormatter  # messages on one line (gpubroker.logfmt)
 
     config_file = Unicode(
         "gpubroker_config.py",

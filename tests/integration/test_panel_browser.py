@@ -41,8 +41,9 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def login(browser: Any, hub: RunningHub, name: str) -> Any:
-    """A new browser context logged in to the hub as ``name`` (the demo's
-    dummy authenticator takes any password); fails on any ``alert()``."""
+    """A new browser context logged in to the hub as ``name`` (with the
+    demo's password, ``admin`` with the admin password); fails on any
+    ``alert()``."""
     context = browser.new_context(viewport={"width": 1400, "height": 900})
     page = context.new_page()
     alerts: list[str] = []

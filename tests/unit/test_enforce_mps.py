@@ -338,13 +338,17 @@ def test_a_linked_log_directory_is_refused(standin: StandIn, tmp_path: Path) -> 
 
 
 def test_the_directories_it_makes_are_0755_whatever_the_umask(standin: StandIn) -> None:
-    old = os.umask(0o002)
+    """Also pipe_root's parents that it makes: one writable by others would
+    let them move pipe_root away and put their own in its place."""
+    standin.root = standin.root / "a" / "b"
+    old = os.umask(0)
     try:
         standin.control().ensure_daemon(UUID)
     finally:
         os.umask(old)
     device = standin.root / safe_name(UUID)
-    for path in (standin.root, device, device / "pipe", device / "log"):
+    made = (standin.root.parent.parent, standin.root.parent, standin.root)
+    for path in (*made, device, device / "pipe", device / "log"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o755, path
     for pid in standin.daemon_pids():
         os.kill(pid, 15)

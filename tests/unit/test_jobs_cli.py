@@ -3,7 +3,7 @@ what it refuses before sending."""
 
 from __future__ import annotations
 
-import shlex
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -127,23 +127,31 @@ def test_show_says_why_a_job_has_not_started(capsys: pytest.CaptureFixture[str])
     assert "  waiting\n" in capsys.readouterr().out
 
 
-def test_a_closed_pipe_ends_the_command_without_a_traceback(tmp_path: Path) -> None:
-    """`gpubroker jobs list | head -2` ended in a BrokenPipeError traceback."""
-    script = (
-        "import gpubroker.app as a\n"
-        "class Loud(a.GPUBrokerApp):\n"
-        "    def start(self):\n"
-        "        for i in range(100000): print('job', i)\n"
-        "a.GPUBrokerApp = Loud\n"
-        "a.main([])\n"
-    )
-    done = subprocess.run(
-        f"{sys.executable} -c {shlex.quote(script)} | head -1",
-        shell=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
-    assert done.stdout == "job 0\n"
-    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+def _into_closed_pipe(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` with its standard output a pipe whose reader is gone."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            argv, stdout=write, stderr=subprocess.PIPE, text=True, timeout=60, cwd=cwd
+        )
+    finally:
+        os.close(write)
+
+
+def test_help_into_a_closed_pipe_ends_without_a_traceback(tmp_path: Path) -> None:
+    """`gpubroker jobs list | head` ended in a BrokenPipeError traceback;
+    --help and --help-all print too, while the command line is read, before
+    the command starts."""
+    done = _into_closed_pipe([sys.executable, "-m", "gpubroker", "--help-all"], tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_show_prints_a_reason_and_a_notebook_on_their_lines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    job = _job(state="failed", reason="x\nFORGED \x1b[2J", kind="notebook")
+    SubmitCommand().show(job | {"spec": {"notebook": "a\nb.ipynb"}})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "job 3 of alice: failed (x\\nFORGED \\x1b[2J)"
+    assert lines[1] == "  notebook: a\\nb.ipynb"

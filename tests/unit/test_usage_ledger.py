@@ -7,6 +7,7 @@ import datetime as dt
 import functools
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -404,6 +405,19 @@ def test_report_and_audit_refuse_a_database_without_this_releases_schema(tmp_pat
             (line,) = done.stderr.strip().splitlines()
             assert f"Cannot read the store: the database {url} {found}" in line
             assert "is it the broker's database (--db-url" in line
+
+
+def test_report_leaves_another_programs_database_as_it_was(tmp_path: Path) -> None:
+    """Refused, but only after its connection had set the file's journal
+    mode to WAL: reading must change nothing."""
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE notes (text TEXT)")
+    done = _cli("report", f"--db-url=sqlite:///{other}")
+    assert done.returncode == 2 and "has no gpubroker schema" in done.stderr
+    with sqlite3.connect(other) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+    assert not (tmp_path / "other.sqlite-wal").exists()
 
 
 def test_the_audit_command_prints_one_line_per_entry_whatever_the_reason(
