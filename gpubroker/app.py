@@ -249,6 +249,16 @@ class GPUBrokerApp(Application):
         "researcher pages (the page asks the broker again; no reload).",
     ).tag(config=True)
 
+    private_queue = Bool(
+        True,
+        help="What GET /api/v1/queue shows a caller who is not a broker admin of other "
+        "users' waiting requests: True, what each asks for and where it stands (position, "
+        "reason, estimated start), not who asked (user, server, group, lease id), as the "
+        "panel and GET /api/v1/devices show others' holdings (Slurm's PrivateData=jobs); "
+        "False, every request in full, as squeue does by default. The caller's own "
+        "requests and an admin's view are always in full.",
+    ).tag(config=True)
+
     token_cache_max_age = Integer(
         5,
         min=1,

@@ -326,6 +326,7 @@ class BrokerService:
             cookie_secret=os.urandom(32),
             idle_since=self._idle_since,
             panel_refresh=self.app.panel_refresh,
+            private_queue=self.app.private_queue,
             hub_url=os.environ.get("JUPYTERHUB_BASE_URL", "/").rstrip("/") + "/hub/",
         )
         server = HTTPServer(

@@ -6,6 +6,7 @@ Times are ISO 8601 strings in UTC (``2026-11-30T14:20:00Z``); memory in MiB.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from typing import Any
 
 from .model.holdings import DeviceRef
@@ -114,6 +115,39 @@ def slot_view(allocation: Allocation) -> dict[str, Any]:
         "memory_mib": allocation.memory_mib,
         "weight": allocation.weight,
     }
+
+
+#: what another user's waiting request shows of itself in a private queue
+QUEUED_REQUEST_KEYS = (
+    "summary",
+    "kind",
+    "gpus",
+    "mig_profile",
+    "memory_gib",
+    "count",
+    "pool",
+    "weight",
+    "priority_class",
+    "time_limit",
+    "state",
+    "created",
+)
+
+
+def queued_request(view: Mapping[str, Any]) -> dict[str, Any]:
+    """Another user's waiting request (a :func:`lease_view`) as a caller who
+    is not a broker admin sees it in a private queue (``QueuedRequest`` in
+    the OpenAPI document): what it asks for, its class and its place (queue
+    position, reason code, estimated start), not who asked or why in words
+    (no id, user, server, group, queue message or devices earmarked)."""
+    queue = view.get("queue") or {}
+    shown = {key: view.get(key) for key in QUEUED_REQUEST_KEYS}
+    shown["queue"] = {
+        "position": queue.get("position"),
+        "reason": queue.get("reason"),
+        "eta": queue.get("eta"),
+    }
+    return shown
 
 
 def lease_view(lease: Lease) -> dict[str, Any]:

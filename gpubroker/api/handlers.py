@@ -26,7 +26,7 @@ from ..core import Broker, utcnow
 from ..engines.base import EngineError
 from ..errors import BrokerError, Forbidden, NotFound, Unavailable
 from ..store.models import HolderKind
-from ..views import device_listing
+from ..views import device_listing, queued_request
 from . import auth, validation
 from .longpoll import LongPollRegistry
 from .redact import request_summary
@@ -561,12 +561,19 @@ class LeaseEventsHandler(APIHandler):
 
 class QueueHandler(APIHandler):
     """``GET /api/v1/queue``: pending requests in queue order, with position,
-    reason, message and estimated start (like ``squeue``: visible to all)."""
+    reason, message and estimated start, open to every caller (like
+    ``squeue``). With ``private_queue`` (the ``GPUBrokerApp`` option, on by
+    default) a caller who is not a broker admin sees other users' requests
+    without who asked (:func:`~gpubroker.views.queued_request`)."""
 
     @auth.needs(auth.ACCESS_SCOPE)
     async def get(self) -> None:
         await self.broker.settled()
-        self.write_json({"queue": self.broker.queue()})
+        queue = self.broker.queue()
+        if self.settings.get("private_queue", True) and not self.admin:
+            me = self.own_user
+            queue = [v if v["user"] == me else queued_request(v) for v in queue]
+        self.write_json({"queue": queue})
 
 
 class NoticesHandler(APIHandler):
