@@ -105,7 +105,9 @@ class RunningHub:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"hub exited with {self.proc.returncode}:\n{self.log_tail()}")
+                tail = self.log_tail()
+                self.stop()  # the proxy and the broker it may have started
+                raise RuntimeError(f"hub exited with {self.proc.returncode}:\n{tail}")
             if self._ready():
                 return self
             time.sleep(0.3)

@@ -30,8 +30,10 @@ line with those arguments. Two things are added:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -105,6 +107,11 @@ def main(argv: list[str]) -> None:
 
     python = os.environ.get("GPUBROKER_KERNEL_PYTHON", "")
     with tempfile.TemporaryDirectory(prefix="gpubroker-kernel-") as where:
+        # the kernel's connection file goes here too, and a stop (SIGTERM)
+        # removes the folder before it ends the run as the signal would
+        tempfile.tempdir = where
+        if warn != "TERM":
+            signal.signal(signal.SIGTERM, functools.partial(_end_on_term, Path(where)))
         if python and "-k" not in argv:
             argv = [*argv, "-k", kernel_of(python, Path(where))]
         try:
@@ -112,6 +119,16 @@ def main(argv: list[str]) -> None:
         except Exception as err:
             record_error(err)
             raise
+
+
+def _end_on_term(where: Path, signum: int, _frame: object) -> None:
+    """SIGTERM (the job's stop): remove ``where`` (the kernelspec and the
+    kernel's connection file, which Python's default action would leave in
+    the node's /tmp), then end by the signal itself, as the job's status
+    reads it."""
+    shutil.rmtree(where, ignore_errors=True)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 #: most characters of the line :func:`record_error` writes

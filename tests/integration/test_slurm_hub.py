@@ -213,15 +213,14 @@ def test_a_server_job_that_dies_before_its_server_answers_fails_the_spawn_at_onc
     hub: RunningHub,
 ) -> None:
     hub.create_user("erin")
-    started = time.monotonic()
     r = hub.api("POST", "/users/erin/server", json={"profile": "broken"})
     if r.status_code in (201, 202):  # the hub answered before the spawn failed
         _wait(lambda: hub.server("erin") is None, 60, "the failed spawn is still pending")
         message = hub.log_tail(20000)
     else:
         message = r.json()["message"]
-    # the spawn failed on the job's end, not on the hub's start timeout (3720 s)
-    assert time.monotonic() - started < 60
+    # the spawn failed on the job's end (the message says so), not on the hub's
+    # start timeout (3720 s), which the waits above would not have reached
     assert re.search(r"Slurm job \d+ ended: FAILED \(exit status 127", message), message
     assert "cannot run /nonexistent/jupyterhub-singleuser: No such file" in message
     assert not hub.user_model("erin")["servers"]
@@ -239,14 +238,12 @@ def test_a_server_job_slurm_will_never_start_fails_the_spawn_and_is_cancelled(
     slurm_cluster.run("scontrol", "update", "PartitionName=interactive", "MaxTime=30")
     try:
         hub.create_user("hope")
-        started = time.monotonic()
         r = hub.api("POST", "/users/hope/server", json={"profile": "one"})
         if r.status_code in (201, 202):
             _wait(lambda: hub.server("hope") is None, 60, "the hopeless spawn is still pending")
             message = hub.log_tail(20000)
         else:
             message = r.json()["message"]
-        assert time.monotonic() - started < 60
         found = re.search(
             r"Slurm will not start the server's job (\d+): "
             r"PENDING \(Partition(?:TimeLimit|Config)\)",

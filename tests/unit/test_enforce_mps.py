@@ -262,10 +262,9 @@ def test_failing_quit_reports_its_stderr(standin: StandIn, monkeypatch: pytest.M
 def test_a_hanging_command_times_out(standin: StandIn, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STANDIN_SLOW", "1")
     mps = standin.control(start_timeout=1.0)
-    started = time.monotonic()
-    with pytest.raises(EnforcementError, match="start_timeout"):
+    with pytest.raises(EnforcementError, match=r"took longer than start_timeout=1 s"):
         mps.ensure_daemon(UUID)
-    assert time.monotonic() - started < 10
+    assert mps.started == set()
 
 
 def test_an_unwritable_pipe_root_is_a_clear_error(standin: StandIn, tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ import pwd
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -375,8 +374,7 @@ def test_a_notebook_whose_language_nothing_says_is_a_400_when_it_has_params(
     assert jobs.submit("hal", data)["state"] == "queued"  # nothing to inject: fine
 
 
-def test_the_check_as_the_user_is_quick(jobs: JobService, home: Path) -> None:
+def test_the_check_as_the_user_queues_a_good_notebook(jobs: JobService, home: Path) -> None:
     notebook(home / "ivy" / "nb.ipynb", ["x = 1"])
-    began = time.monotonic()
-    jobs.submit("ivy", {"notebook": "nb.ipynb", "gpus": 1})
-    assert time.monotonic() - began < 5
+    job = jobs.submit("ivy", {"notebook": "nb.ipynb", "gpus": 1})
+    assert job["state"] == "queued" and job["spec"]["notebook"] == "nb.ipynb"

@@ -174,6 +174,7 @@ def test_first_in_its_queue_is_not_told_of_higher_priority() -> None:
     run = (running(1, "bob", ("a0",)), running(2, "bob", ("b0",)))
     pending = (req(10, "ann", 2, pool="p"), req(11, "cat", 2, minute=1, pool="q"))
     decisions = schedule(SchedulerState(slots, run, pending, Policy()), NOW)
+    assert sorted(w.lease_id for w in decisions.waits) == [10, 11]
     for wait in decisions.waits:
         assert wait.position == 1
         assert wait.reason is WaitReason.resources

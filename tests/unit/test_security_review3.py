@@ -78,13 +78,11 @@ def test_a_users_ld_preload_in_the_check_cannot_flood_the_broker(
     included: it runs as her, so that is her business), and so may its
     output: endless, from a process that left the probe's group and still
     holds the pipe. The broker reads a bounded part and answers quickly."""
-    import time
 
     from gpubroker.jobs.service import PROBE_MAX_OUTPUT
 
     library = _library(tmp_path, home, "flood", FLOOD)
     notebook(home / "ann" / "nb.ipynb", ["x = 1"])
-    started = time.monotonic()
     tracemalloc.start()
     try:
         spec, _, _, _ = jobs.check(
@@ -94,7 +92,6 @@ def test_a_users_ld_preload_in_the_check_cannot_flood_the_broker(
     finally:
         tracemalloc.stop()
     assert peak < 4 * PROBE_MAX_OUTPUT + 4 * MIB, f"the broker held {peak / MIB:.0f} MiB"
-    assert time.monotonic() - started < 15
     assert spec.notebook == "nb.ipynb"
 
 

@@ -300,8 +300,6 @@ def test_process_container_reads_proc_cgroup(tmp_path: Path) -> None:
 
 def test_process_uid_reads_proc() -> None:
     assert process_uid(os.getpid()) == os.getuid()
-    done = subprocess.run([sys.executable, "-c", "pass"], check=True)
-    assert done.returncode == 0
     assert process_uid(2**22 + 12345) is None
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,7 +34,6 @@ def run(argv: list[str]) -> None:
 def test_philly_slice_replays_under_all_three_policies(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    started = time.perf_counter()
     run(
         [
             f"--trace={PHILLY}",
@@ -45,7 +43,6 @@ def test_philly_slice_replays_under_all_three_policies(
             "--quiet",
         ]
     )
-    assert time.perf_counter() - started < 20
     data = json.loads((tmp_path / "metrics.json").read_text())
     assert set(data["runs"]) == {"broker", "fifo", "slurm-like"}
     assert data["trace"] == {
