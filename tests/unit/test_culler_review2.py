@@ -226,7 +226,10 @@ async def test_an_exempt_class_that_is_no_class_is_reported_at_start(
     typo.cull_every = 3600
     with caplog.at_level("WARNING"):
         task = asyncio.ensure_future(typo.run())
-        await asyncio.sleep(0.05)
+        for _ in range(200):  # until its start has been logged
+            await asyncio.sleep(0.05)
+            if "exempt_priority_classes" in caplog.text:
+                break
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

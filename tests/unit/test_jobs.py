@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -643,7 +644,11 @@ def test_a_cancel_during_a_preemptions_stop_leaves_no_lease(jobs: JobService, ho
         assert view["state"] == "running"
         jobs.broker.preempt_lease(view["lease_id"], "maintenance")
         tick = asyncio.create_task(jobs.tick())
-        await asyncio.sleep(0.5)
+        for _ in range(200):  # until the tick has begun the stop
+            await asyncio.sleep(0.05)
+            if jobs.get(job["id"])["stopping"]:
+                break
+        assert jobs.get(job["id"])["stopping"]
         cancelled = await jobs.cancel(job["id"], "cancelled by kim", actor="kim")
         assert cancelled["state"] == "cancelled"
         await tick
@@ -660,8 +665,10 @@ def test_a_cancel_during_a_launch_stops_the_launched_process(jobs: JobService, h
     (home / "kim").mkdir(parents=True)
     engine = jobs.engines["local"]
     launch = engine.launch
+    entered = threading.Event()
 
     def slow_launch(spec: Any) -> Any:  # as docker create or sbatch can take
+        entered.set()
         time.sleep(1.0)
         return launch(spec)
 
@@ -670,7 +677,7 @@ def test_a_cancel_during_a_launch_stops_the_launched_process(jobs: JobService, h
 
     async def main() -> None:
         tick = asyncio.create_task(jobs.tick())
-        await asyncio.sleep(0.3)
+        assert await asyncio.to_thread(entered.wait, 30)  # the launch is under way
         cancelled = await jobs.cancel(job["id"], "cancelled by kim", actor="kim")
         assert cancelled["state"] == "cancelled"
         await tick

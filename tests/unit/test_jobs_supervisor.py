@@ -19,6 +19,7 @@ from gpubroker.store import jobs_repo
 
 from ..conftest import make_broker
 from .conftest import failing_stops, job_pid, process_alive
+from .test_jobs_review2 import _traps_set
 
 #: the tests' jobs get a short stop grace (:func:`.conftest.short_stop_grace`)
 pytestmark = pytest.mark.usefixtures("short_stop_grace")
@@ -110,18 +111,21 @@ def test_a_preempted_job_past_max_restarts_ends_failed_however_it_ended(
     broker, service = reclaiming_service(db_url, home, grace=60)
     service.max_restarts = 0
     (home / "kim").mkdir(parents=True)
-    script = "trap 'exit 1' USR1; while true; do sleep 0.1; done"
+    script = "trap 'exit 1' USR1; touch trapped; while true; do sleep 0.1; done"
     job = service.submit(
         "kim", {"command": script, "gpus": 1, "group": "B", "retries": 1}, groups=["B"]
     )
     asyncio.run(service.tick())
     assert service.get(job["id"])["state"] == "running"
-    time.sleep(0.5)  # its trap is set
+    _traps_set(home, "kim")
     alice = broker.request_lease("alice", "", 1, holder_kind="external", groups=["A"], group="A")
     assert alice["queue"]["reason"] == "Preempting"
     asyncio.run(service.tick())  # the warning: it exits 1 in its grace period
-    time.sleep(0.8)
-    asyncio.run(service.tick())
+    for _ in range(100):  # until the check sees its end (it exits at once)
+        asyncio.run(service.tick())
+        if service.get(job["id"])["state"] != "running":
+            break
+        time.sleep(0.1)
     view = service.get(job["id"])
     try:
         assert view["state"] == "failed", (view["state"], view["reason"])

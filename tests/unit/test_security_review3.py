@@ -132,7 +132,12 @@ async def test_a_users_slow_checks_do_not_hold_the_brokers_workers(
         for _ in range(workers + MAX_CHECKS_PER_USER)
     ]
     try:
-        await asyncio.sleep(0.5)
+        for _ in range(200):  # until every try past the limit has its answer
+            refused = [t for t in tries if t.done()]
+            if len(refused) >= len(tries) - MAX_CHECKS_PER_USER:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # (one more done would be a check past the limit)
         refused = [t for t in tries if t.done()]
         assert len(refused) == len(tries) - MAX_CHECKS_PER_USER
         assert all(isinstance(t.exception(), Conflict) for t in refused)
@@ -192,7 +197,10 @@ async def test_post_jobs_checks_on_the_job_services_workers(
             for _ in range(2)
         ]
         try:
-            await asyncio.sleep(0.5)
+            for _ in range(200):  # until both slow checks are under way
+                if jobs._checking.get("ann", 0) == 2:
+                    break
+                await asyncio.sleep(0.05)
             code, said = await post({"notebook": "nb.ipynb", "gpus": 1, "env": env})
             assert code == 409 and "being checked" in said["message"], said
         finally:
