@@ -22,6 +22,7 @@ from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
@@ -151,6 +152,26 @@ def check_schema(url: str, advice: str = UPGRADE_ADVICE) -> None:
     raise UnknownSchema(
         f"the database {shown_url(url)} {found}, and this gpubroker needs {head!r}; {advice}"
     )
+
+
+class StoreUnreachable(RuntimeError):
+    """The database cannot be reached (its message: one line, the URL's
+    password hidden)."""
+
+
+def check_readable(url: str, advice: str) -> None:
+    """:func:`check_schema` for a command that only reads the store
+    (``gpubroker report``, ``audit``).
+
+    Raises:
+        UnknownSchema: as :func:`check_schema`, with ``advice``.
+        StoreUnreachable: the database cannot be reached.
+    """
+    try:
+        check_schema(url, advice)
+    except SQLAlchemyError as err:
+        first = str(getattr(err, "orig", None) or err).splitlines()[0]
+        raise StoreUnreachable(f"Cannot reach the store {shown_url(url)}: {first}") from None
 
 
 def _revision_at(url: str) -> str | None:

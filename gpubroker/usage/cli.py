@@ -72,14 +72,12 @@ class StoreCommand(Application):
         broker has run on it; older: not migrated yet; newer: written by a
         newer release), since the report's and the audit's queries read
         this release's tables."""
-        from sqlalchemy.exc import SQLAlchemyError
-
         from ..store.db import (
+            StoreUnreachable,
             UnknownSchema,
-            check_schema,
+            check_readable,
             make_engine,
             make_session_factory,
-            shown_url,
             sqlite_path,
         )
 
@@ -93,12 +91,12 @@ class StoreCommand(Application):
             )
             self.exit(2)
         try:
-            check_schema(url, READ_ADVICE)
+            check_readable(url, READ_ADVICE)
         except UnknownSchema as err:
             self.log.critical("Cannot read the store: %s", err)
             self.exit(2)
-        except SQLAlchemyError as err:
-            self.log.critical("Cannot reach the store %s: %s", shown_url(url), _first_line(err))
+        except StoreUnreachable as err:
+            self.log.critical("%s", err)
             self.exit(2)
         return make_session_factory(make_engine(url))
 
@@ -109,11 +107,6 @@ READ_ADVICE = (
     "else $GPUBROKER_DB_URL)? A broker migrates its database when it starts "
     "(or run `gpubroker upgrade-db`, see the admin guide)"
 )
-
-
-def _first_line(err: Exception) -> str:
-    """The first line of a database error (SQLAlchemy adds the statement and a link)."""
-    return str(getattr(err, "orig", None) or err).splitlines()[0]
 
 
 class ReportCommand(StoreCommand):

@@ -407,6 +407,14 @@ def test_report_and_audit_refuse_a_database_without_this_releases_schema(tmp_pat
             assert "is it the broker's database (--db-url" in line
 
 
+def test_report_on_a_database_it_cannot_reach_says_so_in_one_line() -> None:
+    done = _cli("report", "--db-url=postgresql+psycopg://ann:S3cret@127.0.0.1:1/gpubroker")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "Cannot reach the store postgresql+psycopg://ann:***@127.0.0.1:1/gpubroker" in line
+    assert "S3cret" not in line
+
+
 def test_report_leaves_another_programs_database_as_it_was(tmp_path: Path) -> None:
     """Refused, but only after its connection had set the file's journal
     mode to WAL: reading must change nothing."""
