@@ -354,6 +354,9 @@ class Culler(LoggingConfigurable):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        #: called after each of :meth:`run`'s checks with whether it completed
+        #: (the service counts them in its metrics)
+        self.on_check: Callable[[bool], None] | None = None
         self.broker = broker
         self.hub = hub
         #: the lease of a process (for shares: whose memory on a shared device)
@@ -728,3 +731,8 @@ class Culler(LoggingConfigurable):
                 await self.check_once()
             except Exception:
                 self.log.exception("Culler check failed")
+                ok = False
+            else:
+                ok = True
+            if self.on_check is not None:
+                self.on_check(ok)

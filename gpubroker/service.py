@@ -150,6 +150,7 @@ class BrokerService:
         self.docker_servers = DockerServers(self.broker, self.docker_engine, self.log)
         self.broker.containers_followed = self.docker_servers.followed
         self.metrics = BrokerMetrics(self.broker, self.ledger if self.ledger.enabled else None)
+        self.culler.on_check = self.metrics.culler_checked
         self.broker.bus.subscribe(self.metrics.on_event)
         self.share_guard = ShareGuard(self.broker, parent=app)
         self._groups: dict[str, tuple[float, list[str] | None]] = {}

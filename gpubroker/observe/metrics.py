@@ -17,7 +17,9 @@ The metrics, their types and labels are listed in the admin guide
 ``gpubroker_leases``, ``gpubroker_queue_length`` (gauges);
 ``gpubroker_queue_wait_seconds`` (histogram); ``gpubroker_grants_total``,
 ``gpubroker_releases_total``, ``gpubroker_preemptions_total``,
-``gpubroker_culls_total``, ``gpubroker_job_outcomes_total`` (counters);
+``gpubroker_culls_total``, ``gpubroker_job_outcomes_total``,
+``gpubroker_culler_checks_total`` (counters);
+``gpubroker_culler_last_check_timestamp_seconds`` (a gauge the culler sets);
 ``gpubroker_gpu_utilization_percent``, ``gpubroker_gpu_memory_used_bytes``,
 ``gpubroker_mig_engine_active_ratio`` and
 ``gpubroker_telemetry_timestamp_seconds`` (device telemetry).
@@ -29,7 +31,7 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -75,6 +77,19 @@ class BrokerMetrics:
             buckets=WAIT_BUCKETS,
             registry=self.registry,
         )
+        self.culler_checks = Counter(
+            "gpubroker_culler_checks",
+            "The culler's checks of the granted leases, by outcome (ok, failed).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.culler_last_check = Gauge(
+            "gpubroker_culler_last_check_timestamp_seconds",
+            "When the culler last completed a check (Unix time); 0 until its first.",
+            registry=self.registry,
+        )
+        for outcome in ("ok", "failed"):
+            self.culler_checks.labels(outcome)
         self.registry.register(_StateCollector(broker, ledger))
         # every known label value has its series from the first scrape, at 0:
         # increase() over a counter's first event needs the 0 before it
@@ -103,6 +118,15 @@ class BrokerMetrics:
                 self.preemptions.inc()
             elif cause == "cull":
                 self.culls.inc()
+
+    def culler_checked(self, ok: bool) -> None:
+        """Count one of the culler's checks (its ``on_check`` hook); a
+        completed one also sets the time of the last (now): an alert on
+        ``time() - gpubroker_culler_last_check_timestamp_seconds`` finds a
+        culler that has stopped checking."""
+        self.culler_checks.labels("ok" if ok else "failed").inc()
+        if ok:
+            self.culler_last_check.set_to_current_time()
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""

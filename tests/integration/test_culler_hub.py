@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 import websocket
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.devices.fake import FakeDeviceBackend
 
@@ -120,12 +121,32 @@ def kinds(hub: RunningHub, user: str, token: str) -> list[str]:
     return [n["kind"] for n in notices(hub, user, token)]
 
 
+def culler_checks(hub: RunningHub) -> float:
+    """The culler's completed checks so far (its metric)."""
+    r = requests.get(
+        f"{hub.url}/services/gpubroker/metrics",
+        headers={"Authorization": f"token {hub.token}"},
+        timeout=30,
+    )
+    r.raise_for_status()
+    (family,) = [
+        f for f in text_string_to_metric_families(r.text) if f.name == "gpubroker_culler_checks"
+    ]
+    return sum(
+        s.value
+        for s in family.samples
+        if s.labels.get("outcome") == "ok" and s.name.endswith("_total")
+    )
+
+
 def test_busy_kernel_on_a_busy_gpu_is_never_culled(hub: RunningHub) -> None:
     token, lease, kernel = start(hub, "trainer", util=80, memory_gib=40)
     ws = connect(hub, "trainer", token, kernel)
     execute(ws, "import time; time.sleep(40)", wait=False)
     ws.close()  # no browser attached
+    checks = culler_checks(hub)
     time.sleep(14)  # > timeout + grace + checks
+    assert culler_checks(hub) >= checks + 3  # it was judged, and kept
     assert hub.broker_api("GET", f"/leases/{lease['id']}").json()["state"] == "granted"
     assert kinds(hub, "trainer", token) == []
     hub.api("DELETE", "/users/trainer/server")
@@ -244,7 +265,9 @@ def test_a_program_printing_in_a_terminal_keeps_its_server(hub: RunningHub) -> N
     )
     ws.send(json.dumps(["stdin", "while true; do echo epoch; sleep 1; done\r"]))
     ws.close()  # the tab is closed; the program goes on printing
+    checks = culler_checks(hub)
     time.sleep(14)  # > timeout + grace + checks
+    assert culler_checks(hub) >= checks + 3  # it was judged, and kept
     assert hub.broker_api("GET", f"/leases/{lease['id']}").json()["state"] == "granted"
     assert kinds(hub, "terminal", token) == []
     requests.delete(f"{api}/{name}", headers=auth, timeout=30).raise_for_status()

@@ -1,0 +1,64 @@
+"""The culler's checks in the metrics: a culler that stopped checking (its
+task died, a check hangs) culled nothing and nothing said so; an alert on
+``time() - gpubroker_culler_last_check_timestamp_seconds`` now finds it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpubroker.core import Broker
+from gpubroker.culler import Culler
+from gpubroker.observe.metrics import BrokerMetrics
+
+
+def _samples(metrics: BrokerMetrics) -> dict[tuple[str, str], float]:
+    text = generate_latest(metrics.registry).decode()
+    return {
+        (s.name, s.labels.get("outcome", "")): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("gpubroker_culler")
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+async def test_each_check_of_the_culler_is_counted_and_the_last_one_timed(
+    broker: Broker,
+) -> None:
+    metrics = BrokerMetrics(broker)
+    assert _samples(metrics) == {
+        ("gpubroker_culler_checks_total", "ok"): 0,
+        ("gpubroker_culler_checks_total", "failed"): 0,
+        ("gpubroker_culler_last_check_timestamp_seconds", ""): 0,
+    }
+    culler = Culler(broker, None, cull_every=0.01)  # type: ignore[arg-type]
+    culler.on_check = metrics.culler_checked
+    outcomes = iter([None, RuntimeError("the hub is down"), None])
+
+    async def check_once() -> list[int]:
+        failure = next(outcomes, None)
+        if failure is not None:
+            raise failure
+        return []
+
+    culler.check_once = check_once  # type: ignore[method-assign]
+    began = time.time()
+    task = asyncio.ensure_future(culler.run())
+    try:
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if _samples(metrics)[("gpubroker_culler_checks_total", "failed")] >= 1:
+                break
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    samples = _samples(metrics)
+    assert samples[("gpubroker_culler_checks_total", "failed")] == 1
+    assert samples[("gpubroker_culler_checks_total", "ok")] >= 1
+    assert samples[("gpubroker_culler_last_check_timestamp_seconds", "")] >= began
