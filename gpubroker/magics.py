@@ -364,7 +364,9 @@ class GPUMagics(Magics):
         )
         job = self._call("submit_job", body)
         queue = job.get("queue") or {}
-        print(f"job {job['id']} {job['state']}: {queue.get('message') or 'starting'}")
+        # its GPUs free at once: granted, its launch comes at the job service's next check
+        granted = "its GPUs are granted; waiting for its launch" if job.get("devices") else ""
+        print(f"job {job['id']} {job['state']}: {queue.get('message') or granted or 'waiting'}")
         return ShownJob(job)
 
     def _release_lease(self, args: Any) -> int | None:

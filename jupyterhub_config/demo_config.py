@@ -75,6 +75,7 @@ leases are released then.
 """
 
 import ast
+import html
 import json
 import os
 import re
@@ -427,6 +428,13 @@ c.SharedPasswordAuthenticator.admin_password = _password(
 )
 c.Authenticator.allow_all = True
 c.Authenticator.admin_users = {"admin"}
+# the login page says where the password is (never the password itself)
+c.JupyterHub.template_vars = {
+    "announcement_login": html.escape(
+        "gpubroker demo: any user name, with the password the hub printed at its start "
+        f"(kept in {state / 'demo-password'}; admin's in {state / 'demo-admin-password'})"
+    )
+}
 if JupyterHub.initialized():  # the hub's start: say how to log in
     passwords = c.SharedPasswordAuthenticator
     print(

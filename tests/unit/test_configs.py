@@ -54,6 +54,8 @@ def test_the_demo_asks_for_a_password_kept_in_its_state_dir(tmp_path, monkeypatc
     for name, value in (("demo-password", user), ("demo-admin-password", admin)):
         kept = tmp_path / name
         assert kept.read_text() == value and kept.stat().st_mode & 0o777 == 0o600
+    shown = c.JupyterHub.template_vars["announcement_login"]  # on the login page
+    assert str(tmp_path / "demo-password") in shown and user not in shown and admin not in shown
     again = load("demo_config.py").SharedPasswordAuthenticator
     assert (again.user_password, again.admin_password) == (user, admin)
     monkeypatch.setenv("GPUBROKER_DEMO_PASSWORD", "given-password")

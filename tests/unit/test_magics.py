@@ -179,3 +179,19 @@ def test_a_magic_as_a_cells_last_line_shows_its_answer_once(
     # the data is the broker's answer, as before
     assert isinstance(job, dict) and job["queue"] == {"message": "waiting"}
     assert dict(lease)["summary"] == "1 x MIG 1g.10gb" and [j["id"] for j in jobs] == [7, 6]
+
+
+def test_submit_says_when_the_jobs_gpus_are_granted_at_once(
+    shell: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A researcher's trial: free GPUs printed `job 1 queued: starting`,
+    while the job only waited for its launch."""
+    ip, recorder = shell
+    recorder.submit_job = lambda body: {  # type: ignore[method-assign]
+        "id": 1,
+        "state": "queued",
+        "queue": None,
+        "devices": ["GPU-A"],
+    }
+    ip.run_line_magic("gpu_submit", "train.ipynb --gpus 1")
+    assert "job 1 queued: its GPUs are granted; waiting for its launch" in capsys.readouterr().out
