@@ -357,6 +357,7 @@ class BrokerService:
         if self.broker.inventory_changes and self.broker.inventory_interval > 0:
             tasks.append(asyncio.create_task(self._inventory_loop()))
         if self.culler.enabled:
+            self.metrics.culler_started()
             tasks.append(asyncio.create_task(self.culler.run()))
         if self.share_guard.enabled:
             tasks.append(asyncio.create_task(self.share_guard.run()))

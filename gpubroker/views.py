@@ -6,6 +6,7 @@ Times are ISO 8601 strings in UTC (``2026-11-30T14:20:00Z``); memory in MiB.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,6 +117,10 @@ def slot_view(allocation: Allocation) -> dict[str, Any]:
         "weight": allocation.weight,
     }
 
+
+#: who runs a Slurm job from outside the broker (``Slurm job 8 of root``), which
+#: only admins see, as they see who holds a device
+_OUTSIDE_OWNER = re.compile(r"(Slurm job \S+) of \S+")
 
 #: what another user's waiting request shows of itself in a private queue
 QUEUED_REQUEST_KEYS = (
@@ -264,7 +269,7 @@ def _device(
         drained=device.drained,
         mig_enabled=device.mig_enabled,
         state=state,
-        outside=outside,
+        outside=outside if admin or outside is None else _OUTSIDE_OWNER.sub(r"\1", outside),
         lease_id=lease_id if admin else None,
         holders=[h for h in holders if admin or h["user"] == me],
         slots_held=len(holders),

@@ -428,11 +428,21 @@ c.SharedPasswordAuthenticator.admin_password = _password(
 )
 c.Authenticator.allow_all = True
 c.Authenticator.admin_users = {"admin"}
+
+
+def _kept(name, variable):
+    """Where a login password of the demo comes from, for the login page."""
+    if os.environ.get(f"GPUBROKER_DEMO_{variable}"):
+        return f"${{GPUBROKER_DEMO_{variable}}}"
+    return f"kept in {state / name}"
+
+
 # the login page says where the password is (never the password itself)
 c.JupyterHub.template_vars = {
     "announcement_login": html.escape(
         "gpubroker demo: any user name, with the password the hub printed at its start "
-        f"(kept in {state / 'demo-password'}; admin's in {state / 'demo-admin-password'})"
+        f"({_kept('demo-password', 'PASSWORD')}; "
+        f"admin's: {_kept('demo-admin-password', 'ADMIN_PASSWORD')})"
     )
 }
 if JupyterHub.initialized():  # the hub's start: say how to log in

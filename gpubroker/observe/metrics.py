@@ -85,7 +85,7 @@ class BrokerMetrics:
         )
         self.culler_last_check = Gauge(
             "gpubroker_culler_last_check_timestamp_seconds",
-            "When the culler last completed a check (Unix time); 0 until its first.",
+            "When the culler last completed a check, or started (Unix time); 0: it is off.",
             registry=self.registry,
         )
         for outcome in ("ok", "failed"):
@@ -118,6 +118,12 @@ class BrokerMetrics:
                 self.preemptions.inc()
             elif cause == "cull":
                 self.culls.inc()
+
+    def culler_started(self) -> None:
+        """The culler starts: the time of its "last check" until its first,
+        so that the staleness alert does not fire while it waits out its
+        first ``cull_every``."""
+        self.culler_last_check.set_to_current_time()
 
     def culler_checked(self, ok: bool) -> None:
         """Count one of the culler's checks (its ``on_check`` hook); a

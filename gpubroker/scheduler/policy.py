@@ -602,11 +602,12 @@ def _preempt(p: _Pass, request: Request, window: bool) -> bool:
         vcls = policy.class_of(victim.priority_class)
         end = p.now + dt.timedelta(seconds=vcls.grace)
         deadline = max(deadline, end)
+        # who asked is not said: a victim learns no more of others than the
+        # queue shows her (GPUBrokerApp.private_queue); admins see for_lease
         why = (
-            f"reclaimed for {request.user}, who is within their guarantee; "
-            "your lease was borrowed above guarantees"
+            "reclaimed for a request within its guarantee; your lease was borrowed above guarantees"
             if in_guarantee and victim.lease_id in p.acct.borrowed
-            else f"preempted by a {request.priority_class} request of {request.user}"
+            else f"preempted by a {request.priority_class} request"
         )
         mine = tuple(d for d in victim.devices if d in plan.reclaimed)
         p.preemptions.append(Preemption(victim.lease_id, request.lease_id, mine, why, end))

@@ -22,7 +22,7 @@ from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
@@ -159,6 +159,23 @@ class StoreUnreachable(RuntimeError):
     password hidden)."""
 
 
+def check_url(url: str) -> None:
+    """Refuse a store URL SQLAlchemy cannot read (a command line's typo).
+
+    Raises:
+        StoreUnreachable: it is not such a URL; the message does not repeat
+            the URL, which may hold a password.
+    """
+    try:
+        make_url(url)
+    except (ArgumentError, ValueError) as err:
+        why = f" ({err})" if isinstance(err, ValueError) else ""
+        raise StoreUnreachable(
+            "Cannot read the store: its URL is not one SQLAlchemy can read, "
+            f"dialect+driver://user:password@host:port/database{why}"
+        ) from None
+
+
 def check_readable(url: str, advice: str) -> None:
     """:func:`check_schema` for a command that only reads the store
     (``gpubroker report``, ``audit``).
@@ -169,8 +186,9 @@ def check_readable(url: str, advice: str) -> None:
     """
     try:
         check_schema(url, advice)
-    except SQLAlchemyError as err:
-        first = str(getattr(err, "orig", None) or err).splitlines()[0]
+    except (SQLAlchemyError, ImportError, ValueError) as err:
+        # ImportError: the URL's driver is not installed; ValueError: a bad URL
+        first = (str(getattr(err, "orig", None) or err).splitlines() or [type(err).__name__])[0]
         raise StoreUnreachable(f"Cannot reach the store {shown_url(url)}: {first}") from None
 
 

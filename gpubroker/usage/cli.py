@@ -76,12 +76,18 @@ class StoreCommand(Application):
             StoreUnreachable,
             UnknownSchema,
             check_readable,
+            check_url,
             make_engine,
             make_session_factory,
             sqlite_path,
         )
 
         url = self.store_url()
+        try:
+            check_url(url)
+        except StoreUnreachable as err:
+            self.log.critical("%s", err)
+            self.exit(2)
         path = sqlite_path(url)
         if path is not None and not Path(path).exists():
             self.log.critical(

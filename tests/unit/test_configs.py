@@ -59,7 +59,11 @@ def test_the_demo_asks_for_a_password_kept_in_its_state_dir(tmp_path, monkeypatc
     again = load("demo_config.py").SharedPasswordAuthenticator
     assert (again.user_password, again.admin_password) == (user, admin)
     monkeypatch.setenv("GPUBROKER_DEMO_PASSWORD", "given-password")
-    assert load("demo_config.py").SharedPasswordAuthenticator.user_password == "given-password"
+    given = load("demo_config.py")
+    assert given.SharedPasswordAuthenticator.user_password == "given-password"
+    # the login page no longer points at the file, which holds an old password
+    shown = given.JupyterHub.template_vars["announcement_login"]
+    assert "${GPUBROKER_DEMO_PASSWORD}" in shown and str(tmp_path / "demo-password") not in shown
 
 
 def test_production_example_loads(monkeypatch) -> None:

@@ -349,14 +349,18 @@ def test_reclaim_evicts_after_grace_and_hands_over_exactly_that_device(db_url: s
     time.sleep(0.3)
     broker.schedule_now()  # grace over: the victim's server is asked to stop...
     assert [e["id"] for e in evicted] == [victims[0]["id"]]
-    assert evicted[0]["release_reason"].startswith("preempted: reclaimed for alice")
+    assert evicted[0]["release_reason"].startswith(
+        "preempted: reclaimed for a request within its guarantee"
+    )
     assert broker.get_lease(waiting["id"])["state"] == "pending"  # ...and still runs
     broker.release_lease(victims[0]["id"], "server stopped")  # as its spawner does
     granted = broker.get_lease(waiting["id"])
     assert granted["state"] == "granted"
     assert granted["devices"] == victims[0]["devices"]
     gone = broker.get_lease(victims[0]["id"])
-    assert gone["release_reason"].startswith("preempted: reclaimed for alice")
+    assert gone["release_reason"].startswith(
+        "preempted: reclaimed for a request within its guarantee"
+    )
     assert gone["release_reason"].endswith("(server stopped)")
     for lease in untouched:
         assert broker.get_lease(lease["id"])["state"] == "granted"

@@ -62,3 +62,12 @@ async def test_each_check_of_the_culler_is_counted_and_the_last_one_timed(
     assert samples[("gpubroker_culler_checks_total", "failed")] == 1
     assert samples[("gpubroker_culler_checks_total", "ok")] >= 1
     assert samples[("gpubroker_culler_last_check_timestamp_seconds", "")] >= began
+
+
+def test_a_started_culler_is_not_stale_before_its_first_check(broker: Broker) -> None:
+    """The documented alert (now - last check > 3 x cull_every) fired for
+    the whole first interval after every start: the gauge was 0."""
+    metrics = BrokerMetrics(broker)
+    began = time.time()
+    metrics.culler_started()
+    assert _samples(metrics)[("gpubroker_culler_last_check_timestamp_seconds", "")] >= began

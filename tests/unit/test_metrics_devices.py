@@ -52,3 +52,21 @@ def test_devices_by_state_count_outside_apart_from_drained(broker: Broker) -> No
     broker.sync_inventory([down])
     # the 2 held stay held, the one an admin drained stays drained
     assert _devices(broker) == {"free": 0, "held": 2, "drained": 1, "outside": 5, "absent": 0}
+
+
+def test_only_admins_see_who_runs_a_slurm_job_from_outside(broker: Broker) -> None:
+    """The private queue hides who waits; GET /devices named the Slurm user
+    of a job from outside the broker to everyone (Slurm's PrivateData=jobs
+    hides it from other users too)."""
+    (node,) = broker.engine.nodes()
+    held_outside = node.devices[0].uuid
+    broker.sync_inventory(
+        [dataclasses.replace(node, outside={held_outside: "Slurm job 41 of bob"})]
+    )
+
+    def seen(admin: bool, me: str) -> str:
+        listing = device_listing(broker, admin, me, broker.log)["devices"]
+        return str({d["uuid"]: d for d in listing}[held_outside]["outside"])
+
+    assert seen(True, "admin") == "held by Slurm job 41 of bob"
+    assert seen(False, "ann") == "held by Slurm job 41"

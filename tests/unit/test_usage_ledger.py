@@ -415,6 +415,13 @@ def test_report_on_a_database_it_cannot_reach_says_so_in_one_line() -> None:
     assert "S3cret" not in line
 
 
+def test_a_store_url_sqlalchemy_cannot_read_is_one_line_without_its_password() -> None:
+    done = _cli("report", "--db-url=postgresql://ann:S3cret@db:notaport/gpubroker")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "its URL is not one SQLAlchemy can read" in line and "S3cret" not in line
+
+
 def test_report_leaves_another_programs_database_as_it_was(tmp_path: Path) -> None:
     """Refused, but only after its connection had set the file's journal
     mode to WAL: reading must change nothing."""
