@@ -707,9 +707,10 @@ class Broker(LoggingConfigurable):
         """Whether the engine's inventory changes by itself (:attr:`Inventory.changes`)."""
         return self.inventory.changes
 
-    def outside_reason(self, uuid: str) -> str | None:
-        """Why the engine takes no new work on a device (:meth:`Inventory.outside_reason`)."""
-        return self.inventory.outside_reason(uuid)
+    def outside_reason(self, uuid: str, admin: bool = True) -> str | None:
+        """Why the engine takes no new work on a device, naming whose outside
+        job holds it only for ``admin`` (:meth:`Inventory.outside_reason`)."""
+        return self.inventory.outside_reason(uuid, admin)
 
     def sync_inventory(
         self, nodes: list[Node] | None = None, **kwargs: Any

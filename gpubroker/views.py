@@ -6,7 +6,6 @@ Times are ISO 8601 strings in UTC (``2026-11-30T14:20:00Z``); memory in MiB.
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -117,10 +116,6 @@ def slot_view(allocation: Allocation) -> dict[str, Any]:
         "weight": allocation.weight,
     }
 
-
-#: who runs a Slurm job from outside the broker (``Slurm job 8 of root``), which
-#: only admins see, as they see who holds a device
-_OUTSIDE_OWNER = re.compile(r"(Slurm job \S+) of \S+")
 
 #: what another user's waiting request shows of itself in a private queue
 QUEUED_REQUEST_KEYS = (
@@ -255,7 +250,7 @@ def _device(
     """One device's view; admins see every holder, users their own."""
     view = device_view(device)
     held = bool(holders)
-    outside = broker.outside_reason(device.uuid)
+    outside = broker.outside_reason(device.uuid, admin)
     state = "leased" if held else "drained" if device.drained else "outside" if outside else "free"
     pool = broker.pool_spec(device.uuid)
     if held and (pool.mode != "exclusive" or holders[0]["kind"] != "device"):
@@ -269,7 +264,7 @@ def _device(
         drained=device.drained,
         mig_enabled=device.mig_enabled,
         state=state,
-        outside=outside if admin or outside is None else _OUTSIDE_OWNER.sub(r"\1", outside),
+        outside=outside,
         lease_id=lease_id if admin else None,
         holders=[h for h in holders if admin or h["user"] == me],
         slots_held=len(holders),

@@ -17,7 +17,7 @@ from ..store.models import Allocation, Device, LeaseState
 from ..store.repository import Repository
 from .runner import CommandRunner, lease_or_404
 from .sharing import SharingOps
-from .world import World
+from .world import OutsideReason, World
 
 
 class Inventory:
@@ -66,11 +66,13 @@ class Inventory:
         every ``Broker.inventory_interval``): true for Slurm."""
         return self.engine.name == "slurm"
 
-    def outside_reason(self, uuid: str) -> str | None:
+    def outside_reason(self, uuid: str, admin: bool = True) -> str | None:
         """Why the engine takes no new work on device ``uuid`` (its node is
         drained or down in Slurm, a Slurm job from outside holds it);
-        ``None``: nothing outside the broker stops it."""
-        return self.world.outside.get(uuid)
+        ``None``: nothing outside the broker stops it. ``admin``: name
+        whose outside job holds it (:meth:`OutsideReason.describe`)."""
+        found = self.world.outside.get(uuid)
+        return None if found is None else found.describe(admin)
 
     @command("broker")
     def sync_inventory(self, nodes: list[Node] | None = None) -> list[dict[str, Any]]:
@@ -123,7 +125,7 @@ class Inventory:
         :meth:`sync_inventory` reads it. Nothing is released or ended on
         it: leases that hold devices keep them."""
         with self.runner.read() as repo:
-            self.world.outside = {d.uuid: why for d in repo.devices() if d.present}
+            self.world.outside = {d.uuid: OutsideReason(why) for d in repo.devices() if d.present}
 
     def leave_mig_mode(self, devices: Iterable[Device]) -> None:
         """A device in MIG mode whose pool is not a ``mig`` pool (the pools
@@ -219,13 +221,18 @@ class Inventory:
         return moves
 
 
-def _outside(nodes: Iterable[Node]) -> dict[str, str]:
+def _outside(nodes: Iterable[Node]) -> dict[str, OutsideReason]:
     """The devices an engine takes no new work on, by UUID, with why: every
     device of a node not up, and those something outside the broker holds."""
-    found: dict[str, str] = {}
+    found: dict[str, OutsideReason] = {}
     for node in nodes:
         if node.state != "up":
             why = f"node {node.name} is {node.state}" + (f": {node.reason}" if node.reason else "")
-            found.update(dict.fromkeys((d.uuid for d in node.devices), why))
-        found.update({uuid: f"held by {what}" for uuid, what in node.outside.items()})
+            found.update(dict.fromkeys((d.uuid for d in node.devices), OutsideReason(why)))
+        found.update(
+            {
+                uuid: OutsideReason(f"held by {hold.what}", hold.user or "?")
+                for uuid, hold in node.outside.items()
+            }
+        )
     return found

@@ -20,6 +20,7 @@ single-threaded: commands never interleave).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -43,6 +44,26 @@ from ..store.repository import (
 )
 from ..usage.decayed import add_charge, held_usage
 from .inputs import SchedulerInputs
+
+
+@dataclasses.dataclass(frozen=True)
+class OutsideReason:
+    """Why the engine takes no new work on a device.
+
+    Attributes:
+        text: the sentence anyone who sees the device reads (``"node n1 is
+            down: not responding"``, ``"held by Slurm job 41"``).
+        owner: whose outside work holds it (``"bob"``, ``"?"``: not known;
+            ``""``: none), which only broker admins see, as they alone see
+            a device's holders (``GPUBrokerApp.private_queue``).
+    """
+
+    text: str
+    owner: str = ""
+
+    def describe(self, admin: bool) -> str:
+        """``text``, and for an admin ``"… of <owner>"`` where it has one."""
+        return f"{self.text} of {self.owner}" if admin and self.owner else self.text
 
 
 class World:
@@ -69,7 +90,7 @@ class World:
         #: devices the engine says take no new work, by UUID, with why (a
         #: node drained or down in Slurm, a Slurm job from outside holds
         #: it); the engine is the truth, so this lives in memory only
-        self.outside: dict[str, str] = {}
+        self.outside: dict[str, OutsideReason] = {}
         #: fair-share usage records by user (memory is ahead of the rows:
         #: :mod:`gpubroker.usage`)
         self.usage: dict[str, UsageRecord] = {}

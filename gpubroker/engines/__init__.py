@@ -17,6 +17,7 @@ from .base import (
     LaunchUnknown,
     Node,
     NodeState,
+    OutsideHold,
     RunState,
     Status,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "LocalEngine",
     "Node",
     "NodeState",
+    "OutsideHold",
     "RunState",
     "Status",
 ]

@@ -83,6 +83,27 @@ class LaunchUnknown(EngineError):
 
 
 @dataclass(frozen=True)
+class OutsideHold:
+    """Work the broker did not launch that holds a device, e.g. a Slurm job
+    someone submitted with ``sbatch``.
+
+    Attributes:
+        what: what holds it, naming no user (``"Slurm job 41"``): shown to
+            everyone who sees the device.
+        user: whose work it is, as the engine says (``""``: not known):
+            shown to broker admins only, as a device's holders are
+            (``GPUBrokerApp.private_queue``).
+    """
+
+    what: str
+    user: str = ""
+
+    def describe(self, admin: bool) -> str:
+        """``what``, and for an admin ``"… of <user>"`` (``?``: not known)."""
+        return f"{self.what} of {self.user or '?'}" if admin else self.what
+
+
+@dataclass(frozen=True)
 class Node:
     """One node (host) of an engine and its devices.
 
@@ -94,7 +115,7 @@ class Node:
         reason: why the node is drained or down, as its engine says (e.g.
             Slurm's drain reason); ``""`` when up or not known.
         outside: the devices something outside the broker holds, by UUID,
-            each with a sentence saying what (e.g. "Slurm job 41 of bob"):
+            each with what holds it and whose it is (:class:`OutsideHold`):
             the broker grants none of them until they are free. Stored as a
             read-only copy.
     """
@@ -103,7 +124,7 @@ class Node:
     state: NodeState
     devices: tuple[DeviceInfo, ...] = ()
     reason: str = ""
-    outside: Mapping[str, str] = field(default_factory=dict)
+    outside: Mapping[str, OutsideHold] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.state not in NODE_STATES:

@@ -93,7 +93,7 @@ from traitlets.config import LoggingConfigurable
 from gpubroker.devices.base import DeviceInfo, DeviceUsage
 
 from . import slurm_json
-from .base import EngineError, Handle, LaunchSpec, LaunchUnknown, Node, Status
+from .base import EngineError, Handle, LaunchSpec, LaunchUnknown, Node, OutsideHold, Status
 
 #: environment variables Slurm sets for a job itself from its binding: the
 #: broker's values (UUIDs of its own choosing) are left out
@@ -332,7 +332,7 @@ class SlurmEngine(LoggingConfigurable):
             self._addresses = addresses
         return sorted(seen.values(), key=lambda n: n.name)
 
-    def _node(self, raw: Mapping[str, Any], held: Mapping[int, str]) -> Node:
+    def _node(self, raw: Mapping[str, Any], held: Mapping[int, OutsideHold]) -> Node:
         name = str(raw["name"])
         devices: list[DeviceInfo] = []
         for gres in slurm_json.gpu_gres(str(raw.get("gres") or "")):
@@ -354,11 +354,11 @@ class SlurmEngine(LoggingConfigurable):
         reason = str(raw.get("reason") or "") if state != "up" else ""
         return Node(name, state, tuple(devices), reason=reason, outside=outside)
 
-    def _outside(self, jobs: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, str]]:
+    def _outside(self, jobs: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, OutsideHold]]:
         """GPU indices per node held by running jobs this engine did not launch."""
         with self._lock:
             ours = self._ours | self._servers
-        held: dict[str, dict[int, str]] = {}
+        held: dict[str, dict[int, OutsideHold]] = {}
         for job in jobs:
             job_id = str(job.get("job_id"))
             # Slurm 22.05's squeue --json ignores --states and --jobs: filter here
@@ -366,7 +366,7 @@ class SlurmEngine(LoggingConfigurable):
             # (running, suspended, completing, being set up); pending: none
             if job_id in ours or not slurm_json.is_active(str(job.get("job_state") or "")):
                 continue
-            what = f"Slurm job {job_id} of {job.get('user_name') or '?'}"
+            what = OutsideHold(f"Slurm job {job_id}", str(job.get("user_name") or ""))
             for node, indices in slurm_json.job_gpus(job).items():
                 held.setdefault(node, {}).update(dict.fromkeys(indices, what))
         return held

@@ -10,6 +10,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.core import Broker
+from gpubroker.engines import OutsideHold
 from gpubroker.observe.metrics import BrokerMetrics
 from gpubroker.views import device_listing
 
@@ -38,7 +39,7 @@ def test_devices_by_state_count_outside_apart_from_drained(broker: Broker) -> No
     (node,) = nodes
     held_outside = node.devices[0].uuid
     broker.sync_inventory(
-        [dataclasses.replace(node, outside={held_outside: "Slurm job 41 of bob"})]
+        [dataclasses.replace(node, outside={held_outside: OutsideHold("Slurm job 41", "bob")})]
     )
     broker.set_drained(node.devices[1].uuid, True)
     broker.request_lease("ann", "", gpus=2, holder_kind="external")
@@ -61,7 +62,7 @@ def test_only_admins_see_who_runs_a_slurm_job_from_outside(broker: Broker) -> No
     (node,) = broker.engine.nodes()
     held_outside = node.devices[0].uuid
     broker.sync_inventory(
-        [dataclasses.replace(node, outside={held_outside: "Slurm job 41 of bob"})]
+        [dataclasses.replace(node, outside={held_outside: OutsideHold("Slurm job 41", "bob")})]
     )
 
     def seen(admin: bool, me: str) -> str:
@@ -70,3 +71,29 @@ def test_only_admins_see_who_runs_a_slurm_job_from_outside(broker: Broker) -> No
 
     assert seen(True, "admin") == "held by Slurm job 41 of bob"
     assert seen(False, "ann") == "held by Slurm job 41"
+
+
+def test_whose_outside_job_it_is_is_a_field_not_parsed_from_the_sentence(broker: Broker) -> None:
+    """What an engine says of a user is never cut out of a sentence: a
+    name with spaces or " of " stays hidden from users whole, an unknown
+    owner reads ``?`` to admins, and a node that is down names nobody."""
+    (node,) = broker.engine.nodes()
+    odd, unknown = node.devices[0].uuid, node.devices[1].uuid
+    holds = {odd: OutsideHold("Slurm job 7", "eve of ops x"), unknown: OutsideHold("Slurm job 8")}
+    broker.sync_inventory([dataclasses.replace(node, outside=holds)])
+
+    def seen(admin: bool) -> dict[str, str]:
+        listing = device_listing(broker, admin, "ann", broker.log)["devices"]
+        return {d["uuid"]: d["outside"] for d in listing if d["outside"]}
+
+    assert seen(True) == {
+        odd: "held by Slurm job 7 of eve of ops x",
+        unknown: "held by Slurm job 8 of ?",
+    }
+    assert seen(False) == {odd: "held by Slurm job 7", unknown: "held by Slurm job 8"}
+    broker.sync_inventory([dataclasses.replace(node, state="down", reason="bob's test")])
+    assert (
+        set(seen(True).values())
+        == set(seen(False).values())
+        == {f"node {node.name} is down: bob's test"}
+    )
