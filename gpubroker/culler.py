@@ -159,9 +159,10 @@ class Track:
     warned_until: dt.datetime | None = None
     flagged: bool = False
     culled: bool = False
-    #: whether a check of this broker has read the server's kernels (not
-    #: stored): then a check that cannot read them is no evidence of use,
-    #: and the server's hub activity does not withdraw a warning
+    #: whether a check has read the server's kernels (stored, so a
+    #: restarted broker knows it too): then a check that cannot read them
+    #: is no evidence of use, and the server's hub activity does not
+    #: withdraw a warning
     kernels_seen: bool = False
 
 

@@ -1,7 +1,8 @@
 """The culler's memory, kept in the store (``culler_tracks``): when each
-lease last used its GPUs, its warning's deadline, whether admins were told
-and whether it was culled. A restarted broker reads it back, so a warned
-server is culled at its original deadline, not a full timeout later.
+lease last used its GPUs, its warning's deadline, whether admins were
+told, whether it was culled and whether its kernels were read. A restarted
+broker reads it back, so a warned server is culled at its original
+deadline, not a full timeout later.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from .models import CullerTrack
 
 #: the fields of a track, as stored
-FIELDS = ("gpu_active", "busy_since_gpu_idle", "warned_until", "flagged", "culled")
+FIELDS = ("gpu_active", "busy_since_gpu_idle", "warned_until", "flagged", "culled", "kernels_seen")
 
 
 def load_tracks(factory: sessionmaker[Session]) -> dict[int, dict[str, Any]]:

@@ -323,7 +323,8 @@ class CullerTrack(Base):
     """What the culler remembers of a lease between checks, kept across
     broker restarts (see :class:`gpubroker.culler.Track`): when its GPUs
     were last used, since when its kernel is busy on an idle GPU, the
-    deadline of a warning, whether admins were told, whether it is culled."""
+    deadline of a warning, whether admins were told, whether it is culled,
+    whether a check read its kernels (revision 0016)."""
 
     __tablename__ = "culler_tracks"
 
@@ -335,6 +336,7 @@ class CullerTrack(Base):
     warned_until: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
     flagged: Mapped[bool] = mapped_column(Boolean, default=False)
     culled: Mapped[bool] = mapped_column(Boolean, default=False)
+    kernels_seen: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
 class UsageInterval(Base):

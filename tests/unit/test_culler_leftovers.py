@@ -66,6 +66,26 @@ async def test_an_unreadable_check_does_not_withdraw_a_warning_given_on_the_kern
     assert await culler.check_once(start + 71 * MIN + 1 * MIN // 60) == [lease["id"]]
 
 
+async def test_a_restarted_broker_remembers_that_the_kernels_were_read(broker: Broker) -> None:
+    """Whether the kernels were read is stored with the track: a restarted
+    broker whose first check cannot read them keeps the warning given on
+    their word, and culls at its deadline (before: it withdrew the warning
+    on an open tab's activity and gave a new grace)."""
+    hub, lease, start = idle_server(broker)
+    culler = Culler(broker, hub)  # type: ignore[arg-type]
+    idle = [{"execution_state": "idle", "last_activity": (start - 10 * MIN).isoformat()}]
+    _kernels(culler, [idle, idle])
+    await culler.check_once(start)
+    await culler.check_once(start + 61 * MIN)
+    assert kinds(broker, lease["id"]) == ["cull-warning"]
+    restarted = Culler(broker, hub)  # type: ignore[arg-type]
+    _kernels(restarted, [None, idle])
+    hub.servers[("ann", "")] = {"last_activity": (start + 62 * MIN).isoformat()}
+    assert await restarted.check_once(start + 63 * MIN) == []
+    assert kinds(broker, lease["id"]) == ["cull-warning"]  # not withdrawn
+    assert await restarted.check_once(start + 71 * MIN + 1 * MIN // 60) == [lease["id"]]
+
+
 async def test_hub_activity_withdraws_a_warning_where_kernels_were_never_read(
     broker: Broker,
 ) -> None:

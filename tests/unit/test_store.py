@@ -21,7 +21,7 @@ def test_migrations_create_exactly_the_models(db_url: str) -> None:
     with engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == []
-    assert current_revision(engine) == head_revision() == "0015"
+    assert current_revision(engine) == head_revision() == "0016"
 
 
 def test_migrations_go_down_to_an_empty_database_and_up_again(db_url: str) -> None:
