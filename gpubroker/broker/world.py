@@ -122,6 +122,8 @@ class World:
         #: side effects of the open transaction, run once it has committed
         #: (:meth:`after_commit`)
         self._after_commit: list[Callable[[], None]] = []
+        #: whether a write block joined the open read block (:meth:`read`)
+        self._wrote = False
         self.repo.on_flush(self._collect)
         self.reload()
 
@@ -137,6 +139,7 @@ class World:
         """
         repo = self.repo
         if self._depth:
+            self._wrote = True  # a read block it joins commits a change now
             with self._nested():
                 yield repo
             return
@@ -158,7 +161,14 @@ class World:
     def read(self) -> Iterator[Repository]:
         """Read the in-memory objects (and the store for what is not kept in
         memory, such as released leases and events); joins an open block,
-        else ends the transaction its queries began."""
+        else ends the transaction its queries began.
+
+        On an exception, a block that changed something (a write block
+        joined it, or it staged a note or changed an object) rolls back and
+        reloads, as :meth:`write` does: a failed command changes nothing. A
+        block that only read ends its transaction; a store error always
+        rolls back.
+        """
         repo = self.repo
         if self._depth:
             with self._nested():
@@ -166,10 +176,15 @@ class World:
             return
         self._end_stray()
         self._depth = 1
+        self._wrote = False
         try:
             yield repo
         except StoreError:
             self._roll_back()
+            raise
+        except BaseException:
+            if self._wrote or self.staged_events or repo.unflushed():
+                self._roll_back()
             raise
         finally:
             try:

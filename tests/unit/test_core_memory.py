@@ -42,6 +42,27 @@ def test_memory_equals_the_store_after_a_failed_command(db_url: str) -> None:
     assert broker.get_lease(first["id"])["state"] == "granted"
 
 
+def test_a_read_block_that_a_write_joined_commits_nothing_when_it_fails(db_url: str) -> None:
+    """A command that writes inside a read block (``housekeep_mig`` runs a
+    pass inside one) and then fails changes nothing, in the store or in
+    memory (before: the read block committed what the write had done)."""
+    broker = make_broker(db_url, ["2 x H100"])
+    lease = broker.request_lease("ann", "", gpus=1)
+    world = broker._world
+    with pytest.raises(RuntimeError), world.read():
+        with world.write():
+            world.leases[lease["id"]].container_id = "c0ffee"
+        raise RuntimeError("a bug after the write")
+    assert broker.get_lease(lease["id"])["container_id"] is None
+    assert make_broker(db_url, ["2 x H100"]).get_lease(lease["id"])["container_id"] is None
+    assert broker.validate_state() == []
+    # a read block that only read ends its transaction, keeping the memory
+    kept = world.leases[lease["id"]]
+    with pytest.raises(KeyError), world.read():
+        raise KeyError("not found")
+    assert world.leases[lease["id"]] is kept
+
+
 def test_a_restart_loads_exactly_what_memory_held(db_url: str) -> None:
     broker = make_broker(db_url, ["2 x H100"])
     leases = [broker.request_lease(f"u{i}", "", gpus=1) for i in range(4)]
