@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, cast
 
 from ..commands import command
-from ..errors import BadRequest, Conflict
+from ..errors import BadRequest, Conflict, Forbidden
 from ..passes import PREPARING, QUEUED, QUEUED_MESSAGE, set_wait
 from ..store.models import ACTIVE_STATES, HolderKind, Lease, LeaseState
 from ..store.repository import Repository
@@ -140,7 +140,9 @@ class Leases:
                 previous lease's whole devices when they are all free. A
                 previous lease still active (its release was lost) is
                 released first, reason ``server restarted``, in the same
-                transaction.
+                transaction; only for an ``admin`` (the spawner, which
+                saw the server exit): that release says the server has
+                stopped, so no stop is asked.
 
         Returns:
             the lease view (``state`` ``granted`` or ``pending``); with
@@ -152,7 +154,8 @@ class Leases:
                 profile or share size the pools cannot serve (see
                 :meth:`shape`), unknown class, non-positive time limit.
             Forbidden: a user or group limit would be exceeded (held plus
-                pending), or ``group`` is not one of the user's groups.
+                pending), ``group`` is not one of the user's groups, or a
+                caller not ``admin`` names an active lease in ``restart_of``.
             Conflict: the server already has an active lease (other than
                 ``restart_of``).
             BadRequest: ``restart_of`` is not a lease of this user's server.
@@ -182,6 +185,15 @@ class Leases:
                 previous = self._restarted(repo, restart_of, user, server_name, holder_kind)
                 if previous.state in ACTIVE_STATES:
                     replacing = previous
+                    if not admin:
+                        # replacing it releases it at once: that says its
+                        # server has stopped, which only the spawner may say
+                        raise Forbidden(
+                            f"restart_of: lease {previous.id} is still {previous.state}; "
+                            "only a broker admin (the spawner) may replace an active "
+                            f"lease: release it first (DELETE /api/v1/leases/{previous.id}"
+                            " stops its server)"
+                        )
             if holder_kind == HolderKind.server.value:
                 self._check_no_active_lease(repo, user, server_name, restart_of)
             # before the release: a refusal must leave the previous lease, and

@@ -266,3 +266,40 @@ async def test_a_release_asked_while_a_stop_is_under_way_asks_and_tells_nothing_
     )
     assert done.outcome is Outcome.released
     assert done.lease["release_reason"] == "maintenance (server stopped)"
+
+
+async def test_only_an_admin_may_replace_an_active_lease_by_a_restart(
+    served: ServedAPI, broker: Broker, stops: list[int]
+) -> None:
+    """``restart_of`` naming an active lease releases it at once, with no
+    stop of its server: that says the server has stopped, as
+    ``holder_stopped`` does. A user could so hand her running server's GPUs
+    to the next in line (found by a review of the API); only the spawner
+    (an admin) may, and a user is told to release the lease first."""
+    old = _server_lease(broker, "ann")
+    bobs = broker.request_lease("bob", "", gpus=8, holder_kind="server")
+    assert bobs["state"] == "pending"
+    body = {"user": "ann", "gpus": 1, "restart_of": old["id"]}
+    for path in ("/leases", "/leases?dry_run=true"):
+        code, message = error(await served.call("POST", path, "ann-token", body))
+        assert code == 403, path
+        assert message == (
+            f"restart_of: lease {old['id']} is still granted; only a broker admin "
+            "(the spawner) may replace an active lease: release it first "
+            f"(DELETE /api/v1/leases/{old['id']} stops its server)"
+        )
+    assert broker.get_lease(old["id"])["state"] == "granted"
+    assert broker.get_lease(bobs["id"])["state"] == "pending"
+    assert len(broker.list_leases(user="ann")) == 1 and stops == []
+    # the spawner, which saw the server exit, may
+    answer = await served.call("POST", "/leases", "admin-token", body)
+    assert answer.code == 201, answer.body
+    assert broker.get_lease(old["id"])["release_reason"] == "server restarted"
+    # a user's restart that names a lease already released is hers to ask
+    again = json.loads(answer.body)
+    broker.release_lease(again["id"], "server exited (status 1)", actor="gpubroker")
+    answer = await served.call(
+        "POST", "/leases", "ann-token", {"user": "ann", "gpus": 1, "restart_of": again["id"]}
+    )
+    assert answer.code == 201, answer.body
+    assert json.loads(answer.body)["restarts"] == 2
