@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..devices.mig import PROFILE_NAME_RE, profile_for_many
@@ -31,6 +32,23 @@ MAX_INT64 = 2**63 - 1
 _PLAIN_ARG = re.compile(r"[A-Za-z0-9_.-]{1,60}")
 #: a JSON string (skipped whole) or one bracket, for the depth check
 _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def unknown_field(data: Mapping[str, Any], allowed: Iterable[str], what: str = "field") -> None:
+    """Refuse the first key of ``data`` not in ``allowed``, naming it as
+    sent when it is a plain name, else escaped and cut (:func:`echo`): a
+    caller's key never puts a line break or a long text into a message
+    or the log.
+
+    Raises:
+        BadRequest: ``<key>: unknown field (allowed: a, b)``.
+    """
+    known = set(allowed)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        name = unknown[0] if _PLAIN_ARG.fullmatch(unknown[0]) else echo(unknown[0])
+        raise BadRequest(f"{name}: unknown {what} (allowed: {', '.join(sorted(known))})")
+
 
 LEASE_FIELDS = {
     "restart_of",
@@ -252,11 +270,7 @@ def release_body(data: dict[str, Any]) -> tuple[str | None, bool]:
             (``null`` included),
             a ``holder_stopped`` that is not a boolean.
     """
-    unknown = sorted(set(data) - RELEASE_FIELDS)
-    if unknown:
-        allowed = ", ".join(sorted(RELEASE_FIELDS))
-        name = unknown[0] if _PLAIN_ARG.fullmatch(unknown[0]) else echo(unknown[0])
-        raise BadRequest(f"{name}: unknown field (allowed: {allowed})")
+    unknown_field(data, RELEASE_FIELDS)
     reason = data.get("reason", "")
     if not isinstance(reason, str) or len(reason) > MAX_REASON:
         raise BadRequest(
@@ -279,11 +293,7 @@ def lease_request(data: dict[str, Any]) -> dict[str, Any]:
     Raises:
         BadRequest: unknown field, or a field of the wrong type or range.
     """
-    unknown = sorted(set(data) - LEASE_FIELDS)
-    if unknown:
-        raise BadRequest(
-            f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(LEASE_FIELDS))})"
-        )
+    unknown_field(data, LEASE_FIELDS)
     kinds = [k.value for k in HolderKind if k is not HolderKind.job]  # jobs: POST /jobs
     holder_kind = data.get("holder_kind", HolderKind.server.value)
     if holder_kind not in kinds:
@@ -320,9 +330,7 @@ def job_request(data: dict[str, Any]) -> dict[str, Any]:
     Raises:
         BadRequest: unknown field, or a field of the wrong type or range.
     """
-    unknown = sorted(set(data) - JOB_FIELDS)
-    if unknown:
-        raise BadRequest(f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(JOB_FIELDS))})")
+    unknown_field(data, JOB_FIELDS)
     return {
         **data,
         "user": require_name(data, "user"),
@@ -463,9 +471,7 @@ def quota_body(data: dict[str, Any]) -> tuple[float, float | None]:
             0 guaranteed and no limit), an unknown field, negative numbers,
             limit below guarantee.
     """
-    unknown = sorted(set(data) - {"guaranteed", "limit"})
-    if unknown:
-        raise BadRequest(f"{unknown[0]}: unknown field (allowed: guaranteed, limit)")
+    unknown_field(data, ("guaranteed", "limit"))
     if not data:
         raise BadRequest(
             'body: give "guaranteed" and/or "limit" (a PUT sets the whole quota: a missing '
@@ -577,7 +583,4 @@ def known_arguments(arguments: dict[str, list[bytes]], allowed: frozenset[str]) 
             listing the allowed ones, e.g. ``limit: unknown query argument
             (allowed: by, format, from, to, tz, user)``.
     """
-    unknown = sorted(set(arguments) - allowed)
-    if unknown:
-        name = unknown[0] if _PLAIN_ARG.fullmatch(unknown[0]) else echo(unknown[0])
-        raise BadRequest(f"{name}: unknown query argument (allowed: {', '.join(sorted(allowed))})")
+    unknown_field(arguments, allowed, "query argument")

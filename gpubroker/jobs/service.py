@@ -65,6 +65,7 @@ from ..broker.rebind import Rebinder
 from ..engines.base import EngineError, Handle, LaunchSpec, LaunchUnknown, Status
 from ..errors import BadRequest, BrokerError, Conflict, Forbidden, NotFound, Unavailable
 from ..model import jobs as model
+from ..model.echo import echo
 from ..store import jobs_repo as repo
 from ..usage.intervals import event_cause
 from ..userfiles import open_owned
@@ -264,7 +265,7 @@ class JobService(LoggingConfigurable):
         except (OSError, RuntimeError) as err:  # a symlink loop
             raise model.JobError(field, _unusable(err)) from None
         if path != root and root not in path.parents:
-            raise model.JobError(field, f"must stay inside your home directory: {relative!r}")
+            raise model.JobError(field, f"must stay inside your home directory: {echo(relative)}")
         return path
 
     # --- commands ---------------------------------------------------------------
@@ -520,7 +521,7 @@ class JobService(LoggingConfigurable):
                     there = ", ".join(sorted(map(str, specs))) or "none"
                     raise model.JobError(
                         "kernel",
-                        f"no such kernel: {spec.kernel!r} (the kernels {user} has on the "
+                        f"no such kernel: {echo(spec.kernel)} (the kernels {user} has on the "
                         f"broker's host: {there})"[:1000],
                     )
                 kernel_language = str(specs[spec.kernel] or "")
@@ -661,14 +662,14 @@ class JobService(LoggingConfigurable):
         if spec.kind == "notebook":
             notebook = self._inside(user, spec.notebook, "notebook")
             if not _is(notebook.is_file, "notebook"):
-                raise model.JobError("notebook", f"no such notebook: {spec.notebook!r}")
+                raise model.JobError("notebook", f"no such notebook: {echo(spec.notebook)}")
             cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else notebook.parent
             if not _is(cwd.is_dir, "cwd"):
-                raise model.JobError("cwd", f"no such directory: {spec.cwd!r}")
+                raise model.JobError("cwd", f"no such directory: {echo(spec.cwd)}")
             return {"notebook": notebook, "cwd": cwd}
         cwd = self._inside(user, spec.cwd, "cwd") if spec.cwd else self.root_of(user)
         if not _is(cwd.is_dir, "cwd"):
-            raise model.JobError("cwd", f"no such directory: {spec.cwd or '~'!r}")
+            raise model.JobError("cwd", f"no such directory: {echo(spec.cwd or '~')}")
         return {"cwd": cwd}
 
     @staticmethod

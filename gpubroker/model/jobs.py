@@ -93,13 +93,15 @@ def parse_time(text: Any) -> float:
         JobError: (``time``) anything else.
     """
     if isinstance(text, bool):
-        raise JobError("time", f"not a duration: {text!r}")
+        raise JobError("time", f"not a duration: {echo(text)}")
     if isinstance(text, (int, float)):
         seconds = float(text)
     else:
         match = _DURATION.match(str(text))
         if not match:
-            raise JobError("time", f"not a duration: {text!r} (use seconds, or 90s, 10m, 12h, 2d)")
+            raise JobError(
+                "time", f"not a duration: {echo(text)} (use seconds, or 90s, 10m, 12h, 2d)"
+            )
         seconds = float(match[1]) * _UNITS[match[2]]
     if not 0 < seconds <= MAX_TIME:
         raise JobError(
@@ -127,7 +129,7 @@ def parse_params(items: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
     else:
         for item in items:
             if not isinstance(item, str) or "=" not in item:
-                raise JobError("param", f"expected NAME=VALUE, got {item!r}")
+                raise JobError("param", f"expected NAME=VALUE, got {echo(item)}")
             name, raw = item.split("=", 1)
             pairs.append((name.strip(), _value(raw)))
     if len(pairs) > MAX_PARAMS:
@@ -235,7 +237,7 @@ def relative_path(value: Any, field_name: str) -> str:
         raise JobError(field_name, "must be a path in your home directory")
     path = PurePosixPath(value)
     if ".." in path.parts:
-        raise JobError(field_name, f"must stay inside your home directory: {value!r}")
+        raise JobError(field_name, f"must stay inside your home directory: {echo(value)}")
     return str(path)
 
 
@@ -258,7 +260,7 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
         raise JobError("env", "GPUBROKER_*, CUDA_* and NVIDIA_* are set by the broker")
     kernel = data.get("kernel") or ""
     if not isinstance(kernel, str) or (kernel and not re.match(r"^[A-Za-z0-9._-]{1,64}$", kernel)):
-        raise JobError("kernel", f"not a kernel name: {kernel!r}")
+        raise JobError("kernel", f"not a kernel name: {echo(kernel)}")
     python = data.get("python")
     python = "" if python is None else python
     if not isinstance(python, str) or (
@@ -272,7 +274,7 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
     retries = data.get("retries") or 0
     if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
         raise JobError(
-            "retries", f"must be a whole number from 0 to {MAX_RETRIES}, got {retries!r}"
+            "retries", f"must be a whole number from 0 to {MAX_RETRIES}, got {echo(retries)}"
         )
     raw_params = data.get("params") or {}
     if not isinstance(raw_params, (Mapping, list)):
@@ -281,7 +283,7 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
     if notebook is not None:
         path = relative_path(notebook, "notebook")
         if not path.endswith(".ipynb"):
-            raise JobError("notebook", f"must be a .ipynb file: {notebook!r}")
+            raise JobError("notebook", f"must be a .ipynb file: {echo(notebook)}")
         python = "" if kernel else python  # a kernel named wins
         return JobSpec(
             "notebook", path, (), params, kernel, cwd, dict(env), time_limit, retries, python

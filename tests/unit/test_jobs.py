@@ -537,7 +537,7 @@ def test_a_kernel_is_checked_on_the_host_unless_jobs_run_in_containers(
     list, so the docker runner leaves the check to papermill there."""
     notebook(home / "ann" / "a.ipynb", ["1"])
     kernels_here = r"\(the kernels ann has on the broker's host: .*python3.*\)$"
-    with pytest.raises(BadRequest, match=rf"^kernel: no such kernel: 'image-only' {kernels_here}"):
+    with pytest.raises(BadRequest, match=rf'^kernel: no such kernel: "image-only" {kernels_here}'):
         jobs.submit("ann", {"notebook": "a.ipynb", "gpus": 1, "kernel": "image-only"})
     jobs.runner = "docker"
     job = jobs.submit("ann", {"notebook": "a.ipynb", "gpus": 1, "kernel": "image-only"})
@@ -584,7 +584,7 @@ def test_a_number_that_is_not_finite_is_refused_and_nan_is_text(
 
 def test_a_notebook_jobs_missing_cwd_is_refused_at_submit(jobs: JobService, home: Path) -> None:
     notebook(home / "ann" / "p.ipynb", ["x = 1"])
-    with pytest.raises(BadRequest, match=r"^cwd: no such directory: 'no/such'$"):
+    with pytest.raises(BadRequest, match=r'^cwd: no such directory: "no/such"$'):
         jobs.submit("ann", {"notebook": "p.ipynb", "gpus": 1, "cwd": "no/such"})
     assert jobs.list(None) == [] and jobs.broker.list_leases() == []
 

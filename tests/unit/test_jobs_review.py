@@ -295,7 +295,7 @@ def test_kernels_are_the_users_not_the_brokers(
     with pytest.raises(BadRequest) as err:
         jobs.submit("ann", {"notebook": "nb.ipynb", "gpus": 1, "kernel": "broker-only"})
     message = err.value.message
-    assert message.startswith("kernel: no such kernel: 'broker-only' (the kernels ann has")
+    assert message.startswith('kernel: no such kernel: "broker-only" (the kernels ann has')
     assert "ann-env" in message and "python3" in message and "broker-only (" not in message
     assert jobs.list("ann") == []
     job = jobs.submit(
