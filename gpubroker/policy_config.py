@@ -84,16 +84,21 @@ class SchedulingPolicy(LoggingConfigurable):
 
     fairshare_half_life = Float(
         7 * 86400.0,
-        help="Seconds after which past GPU usage counts half for fair share (Slurm's default).",
+        help="""Seconds after which past GPU usage counts half for fair share
+        (default 7 days, Slurm's default); a positive, finite number (Slurm's
+        0, no decay at all, is not offered: usage is measured against the GPU
+        capacity of one half-life).""",
     ).tag(config=True)
 
     fairshare_shares = Dict(
-        help="Fair-share weight per user (default 1): {'ann': 2} gives ann twice the share.",
+        help="""Fair-share weight per user (default 1), a positive, finite
+        number: {'ann': 2} gives ann twice the share.""",
     ).tag(config=True)
 
     fairshare_resolution = Float(
         0.01,
-        help="Fair-share factors (0-1) are compared rounded to this step; ties go by age.",
+        help="""Fair-share factors (0-1) are compared rounded to this step
+        (more than 0, at most 1); ties go by age.""",
     ).tag(config=True)
 
     max_reservations = Integer(
@@ -139,6 +144,36 @@ class SchedulingPolicy(LoggingConfigurable):
         if proposal["value"] not in names:
             raise TraitError(f"default_priority_class: must be one of {names}")
         return str(proposal["value"])
+
+    @validate("fairshare_half_life")
+    def _check_half_life(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not (math.isfinite(value) and value > 0):
+            raise TraitError(
+                f"fairshare_half_life: must be a positive, finite number of seconds, got {value!r}"
+            )
+        return value
+
+    @validate("fairshare_resolution")
+    def _check_resolution(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not (math.isfinite(value) and 0 < value <= 1):
+            raise TraitError(
+                f"fairshare_resolution: must be more than 0 and at most 1, got {value!r}"
+            )
+        return value
+
+    @validate("fairshare_shares")
+    def _check_shares(self, proposal: Any) -> dict[str, float]:
+        shares = {}
+        for name, value in proposal["value"].items():
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (ok and math.isfinite(value) and value > 0):
+                raise TraitError(
+                    f"fairshare_shares[{name!r}]: must be a positive, finite number, got {value!r}"
+                )
+            shares[str(name)] = float(value)
+        return shares
 
     @validate("user_quotas", "group_quotas")
     def _check_quotas(self, proposal: Any) -> dict[str, Any]:

@@ -735,6 +735,10 @@ class AuditHandler(APIHandler):
                 bounds[name] = parse_time(name, raw, dt.timezone.utc) if raw else None
             except ReportError as err:
                 raise validation.BadRequest(str(err)) from None
+        try:
+            audit.check_period(bounds["since"], bounds["until"])
+        except ValueError as err:
+            raise validation.BadRequest(str(err)) from None
         limit = validation.optional_int(
             self.get_argument("limit", None), "limit", 1, audit.MAX_LIMIT
         )

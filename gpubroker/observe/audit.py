@@ -39,6 +39,17 @@ def _iso(at: dt.datetime) -> str:
     return utc.isoformat(timespec="microseconds") + "Z"
 
 
+def check_period(since: dt.datetime | None, until: dt.datetime | None) -> None:
+    """Refuse a period that ends before it begins (the report refuses it
+    too; an empty answer would read as "nothing happened").
+
+    Raises:
+        ValueError: ``since: must be before until (… is not before …)``.
+    """
+    if since is not None and until is not None and since >= until:
+        raise ValueError(f"since: must be before until ({_iso(since)} is not before {_iso(until)})")
+
+
 def query(
     session_factory: Any,
     since: dt.datetime | None = None,

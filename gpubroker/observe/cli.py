@@ -61,6 +61,11 @@ class AuditCommand(StoreCommand):
         except ReportError as err:
             self.log.critical("--%s", err)
             self.exit(2)
+        try:
+            audit.check_period(since, until)
+        except ValueError as err:
+            self.log.critical("--%s", err)
+            self.exit(2)
         if not 1 <= self.limit <= audit.MAX_LIMIT:
             self.log.critical(
                 "--limit: must be between 1 and %s, got %s", audit.MAX_LIMIT, self.limit

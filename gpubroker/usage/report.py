@@ -138,6 +138,12 @@ def parse_request(
     lo = (parse_time("from", start, zone) if start else first).astimezone(utc)
     hi = (parse_time("to", end, zone) if end else now).astimezone(utc)
     if lo >= hi:
+        if not start:  # the default start (this month's first) is after the end given
+            raise ReportError(
+                "to",
+                f"must be after from, which defaults to the 1st of this month ({_iso(lo)});"
+                f" give from for a period that ends earlier (to is {_iso(hi)})",
+            )
         raise ReportError("from", f"must be before to ({_iso(lo)} is not before {_iso(hi)})")
     if hi - lo > dt.timedelta(days=MAX_DAYS):
         raise ReportError("to", f"the period may be at most {MAX_DAYS} days")

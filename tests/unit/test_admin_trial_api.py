@@ -130,6 +130,14 @@ async def test_the_audit_limit_message_gives_the_real_range(served: ServedAPI) -
         answer = error(await served.call("GET", f"/audit?limit={raw}", "admin-token"))
         assert answer == (400, f'limit: must be an integer from 1 to 10000, got "{raw}"')
     assert (await served.call("GET", "/audit?limit=10000", "admin-token")).code == 200
+    answer = error(
+        await served.call("GET", "/audit?since=2026-12-02&until=2026-12-01", "admin-token")
+    )
+    assert answer == (
+        400,
+        "since: must be before until (2026-12-02T00:00:00.000000Z is not before "
+        "2026-12-01T00:00:00.000000Z)",
+    )
 
 
 def test_optional_int_takes_a_range() -> None:

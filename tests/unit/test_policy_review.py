@@ -150,3 +150,36 @@ def test_preemption_drops_the_last_taken_first_and_keeps_what_is_needed() -> Non
     decisions = schedule(SchedulerState(node(n=4), held, urgent, Policy()), NOW)
     assert sorted(p.lease_id for p in decisions.preemptions) == [1, 3]
     assert sorted(decisions.waits[0].earmarked) == ["a0", "a2", "a3"]
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "words"),
+    [
+        ("fairshare_half_life", float("inf"), "fairshare_half_life: must be a positive, finite"),
+        ("fairshare_half_life", float("nan"), "fairshare_half_life: must be a positive, finite"),
+        ("fairshare_half_life", 0.0, "fairshare_half_life: must be a positive, finite"),
+        ("fairshare_half_life", -3600.0, "fairshare_half_life: must be a positive, finite"),
+        ("fairshare_resolution", -0.01, "fairshare_resolution: must be more than 0"),
+        ("fairshare_resolution", 0.0, "fairshare_resolution: must be more than 0"),
+        ("fairshare_resolution", 2.0, "fairshare_resolution: must be more than 0"),
+        ("fairshare_shares", {"ann": -1}, "fairshare_shares['ann']: must be a positive, finite"),
+        ("fairshare_shares", {"ann": 0}, "fairshare_shares['ann']: must be a positive, finite"),
+        ("fairshare_shares", {"ann": "2"}, "fairshare_shares['ann']: must be a positive, finite"),
+        ("fairshare_shares", {"ann": float("inf")}, "fairshare_shares['ann']: must be"),
+    ],
+)
+def test_a_fair_share_setting_out_of_range_is_refused_at_load(
+    setting: str, value: Any, words: str
+) -> None:
+    """A review found each accepted: an infinite half-life made every pass
+    of a user holding a lease crash (NaN usage), 0 ranked every user who
+    had used a GPU alike, a negative step put the heaviest users first."""
+    with pytest.raises(TraitError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        SchedulingPolicy(config=Config({"SchedulingPolicy": {setting: value}}))
+
+
+def test_fair_share_settings_in_range_load() -> None:
+    config = {"fairshare_half_life": 3600.0, "fairshare_resolution": 1.0}
+    policy = SchedulingPolicy(config=Config({"SchedulingPolicy": config}))
+    shares = SchedulingPolicy(config=Config({"SchedulingPolicy": {"fairshare_shares": {"a": 2}}}))
+    assert (policy.fairshare_half_life, shares.fairshare_shares) == (3600.0, {"a": 2.0})

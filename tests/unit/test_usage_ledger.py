@@ -353,6 +353,9 @@ def test_report_and_audit_commands_read_the_store(db_url: str, tmp_path: Path) -
     assert ("granted", "scheduler") in actions
     done = _cli("audit", f"--db-url={db_url}", "--kind=quota-set")
     assert done.returncode == 0 and "group:physics" in done.stdout
+    # a reversed period is refused, as the report's is (before: no output, status 0)
+    bad = _cli("audit", f"--db-url={db_url}", "--since=2026-12-01", "--until=2026-11-01")
+    assert bad.returncode == 2 and "--since: must be before until" in bad.stderr
 
 
 def test_report_and_audit_find_the_store_as_the_broker_does(db_url: str, tmp_path: Path) -> None:

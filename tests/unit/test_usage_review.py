@@ -201,3 +201,13 @@ def test_the_audit_command_takes_the_brokers_service_name_from_its_option(db_url
 
     assert "gpu-svc" in actors()  # taken for an admin acting on ann's lease
     assert "gpu-svc" not in actors("--service-name=gpu-svc")
+
+
+def test_a_report_ending_before_the_default_start_names_to_and_the_default() -> None:
+    """``--to`` before this month without ``--from``: the message named
+    ``--from``, which the admin never typed."""
+    now = dt.datetime(2026, 12, 5, tzinfo=dt.timezone.utc)
+    with pytest.raises(ReportError) as err:
+        parse_request(None, "2026-10-15", "user", "UTC", "table", now)
+    assert err.value.param == "to"
+    assert "from, which defaults to the 1st of this month (2026-12-01" in str(err.value)
