@@ -466,7 +466,9 @@ class BrokerService:
             try:
                 await self.reconcile_once()
                 started = True
+                self.metrics.reconciled_once(True)
             except Exception as err:
+                self.metrics.reconciled_once(False)
                 # while the hub starts, once a minute, not every second
                 now = time.monotonic()
                 log = self.log.warning if started or now - said >= 60 else self.log.debug

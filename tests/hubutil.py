@@ -176,6 +176,34 @@ class RunningHub:
         headers = {"Authorization": f"token {token or self.token}"}
         return requests.request(method, f"{self.broker}{path}", headers=headers, timeout=60, **kw)
 
+    def counter(self, name: str, **labels: str) -> float:
+        """The broker's Prometheus counter ``name`` (without ``_total``) now,
+        summed over its series with ``labels``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        r = requests.get(
+            f"{self.url}/services/gpubroker/metrics",
+            headers={"Authorization": f"token {self.token}"},
+            timeout=30,
+        )
+        r.raise_for_status()
+        (family,) = [f for f in text_string_to_metric_families(r.text) if f.name == name]
+        return sum(
+            s.value
+            for s in family.samples
+            if s.name.endswith("_total") and labels.items() <= s.labels.items()
+        )
+
+    def wait_for_reconciliations(self, rounds: int, timeout: float = 60) -> None:
+        """Wait until the broker has completed ``rounds`` more rounds of its
+        reconciliation with the hub (its metric) than now."""
+        start = self.counter("gpubroker_reconciliations", outcome="ok")
+        deadline = time.monotonic() + timeout
+        while self.counter("gpubroker_reconciliations", outcome="ok") < start + rounds:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {rounds} reconciliations in {timeout} s")
+            time.sleep(0.2)
+
     def wait_for_job(self, job_id: int, token: str | None = None, timeout: float = 120) -> dict:
         """The job's view once it has ended (``TimeoutError`` if it has not)."""
         deadline = time.monotonic() + timeout

@@ -18,8 +18,10 @@ The metrics, their types and labels are listed in the admin guide
 ``gpubroker_queue_wait_seconds`` (histogram); ``gpubroker_grants_total``,
 ``gpubroker_releases_total``, ``gpubroker_preemptions_total``,
 ``gpubroker_culls_total``, ``gpubroker_job_outcomes_total``,
-``gpubroker_culler_checks_total`` (counters);
-``gpubroker_culler_last_check_timestamp_seconds`` (a gauge the culler sets);
+``gpubroker_culler_checks_total``, ``gpubroker_reconciliations_total``
+(counters); ``gpubroker_culler_last_check_timestamp_seconds`` and
+``gpubroker_reconciliation_last_success_timestamp_seconds`` (gauges the
+culler and the reconciliation with the hub set);
 ``gpubroker_gpu_utilization_percent``, ``gpubroker_gpu_memory_used_bytes``,
 ``gpubroker_mig_engine_active_ratio`` and
 ``gpubroker_telemetry_timestamp_seconds`` (device telemetry).
@@ -88,8 +90,21 @@ class BrokerMetrics:
             "When the culler last completed a check, or started (Unix time); 0: it is off.",
             registry=self.registry,
         )
+        self.reconciliations = Counter(
+            "gpubroker_reconciliations",
+            "Rounds of the reconciliation of leases with the hub's servers, by outcome "
+            "(ok, failed).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.reconciled = Gauge(
+            "gpubroker_reconciliation_last_success_timestamp_seconds",
+            "When the reconciliation with the hub last completed a round (Unix time); 0: none yet.",
+            registry=self.registry,
+        )
         for outcome in ("ok", "failed"):
             self.culler_checks.labels(outcome)
+            self.reconciliations.labels(outcome)
         self.registry.register(_StateCollector(broker, ledger))
         # every known label value has its series from the first scrape, at 0:
         # increase() over a counter's first event needs the 0 before it
@@ -133,6 +148,16 @@ class BrokerMetrics:
         self.culler_checks.labels("ok" if ok else "failed").inc()
         if ok:
             self.culler_last_check.set_to_current_time()
+
+    def reconciled_once(self, ok: bool) -> None:
+        """Count one round of the reconciliation with the hub; a completed
+        one also sets the time of the last success (now): while the hub
+        does not answer, leases of servers that are gone stay granted, and
+        an alert on ``time() - gpubroker_reconciliation_last_success_timestamp_seconds``
+        finds it."""
+        self.reconciliations.labels("ok" if ok else "failed").inc()
+        if ok:
+            self.reconciled.set_to_current_time()
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""

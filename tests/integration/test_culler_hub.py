@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import requests
 import websocket
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.devices.fake import FakeDeviceBackend
 
@@ -123,20 +122,7 @@ def kinds(hub: RunningHub, user: str, token: str) -> list[str]:
 
 def culler_checks(hub: RunningHub) -> float:
     """The culler's completed checks so far (its metric)."""
-    r = requests.get(
-        f"{hub.url}/services/gpubroker/metrics",
-        headers={"Authorization": f"token {hub.token}"},
-        timeout=30,
-    )
-    r.raise_for_status()
-    (family,) = [
-        f for f in text_string_to_metric_families(r.text) if f.name == "gpubroker_culler_checks"
-    ]
-    return sum(
-        s.value
-        for s in family.samples
-        if s.labels.get("outcome") == "ok" and s.name.endswith("_total")
-    )
+    return hub.counter("gpubroker_culler_checks", outcome="ok")
 
 
 def test_busy_kernel_on_a_busy_gpu_is_never_culled(hub: RunningHub) -> None:

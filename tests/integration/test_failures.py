@@ -4,7 +4,6 @@ survive a hub restart, and user "broken" gets a command that does not exist."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,7 +75,7 @@ def test_hub_restart_keeps_the_running_server_and_its_lease(strict_hub: RunningH
     model = hub.wait_for_server("stay")
     assert model["state"]["pid"] == pid
     assert model["state"]["gpu_lease_id"] == lease["id"]
-    time.sleep(3)  # reconciliation runs every second: the lease must survive it
+    hub.wait_for_reconciliations(3)  # the lease must survive the reconciliation
     assert hub.broker_api("GET", f"/leases/{lease['id']}").json()["state"] == "granted"
 
     hub.api("DELETE", "/users/stay/server")

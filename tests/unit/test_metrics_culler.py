@@ -71,3 +71,35 @@ def test_a_started_culler_is_not_stale_before_its_first_check(broker: Broker) ->
     began = time.time()
     metrics.culler_started()
     assert _samples(metrics)[("gpubroker_culler_last_check_timestamp_seconds", "")] >= began
+
+
+def test_rounds_of_the_reconciliation_are_counted_and_the_last_success_timed(
+    broker: Broker,
+) -> None:
+    """While the hub does not answer the reconciliation, leases of servers
+    that are gone stay granted: the rounds and the last success are
+    metrics, so an alert can find it."""
+    metrics = BrokerMetrics(broker)
+
+    def samples() -> dict[tuple[str, str], float]:
+        text = generate_latest(metrics.registry).decode()
+        return {
+            (s.name, s.labels.get("outcome", "")): s.value
+            for family in text_string_to_metric_families(text)
+            if family.name.startswith("gpubroker_reconciliation")
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    assert samples() == {
+        ("gpubroker_reconciliations_total", "ok"): 0,
+        ("gpubroker_reconciliations_total", "failed"): 0,
+        ("gpubroker_reconciliation_last_success_timestamp_seconds", ""): 0,
+    }
+    metrics.reconciled_once(False)
+    assert samples()[("gpubroker_reconciliation_last_success_timestamp_seconds", "")] == 0
+    began = time.time()
+    metrics.reconciled_once(True)
+    assert samples()[("gpubroker_reconciliations_total", "failed")] == 1
+    assert samples()[("gpubroker_reconciliations_total", "ok")] == 1
+    assert samples()[("gpubroker_reconciliation_last_success_timestamp_seconds", "")] >= began
