@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import Forbidden, NotFound
+from ..model import lifecycle
 
 #: custom scope for broker administration (define it in the hub's config)
 ADMIN_SCOPE = "custom:gpubroker:admin"
@@ -188,6 +189,12 @@ def is_admin(model: dict[str, Any]) -> bool:
 def caller_name(model: dict[str, Any]) -> str:
     """The caller's name (user or service name)."""
     return str(model.get("name", ""))
+
+
+def caller_actor(model: dict[str, Any]) -> str:
+    """The actor the caller's changes are recorded as
+    (:func:`gpubroker.model.lifecycle.caller_actor`)."""
+    return lifecycle.caller_actor(caller_name(model), str(model.get("kind", "user")))
 
 
 def own_user(model: dict[str, Any]) -> str | None:

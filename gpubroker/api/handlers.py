@@ -247,6 +247,11 @@ class APIHandler(HubAuthenticated, web.RequestHandler):  # type: ignore[misc]
         return auth.caller_name(self.caller())
 
     @property
+    def actor(self) -> str:
+        """Who the caller's changes are recorded as (:func:`auth.caller_actor`)."""
+        return auth.caller_actor(self.caller())
+
+    @property
     def own_user(self) -> str:
         """The user the caller is (:func:`auth.own_user`); ``""``, which no
         user is named, for a service."""
@@ -395,7 +400,7 @@ class LeasesHandler(APIHandler):
             groups=groups,
             dry_run=dry_run,
             admin=self.admin,
-            actor=self.me,
+            actor=self.actor,
         )
         if dry_run:
             self.write_json(lease)
@@ -485,7 +490,7 @@ class LeaseHandler(APIHandler):
                     f" got {validation.echo(job)}"
                 )
             self.write_json(
-                self.broker.set_server_url(lease_id, url, container, engine, job, actor=self.me)
+                self.broker.set_server_url(lease_id, url, container, engine, job, actor=self.actor)
             )
             return
         name = body.get("priority_class")
@@ -494,7 +499,7 @@ class LeaseHandler(APIHandler):
                 "priority_class: must be a string (a class name), got " + validation.echo(name)
             )
         name = validation.check_name(name, "priority_class")
-        self.write_json(self.broker.set_priority_class(lease_id, name, actor=self.me))
+        self.write_json(self.broker.set_priority_class(lease_id, name, actor=self.actor))
 
     @auth.needs(
         auth.ADMIN_SCOPE, unless_owner=APIHandler.lease_owner, unseen=APIHandler.lease_unseen
@@ -515,7 +520,7 @@ class LeaseHandler(APIHandler):
         done = await self.broker.release_asked(
             lease["id"],
             reason,
-            self.me,
+            self.actor,
             server_running=self.settings["server_running"],
             holder_stopped=stopped,
             tell=tell,
@@ -618,7 +623,7 @@ class QuotaHandler(APIHandler):
     async def put(self, kind: str, name: str) -> None:
         kind, name = validation.quota_path(kind, name)
         guaranteed, limit = validation.quota_body(validation.parse_json_object(self.request.body))
-        self.broker.set_quota(kind, name, guaranteed, limit, actor=self.me)
+        self.broker.set_quota(kind, name, guaranteed, limit, actor=self.actor)
         answer = self.broker.quotas()
         if kind == "user" and await self.settings["has_user"](name) is False:
             # kept: users are often given quotas before their first login
@@ -629,7 +634,7 @@ class QuotaHandler(APIHandler):
     @auth.needs(auth.ADMIN_SCOPE)
     def delete(self, kind: str, name: str) -> None:
         kind, name = validation.quota_path(kind, name)
-        self.broker.delete_quota(kind, name, actor=self.me)
+        self.broker.delete_quota(kind, name, actor=self.actor)
         self.write_json(self.broker.quotas())
 
 
@@ -644,14 +649,14 @@ class DeviceHandler(APIHandler):
         uuid = validation.check_name(uuid, "uuid")
         body = validation.parse_json_object(self.request.body)
         if set(body) == {"mig_mode"} and isinstance(body["mig_mode"], bool):
-            view = self.broker.request_mig_mode(uuid, body["mig_mode"], actor=self.me)
+            view = self.broker.request_mig_mode(uuid, body["mig_mode"], actor=self.actor)
             self.write_json(await self.broker.after_mig_mode(view))
             return
         if set(body) != {"drained"} or not isinstance(body["drained"], bool):
             raise validation.BadRequest(
                 'drained/mig_mode: body must be {"drained": true|false} or {"mig_mode": true|false}'
             )
-        self.write_json(self.broker.set_drained(uuid, body["drained"], actor=self.me))
+        self.write_json(self.broker.set_drained(uuid, body["drained"], actor=self.actor))
 
 
 class PoolsHandler(APIHandler):
@@ -823,7 +828,7 @@ class JobsHandler(_JobHandler):
         # loop, on the job service's own workers (the user's probe may be slow)
         checked = await self.jobs.check_off_loop(user, body)
         job = self.jobs.submit(
-            user, body, groups=groups, actor=self.me, admin=self.admin, checked=checked
+            user, body, groups=groups, actor=self.actor, admin=self.admin, checked=checked
         )
         self.set_header("Location", f"{self.request.path}/{job['id']}")
         self.write_json(job, status=201)
@@ -846,7 +851,7 @@ class JobHandler(_JobHandler):
     async def delete(self, raw_id: str) -> None:
         job_id = self.job_id(raw_id)
         reason = f"cancelled by {self.me}"
-        self.write_json(await self.jobs.cancel(job_id, reason, actor=self.me))
+        self.write_json(await self.jobs.cancel(job_id, reason, actor=self.actor))
 
 
 class JobLogsHandler(_JobHandler):

@@ -69,6 +69,17 @@ NOTES = frozenset(
 SYSTEM_ACTORS = frozenset({"scheduler", "culler", "reconcile", "watchdog", "broker"})
 
 
+def caller_actor(name: str, kind: str = "user") -> str:
+    """The actor a caller (a JupyterHub user or service) is recorded as:
+    its name, except a name that is one of :data:`SYSTEM_ACTORS`, which
+    becomes ``<kind>/<name>`` (``user/scheduler``). JupyterHub allows no
+    ``/`` in user or service names, so a recorded actor is either the
+    broker itself or a caller, never read as the other: a hub user named
+    ``culler`` releasing her own lease is not a cull, nor shown as one in
+    the audit log."""
+    return f"{kind}/{name}" if name in SYSTEM_ACTORS else name
+
+
 class IllegalTransition(ValueError):
     """A change the lifecycle table does not allow (a bug, never user input)."""
 

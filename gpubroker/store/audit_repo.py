@@ -8,9 +8,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, literal, or_, select
 from sqlalchemy.orm import Session
 
+from ..model.lifecycle import caller_actor
 from ..usage.intervals import CAUSES
 from .models import AuditEntry, Lease, LeaseEvent
 from .repository import Repository, session_of
@@ -84,6 +85,8 @@ def entries(
         select(LeaseEvent, Lease.user)
         .join(Lease, Lease.id == LeaseEvent.lease_id)
         .where(LeaseEvent.kind.in_(LEASE_ACTIONS), LeaseEvent.actor != Lease.user)
+        # a user named like a system actor acts as user/NAME (caller_actor)
+        .where(LeaseEvent.actor != literal("user/") + Lease.user)
         .where(LeaseEvent.actor.not_in(on_behalf))
         .order_by(LeaseEvent.at.desc(), LeaseEvent.id.desc())
         .limit(limit)
@@ -108,6 +111,7 @@ def entries(
         else:
             lease = lease.where(LeaseEvent.kind == kind)
     if user is not None:
-        admin = admin.where(or_(AuditEntry.actor == user, AuditEntry.target == f"user:{user}"))
-        lease = lease.where(or_(Lease.user == user, LeaseEvent.actor == user))
+        actor = caller_actor(user)
+        admin = admin.where(or_(AuditEntry.actor == actor, AuditEntry.target == f"user:{user}"))
+        lease = lease.where(or_(Lease.user == user, LeaseEvent.actor == actor))
     return list(session.scalars(admin)), [(e, u) for e, u in session.execute(lease)]

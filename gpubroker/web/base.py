@@ -146,6 +146,11 @@ class PanelHandler(HubOAuthenticated, web.RequestHandler):  # type: ignore[misc]
         return auth.caller_name(self.current_user or {})
 
     @property
+    def actor(self) -> str:
+        """Who the caller's changes are recorded as (:func:`auth.caller_actor`)."""
+        return auth.caller_actor(self.current_user or {})
+
+    @property
     def own_user(self) -> str:
         """The user the caller is, whose leases and jobs are its own; ``""``
         for a service (one named like a user is not that user:

@@ -104,8 +104,8 @@ class QueueHandler(PanelHandler):
         lease = self.broker.get_lease(lease_id)
         if lease["state"] != "pending":
             raise BadRequest(f"lease {lease_id}: is {lease['state']}, not waiting")
-        self.broker.release_lease(lease_id, reason, actor=self.me)
-        self.broker.note_lease(lease_id, "admin-cancel", reason, notify=True, actor=self.me)
+        self.broker.release_lease(lease_id, reason, actor=self.actor)
+        self.broker.note_lease(lease_id, "admin-cancel", reason, notify=True, actor=self.actor)
         self.back("queue", f"Request {lease_id} of {lease['user']} cancelled.")
 
 
@@ -205,14 +205,14 @@ class LeasesHandler(PanelHandler):
         elif action == "preempt":
             if not reason:
                 raise BadRequest("reason: a preemption needs a reason (the user is told it)")
-            lease = self.broker.preempt_lease(lease_id, _reason(reason, ""), actor=self.me)
+            lease = self.broker.preempt_lease(lease_id, _reason(reason, ""), actor=self.actor)
             self.back("leases", f"Lease {lease_id} of {lease['user']} preempted.")
 
     async def _release(self, lease_id: int, text: str) -> None:
         """**Release**: its running server or job is stopped first, and its
         user is told (:mod:`gpubroker.broker.release_asked`)."""
         done = await self.broker.release_asked(
-            lease_id, text, self.me, server_running=self.settings["server_running"], tell=True
+            lease_id, text, self.actor, server_running=self.settings["server_running"], tell=True
         )
         lease, holder = done.lease, done.holder
         if done.outcome is Outcome.ended_already:
@@ -231,7 +231,8 @@ class LeasesHandler(PanelHandler):
         jobs = self.settings.get("jobs")
         if jobs is None:
             raise BadRequest("action: this broker runs no batch jobs")
-        job = await jobs.cancel(job_id, _reason(reason, f"cancelled by {self.me}"), actor=self.me)
+        why = _reason(reason, f"cancelled by {self.me}")
+        job = await jobs.cancel(job_id, why, actor=self.actor)
         self.back("leases", f"Job {job_id} of {job['user']} cancelled.")
 
 
@@ -254,12 +255,12 @@ class DevicesHandler(PanelHandler):
         uuid = validation.check_name(self.form("uuid"), "uuid")
         if action in ("drain", "undrain"):
             held = [h for d, h in self.broker.device_rows() if d.uuid == uuid]
-            self.broker.set_drained(uuid, action == "drain", actor=self.me)
+            self.broker.set_drained(uuid, action == "drain", actor=self.actor)
             holders = len(held[0]) if held else 0
             keep = f" {holders} holder(s) keep their leases." if action == "drain" else ""
             self.back("devices", f"Device {uuid} {action}ed.{keep}")
         else:
-            self.broker.request_mig_mode(uuid, action == "mig-on", actor=self.me)
+            self.broker.request_mig_mode(uuid, action == "mig-on", actor=self.actor)
             self.back("devices", f"MIG mode of {uuid}: asked to turn {action[4:]}.")
 
 
@@ -293,7 +294,7 @@ class QuotasHandler(PanelHandler):
                     f"action: must be set or delete, got {validation.echo(values['action'])}"
                 )
             if values["action"] == "delete":
-                self.broker.delete_quota(kind, name, actor=self.me)
+                self.broker.delete_quota(kind, name, actor=self.actor)
                 self.back("quotas", f"Stored quota of {kind} {name} removed.")
                 return
             body: dict[str, Any] = {"guaranteed": _number(values["guaranteed"], "guaranteed")}
@@ -302,7 +303,7 @@ class QuotasHandler(PanelHandler):
             else:
                 body["limit"] = None
             guaranteed, limit = validation.quota_body(body)
-            self.broker.set_quota(kind, name, guaranteed, limit, actor=self.me)
+            self.broker.set_quota(kind, name, guaranteed, limit, actor=self.actor)
         except BrokerError as err:
             self.set_status(err.status)
             self._show(err.message, values)  # inline, under the form

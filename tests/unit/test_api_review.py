@@ -146,3 +146,34 @@ async def test_a_path_that_is_not_utf8_is_checked_after_the_token(
     code, message = error(await served.call(method, path, "admin-token", body))
     assert code == 400 and message.startswith(f"{field}: "), message
     assert message.endswith('got "\\udcff"') or "must be one of" in message, message
+
+
+async def test_a_user_named_like_a_system_actor_is_recorded_as_a_user(
+    served: ServedAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub user named ``culler`` releasing her lease with a reason of the
+    culler's words was recorded as the actor ``culler``: the release
+    counted as a cull and read as the broker's own in the audit log. She
+    is recorded as ``user/culler`` (no hub name has a ``/``)."""
+    from gpubroker.observe import audit
+    from gpubroker.usage.intervals import event_cause
+
+    from .test_api_scopes import ACCESS, MODELS
+
+    monkeypatch.setitem(
+        MODELS, "culler-token", {"kind": "user", "name": "culler", "scopes": [ACCESS]}
+    )
+    broker = served.app.settings["broker"]
+    answer = await served.call("POST", "/leases", "culler-token", {"user": "culler", "gpus": 1})
+    lease = json.loads(answer.body)
+    body = {"reason": "culled: idle for 2 h"}
+    answer = await served.call("DELETE", f"/leases/{lease['id']}", "culler-token", body)
+    assert answer.code == 200, answer.body
+    (released,) = [e for e in broker.lease_events(lease["id"]) if e["kind"] == "released"]
+    assert released["actor"] == "user/culler"
+    cause = event_cause(released["detail"], released["reason"], released["actor"], "granted")
+    assert cause == "release"
+    # her own release is not in the audit log (others' actions on her lease are)
+    for who in (None, "culler"):
+        entries = audit.query(broker.session_factory, None, None, who, None, 100)
+        assert [(e["action"], e["actor"]) for e in entries] == [("granted", "scheduler")]
