@@ -132,6 +132,12 @@ class _Proc:
     ended: datetime | None = None
     timed_out: bool = False
     timers: list[threading.Timer] = field(default_factory=list)
+    #: when the launch's other processes were told to end, its leader having
+    #: exited (:func:`time.monotonic`; ``None``: not yet)
+    reaping: float | None = None
+    #: process groups tagged processes of the launch were seen in, besides
+    #: its own (:meth:`LocalEngine._kill_launch`)
+    groups: set[int] = field(default_factory=set)
 
 
 def _utcnow() -> datetime:
@@ -245,12 +251,19 @@ def _marked(mark: _Mark) -> list[int]:
     mark.tag``, whatever its session or process group; never this
     process. Processes whose environment cannot be read are skipped; an
     unreadable ``/proc`` (not Linux) gives ``[]``."""
+    return [pid for pid, _ in _marked_groups(mark)]
+
+
+def _marked_groups(mark: _Mark) -> list[tuple[int, int]]:
+    """``(pid, process group)`` of each process :func:`_marked` finds, the
+    group read with it (a process that forks and exits at once is gone by
+    the time one asks; its group lives on in its child)."""
     try:
         entries = os.listdir("/proc")
     except OSError:
         return []
     entry = f"{TAG_VARIABLE}={mark.tag}".encode()
-    pids: list[int] = []
+    found_: list[tuple[int, int]] = []
     for name in entries:
         if not name.isdigit() or int(name) == os.getpid():
             continue
@@ -260,10 +273,10 @@ def _marked(mark: _Mark) -> list[int]:
         try:
             with open(f"/proc/{name}/environ", "rb") as environ:
                 if entry in environ.read().split(b"\0"):
-                    pids.append(int(name))
-        except OSError:
+                    found_.append((int(name), int(found[1][2])))
+        except (OSError, IndexError, ValueError):
             continue  # it just went, or may not be read
-    return pids
+    return found_
 
 
 def _tagged(entry: bytes, uid: int) -> int | None:
@@ -652,20 +665,21 @@ class LocalEngine:
                 return
             proc.timed_out = True
             log.info("lease %d (pid %d): time limit passed, SIGTERM", proc.spec.lease_id, pid)
-            self._kill_launch(pid, proc.mark, signal_module.SIGTERM)
+            self._kill_launch(pid, proc.mark, signal_module.SIGTERM, proc.groups)
             self._start_timer(proc, self.time_limit_grace, self._on_time_limit_kill, pid)
 
     def _on_time_limit_kill(self, pid: int) -> None:
         with self._lock:
             proc = self._procs.get(pid)
             if proc is None or (
-                proc.popen.poll() is not None and not self._launch_alive(pid, proc.mark)
+                proc.popen.poll() is not None
+                and not self._launch_alive(pid, proc.mark, proc.groups)
             ):
                 return
             log.info(
                 "lease %d (pid %d): still running after SIGTERM, SIGKILL", proc.spec.lease_id, pid
             )
-            self._kill_launch(pid, proc.mark, signal_module.SIGKILL)
+            self._kill_launch(pid, proc.mark, signal_module.SIGKILL, proc.groups)
 
     # --- poll, signal, stop -------------------------------------------------------------
 
@@ -690,7 +704,7 @@ class LocalEngine:
                 ours = _pid_alive(pid) and _launched_here(pid) is not False
                 return Status(state="running" if ours else "lost")
             code = proc.popen.poll()
-            if code is None:
+            if code is None or self._reap(pid, proc):
                 return Status(state="running", started=proc.started, timed_out=proc.timed_out)
             if proc.ended is None:
                 proc.ended = _utcnow()
@@ -705,6 +719,30 @@ class LocalEngine:
                 ended=proc.ended,
                 timed_out=proc.timed_out,
             )
+
+    def _reap(self, pid: int, proc: _Proc) -> bool:
+        """After the leader ``pid`` of a launch has exited: whether other
+        processes of the launch are left (a command's ``cmd &``, a
+        notebook's ``Popen(..., start_new_session=True)``), which still
+        use its devices, so the launch still runs. The first time, they get
+        SIGTERM, and SIGKILL :attr:`time_limit_grace` seconds later; from
+        then on each poll sends SIGKILL again while any is left (one that
+        forks away from the last). As Slurm ends a job's processes when
+        its batch script exits (``KillWait`` between the signals)."""
+        if not self._launch_alive(pid, proc.mark, proc.groups):
+            return False
+        now = time.monotonic()
+        if proc.reaping is None:
+            proc.reaping = now
+            log.info(
+                "lease %d (pid %d): exited, ending the processes it left (SIGTERM)",
+                proc.spec.lease_id,
+                pid,
+            )
+            self._kill_launch(pid, proc.mark, signal_module.SIGTERM, proc.groups)
+        elif now - proc.reaping >= self.time_limit_grace:
+            self._kill_until_gone(pid, proc.mark, proc.groups)
+        return self._launch_alive(pid, proc.mark, proc.groups)
 
     def signal(self, handle: Handle, signum: int) -> None:
         """Send ``signum`` to the process group of ``handle`` (``os.killpg``).
@@ -760,14 +798,14 @@ class LocalEngine:
             if self._adoptable(pid, handle):
                 self._stop_adopted(pid, _mark_of(pid), deadline)
             return self.poll(handle)
-        popen, mark = proc.popen, proc.mark
-        if popen.poll() is None or self._launch_alive(pid, mark):
-            self._kill_launch(pid, mark, signal_module.SIGTERM)
+        popen, mark, groups = proc.popen, proc.mark, proc.groups
+        if popen.poll() is None or self._launch_alive(pid, mark, groups):
+            self._kill_launch(pid, mark, signal_module.SIGTERM, groups)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            self._wait_until(deadline, lambda: not self._launch_alive(pid, mark))
-            if popen.poll() is None or self._launch_alive(pid, mark):
-                self._kill_launch(pid, mark, signal_module.SIGKILL)
+            self._wait_until(deadline, lambda: not self._launch_alive(pid, mark, groups))
+            if popen.poll() is None or self._launch_alive(pid, mark, groups):
+                self._kill_until_gone(pid, mark, groups)
                 try:
                     popen.wait(timeout=KILL_WAIT)
                 except subprocess.TimeoutExpired:
@@ -793,13 +831,15 @@ class LocalEngine:
             EngineError: as :meth:`_killpg`.
         """
 
-        def alive() -> bool:
-            return _pid_alive(pid) or self._launch_alive(pid, mark)
+        groups: set[int] = set()
 
-        self._kill_launch(pid, mark, signal_module.SIGTERM)
+        def alive() -> bool:
+            return _pid_alive(pid) or self._launch_alive(pid, mark, groups)
+
+        self._kill_launch(pid, mark, signal_module.SIGTERM, groups)
         self._wait_until(deadline, lambda: not alive())
         if alive():
-            self._kill_launch(pid, mark, signal_module.SIGKILL)
+            self._kill_until_gone(pid, mark, groups)
             self._wait_until(time.monotonic() + KILL_WAIT, lambda: not _pid_alive(pid))
 
     def forget(self, handle: Handle) -> None:
@@ -868,33 +908,57 @@ class LocalEngine:
             return False
         return True
 
+    @classmethod
+    def _kill_until_gone(cls, pgid: int, mark: _Mark | None, groups: set[int]) -> None:
+        """SIGKILL the launch (:meth:`_kill_launch`) again and again until
+        none of its processes is seen in five passes in a row, for up to
+        :data:`KILL_WAIT` seconds: a pass over ``/proc`` misses a process
+        forked after its listing, which the next pass's signal to its
+        group, once seen, ends."""
+        deadline = time.monotonic() + KILL_WAIT
+        clean = 0
+        while clean < 5 and time.monotonic() < deadline:
+            cls._kill_launch(pgid, mark, signal_module.SIGKILL, groups)
+            clean = 0 if cls._launch_alive(pgid, mark, groups) else clean + 1
+            time.sleep(_POLL_INTERVAL / 10)
+
     @staticmethod
-    def _launch_alive(pgid: int, mark: _Mark | None) -> bool:
+    def _launch_alive(pgid: int, mark: _Mark | None, groups: set[int] | None = None) -> bool:
         """Whether a process of the launch is left (zombies do not count):
-        in process group ``pgid``, or marked with ``mark`` (:func:`_marked`)."""
-        return _group_alive(pgid) or (mark is not None and bool(_marked(mark)))
+        in process group ``pgid`` or one of ``groups``, or marked with
+        ``mark`` (:func:`_marked`)."""
+        if _group_alive(pgid) or any(_group_alive(g) for g in groups or ()):
+            return True
+        return mark is not None and bool(_marked(mark))
 
     @classmethod
-    def _kill_launch(cls, pgid: int, mark: _Mark | None, signum: int) -> None:
-        """Send ``signum`` to process group ``pgid`` and to every other
-        process marked with ``mark`` (:func:`_marked`: same uid and tag, in
-        another group), so each gets it once; a marked process that may not
-        be signalled is logged and skipped.
+    def _kill_launch(
+        cls, pgid: int, mark: _Mark | None, signum: int, groups: set[int] | None = None
+    ) -> None:
+        """Send ``signum`` to process group ``pgid``, to the process group of
+        every other process marked with ``mark`` (:func:`_marked_groups`:
+        same uid and tag) and to ``groups`` (those seen before, to which
+        the groups found now are added), each group once: a group's signal
+        also reaches a child being forked, which a pass over ``/proc``
+        misses. The group of a tagged process is the launch's: a process
+        joins groups of its own session only. A group that may not be
+        signalled is logged and skipped.
 
         Raises:
-            EngineError: the group may not be signalled (:meth:`_killpg`).
+            EngineError: the group ``pgid`` may not be signalled (:meth:`_killpg`).
         """
         cls._killpg(pgid, signum)
         if mark is None:
             return
-        for pid in _marked(mark):
+        seen = groups if groups is not None else set()
+        seen.update(g for _, g in _marked_groups(mark) if g > 1 and g != pgid)
+        for group in sorted(seen):
             try:
-                if os.getpgid(pid) != pgid:
-                    os.kill(pid, signum)
+                os.killpg(group, signum)
             except ProcessLookupError:
-                pass  # it just went
+                seen.discard(group)  # gone: its number may be given out again
             except PermissionError as exc:
-                log.warning("launch %s: not permitted to signal pid %s: %s", mark.tag, pid, exc)
+                log.warning("launch %s: not permitted to signal group %s: %s", mark.tag, group, exc)
 
     @staticmethod
     def _killpg(pgid: int, signum: int) -> None:

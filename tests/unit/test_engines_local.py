@@ -528,3 +528,80 @@ def test_stop_reaps_without_warnings(engine: LocalEngine, launch: Launch, tmp_pa
     engine.stop(handle, grace=WAIT)
     with pytest.raises(ChildProcessError):
         os.waitpid(int(handle.id), os.WNOHANG)
+
+
+def _child_code(pid_file: Path, child: str, then: str = "") -> str:
+    """Code that starts ``child`` (Python code) in a session of its own,
+    writes its pid to ``pid_file``, then runs ``then`` and exits 0."""
+    return (
+        "import subprocess, sys\n"
+        f"c = subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid))\n" + then
+    )
+
+
+def test_a_launch_runs_until_the_processes_its_leader_left_have_ended(
+    backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
+) -> None:
+    """A job whose leader exits but leaves a process behind (``cmd &``, a
+    notebook's ``Popen(start_new_session=True)``) ended at once, and its
+    lease was released while that process ran on its GPU (a review of
+    the jobs). Now the launch runs until the processes it left have
+    ended: SIGTERM at the leader's exit, SIGKILL ``time_limit_grace``
+    seconds later to one that ignores it; the leader's exit code stays."""
+    engine = LocalEngine(backend, time_limit_grace=0.5)
+    pid_file, ready = tmp_path / "left", tmp_path / "ready"
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(ready)!r}, 'w').close(); time.sleep(120)"
+    )
+    # the leader exits once its child ignores SIGTERM
+    wait = f"import os, time\nwhile not os.path.exists({str(ready)!r}): time.sleep(0.01)\n"
+    handle = launch(engine, spec(_child_code(pid_file, stubborn, wait), tmp_path))
+    wait_for(lambda: pid_file.exists() and pid_file.read_text() != "", "the child")
+    left = int(pid_file.read_text())
+    try:
+        wait_for(lambda: engine._procs[int(handle.id)].popen.poll() is not None, "the leader")
+        assert engine.poll(handle).running  # its child still runs: so does the launch
+        status = wait_exited(engine, handle)
+        assert gone(left)
+        assert (status.state, status.exit_code, status.signal) == ("exited", 0, None)
+    finally:
+        if not gone(left):
+            os.kill(left, signal.SIGKILL)
+
+
+def test_stop_ends_a_process_that_forks_away_from_each_kill(
+    engine: LocalEngine, launch: Launch, tmp_path: Path
+) -> None:
+    """One SIGKILL pass over ``/proc`` missed a process that ignores SIGTERM
+    and forks again and again in a session of its own: its new pid was not
+    listed yet. Its whole group is now killed, until none is left. (One
+    that forks without pause lives too briefly to be seen in ``/proc`` at
+    all: docs/jobs.md says so.)"""
+    pid_file = tmp_path / "hopper"
+    hopper = (
+        "import os, signal, sys\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "import time\n"
+        "while True:\n"
+        "    time.sleep(0.2)\n"
+        "    if os.fork():\n"
+        "        os._exit(0)\n"
+        f"    open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid()))\n"
+        f"    os.replace({str(pid_file)!r} + '.tmp', {str(pid_file)!r})\n"
+    )
+    handle = launch(
+        engine,
+        spec(_child_code(tmp_path / "first", hopper, "import time; time.sleep(120)"), tmp_path),
+    )
+    wait_for(lambda: pid_file.exists(), "the hopper")
+    mark = engine._procs[int(handle.id)].mark
+    try:
+        engine.stop(handle, grace=0.2)
+        assert not LocalEngine._launch_alive(int(handle.id), mark)
+        last = pid_file.read_text()
+        time.sleep(0.6)  # a hopper left would have written a new pid (every 0.2 s)
+        assert pid_file.read_text() == last
+    finally:
+        LocalEngine._kill_until_gone(int(handle.id), mark, set())

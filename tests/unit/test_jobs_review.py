@@ -378,3 +378,24 @@ def test_the_check_as_the_user_queues_a_good_notebook(jobs: JobService, home: Pa
     notebook(home / "ivy" / "nb.ipynb", ["x = 1"])
     job = jobs.submit("ivy", {"notebook": "nb.ipynb", "gpus": 1})
     assert job["state"] == "queued" and job["spec"]["notebook"] == "nb.ipynb"
+
+
+def test_a_job_keeps_its_lease_until_the_processes_it_left_have_ended(
+    jobs: JobService, home: Path
+) -> None:
+    """A command that left ``sleep 300 &`` behind ended ``succeeded`` and
+    its lease was released while the sleep ran on, on its GPU (a review of
+    the jobs): the job's end now ends what it left first."""
+    from .conftest import process_alive
+
+    (home / "ann").mkdir(parents=True)
+    job = jobs.submit("ann", {"command": "sleep 300 & echo $! > bg.pid; exit 0", "gpus": 1})
+    done = run_until_done(jobs, job["id"])
+    pid = int((home / "ann" / "bg.pid").read_text())
+    try:
+        assert done["state"] == "succeeded" and done["exit_code"] == 0
+        assert jobs.broker.get_lease(done["lease_id"])["state"] == "released"
+        assert not process_alive(pid)
+    finally:
+        if process_alive(pid):
+            os.kill(pid, 9)
