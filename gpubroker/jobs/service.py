@@ -112,6 +112,15 @@ class JobService(LoggingConfigurable):
         "own account otherwise. 0 turns both checks off.",
     ).tag(config=True)
 
+    max_uid = Integer(
+        60000,
+        min=0,
+        help="Jobs never run as a POSIX account whose uid is above this (login.defs' "
+        "UID_MAX: 'nobody' (65534) and the other shared accounts above it, which own "
+        "root-squashed NFS files and daemons' data): refused at submit (403), as below "
+        "min_uid. 0 turns the check off.",
+    ).tag(config=True)
+
     runner = Unicode(
         "local",
         help="Where jobs run: 'local' (a process on the broker's host, as the job's "
@@ -439,6 +448,11 @@ class JobService(LoggingConfigurable):
             raise Forbidden(
                 f"user: jobs do not run as {user!r} (uid {uid}): accounts below "
                 f"JobService.min_uid ({self.min_uid}) are root and system accounts"
+            )
+        if self.max_uid and uid > self.max_uid:
+            raise Forbidden(
+                f"user: jobs do not run as {user!r} (uid {uid}): accounts above "
+                f"JobService.max_uid ({self.max_uid}) are shared accounts such as nobody"
             )
         if uid == os.geteuid() and self.min_uid > 0:
             # a broker run as an ordinary account (uid >= min_uid): a hub user
@@ -893,7 +907,7 @@ class JobService(LoggingConfigurable):
         future = self._log_reads.submit(self._read_log, path, user, offset, limit)
         try:
             data = await asyncio.wait_for(asyncio.wrap_future(future), LOG_READ_TIMEOUT)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not TimeoutError before Python 3.11
             self.log.warning(
                 "Reading job %s's log %s took over %ss", job_id, path, LOG_READ_TIMEOUT
             )
@@ -1009,7 +1023,7 @@ class JobService(LoggingConfigurable):
                 except Exception:
                     self.log.exception("Jobs: a check failed")
                 # the next round: after poll_interval, or sooner when a stop ends
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(wake.wait(), self.poll_interval)
                 wake.clear()
         finally:
@@ -1460,7 +1474,7 @@ class JobService(LoggingConfigurable):
             return await asyncio.wait_for(
                 asyncio.shield(asyncio.wrap_future(future)), ERROR_READ_TIMEOUT
             )
-        except TimeoutError:
+        except asyncio.TimeoutError:
             self.log.warning(
                 "Job %s: its error file took over %ss to read", job_id, ERROR_READ_TIMEOUT
             )

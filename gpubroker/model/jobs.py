@@ -138,6 +138,7 @@ def parse_params(items: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
     for name, value in pairs:
         if not isinstance(name, str) or not _NAME.fullmatch(name) or keyword.iskeyword(name):
             raise JobError("param", f"{echo(name)} is not a Python name (or is a keyword)")
+        _check_depth(name, value)
         if _has_non_finite(value):
             raise JobError("param", f"{name}: a number must be finite (at most ~1.8e308)")
         params[name] = value
@@ -156,9 +157,44 @@ def _value(raw: str) -> Any:
         value = json.loads(raw, parse_constant=_not_json)
     except ValueError:
         return raw
+    except RecursionError:  # far deeper than the limit
+        _check_depth(raw, None, deeper=True)
+    _check_depth(raw, value)
     if _has_non_finite(value):
         raise JobError("param", f"{raw[:40]!r}: a number must be finite (at most ~1.8e308)")
     return value
+
+
+#: how deep a parameter's value may nest lists and maps (as a request body)
+MAX_PARAM_DEPTH = 32
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests lists and maps (a scalar: 0), counted no
+    further than one past :data:`MAX_PARAM_DEPTH`."""
+    depth, level = 0, [value]
+    while depth <= MAX_PARAM_DEPTH:
+        containers = [v for v in level if isinstance(v, (list, dict))]
+        if not containers:
+            break
+        depth += 1
+        level = [x for v in containers for x in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def _check_depth(shown: Any, value: Any, deeper: bool = False) -> None:
+    """Refuse a parameter value that nests deeper than :data:`MAX_PARAM_DEPTH`
+    (papermill writes it into the notebook as YAML and Python, which a
+    deep value overflows at every launch); ``deeper``: it is, whatever
+    ``value`` is.
+
+    Raises:
+        JobError: (``param``) naming the value (escaped and cut).
+    """
+    if deeper or _depth(value) > MAX_PARAM_DEPTH:
+        raise JobError(
+            "param", f"{echo(shown)}: a value may nest at most {MAX_PARAM_DEPTH} lists or maps"
+        )
 
 
 def _not_json(name: str) -> Any:
@@ -258,6 +294,8 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
         raise JobError("env", "must map variable names to strings")
     if any(k.startswith(("GPUBROKER_", "CUDA_", "NVIDIA_")) for k in env):
         raise JobError("env", "GPUBROKER_*, CUDA_* and NVIDIA_* are set by the broker")
+    if any("\x00" in v for v in env.values()):
+        raise JobError("env", "a value must not contain a NUL character")
     kernel = data.get("kernel") or ""
     if not isinstance(kernel, str) or (kernel and not re.match(r"^[A-Za-z0-9._-]{1,64}$", kernel)):
         raise JobError("kernel", f"not a kernel name: {echo(kernel)}")
@@ -296,6 +334,8 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
         raise JobError("command", "its first argument (the program) must not be empty")
     if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
         raise JobError("command", "must be a shell line or a list of arguments")
+    if any("\x00" in a for a in command):
+        raise JobError("command", "must not contain a NUL character")
     if params or python:
         raise JobError("param" if params else "python", "is for notebook jobs")
     return JobSpec("command", "", tuple(command), {}, "", cwd, dict(env), time_limit, retries)

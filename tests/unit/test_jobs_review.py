@@ -399,3 +399,30 @@ def test_a_job_keeps_its_lease_until_the_processes_it_left_have_ended(
     finally:
         if process_alive(pid):
             os.kill(pid, 9)
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"command": "true", "env": {"X": "a\x00b"}}, "env: a value must not contain a NUL"),
+        ({"command": ["true", "a\x00b"]}, "command: must not contain a NUL"),
+        ({"notebook": "nb.ipynb", "params": ["a=" + "[" * 320 + "]" * 320]}, "param: "),
+        ({"notebook": "nb.ipynb", "params": ["a=" + "[" * 9000 + "]" * 9000]}, "param: "),
+        ({"notebook": "nb.ipynb", "params": ["a=" + "[" * 33 + "]" * 33]}, "param: "),
+    ],
+)
+def test_a_job_that_could_never_launch_is_refused_at_submit(
+    jobs: JobService, home: Path, body: dict, words: str
+) -> None:
+    """A NUL in the environment or the command, or a parameter nested
+    hundreds deep, was accepted (201); the job then took its GPUs and
+    failed at launch, or (the parameter) never launched and held them."""
+    from gpubroker.errors import BadRequest
+
+    notebook(home / "ann" / "nb.ipynb", ["x = 1"])
+    with pytest.raises(BadRequest) as err:
+        jobs.submit("ann", {"gpus": 1, **body})
+    assert err.value.message.startswith(words), err.value.message
+    if words == "param: ":
+        assert "may nest at most 32 lists or maps" in err.value.message
+    assert jobs.list(None) == [] and jobs.broker.list_leases() == []

@@ -101,3 +101,33 @@ def test_the_broker_is_a_facade_over_parts_not_mixins() -> None:
             if isinstance(n, ast.ClassDef) and n.name.endswith("Mixin")
         ]
         assert not mixins, f"{path.relative_to(PACKAGE)} defines {mixins}"
+
+
+def _bare_timeout_handlers(path: Path) -> list[int]:
+    """Lines of ``path`` that catch or suppress the builtin ``TimeoutError``
+    in a module that calls ``asyncio.wait_for``."""
+    tree = ast.parse(path.read_text(), str(path))
+    waits = any(isinstance(n, ast.Attribute) and n.attr == "wait_for" for n in ast.walk(tree))
+    found = []
+    for node in ast.walk(tree):
+        names: list[ast.expr] = []
+        if isinstance(node, ast.ExceptHandler) and node.type is not None:
+            names = list(node.type.elts) if isinstance(node.type, ast.Tuple) else [node.type]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "suppress":
+            names = list(node.args)
+        if any(isinstance(n, ast.Name) and n.id == "TimeoutError" for n in names):
+            found.append(node.lineno)
+    return found if waits else []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [*_modules(), *sorted((PACKAGE.parent / "spawner").rglob("*.py"))],
+    ids=lambda p: str(p.relative_to(PACKAGE.parent)),
+)
+def test_asyncio_timeouts_are_caught_as_asyncio_timeout_error(path: Path) -> None:
+    """``asyncio.wait_for`` raises ``asyncio.TimeoutError``, which is the
+    builtin ``TimeoutError`` only from Python 3.11; the project supports
+    3.10, where ``except TimeoutError`` let the job service's loop die at
+    its first idle wait (a review of the jobs)."""
+    assert _bare_timeout_handlers(path) == []
