@@ -221,19 +221,21 @@ class PanelHandler(HubOAuthenticated, web.RequestHandler):  # type: ignore[misc]
         return value.strip()
 
     def arg(self, name: str, default: Any = None) -> Any:
-        """The query argument ``name``, stripped (``default`` when absent).
+        """The query argument ``name`` exactly as sent (``default`` when
+        absent): Tornado's own reading turns control characters into spaces
+        and strips them, so ``?user=%00`` became no filter at all and
+        ``?user=%01zed`` the filter ``zed``; the checks now see and refuse
+        them, as the API's do (:func:`gpubroker.api.validation.query_argument`).
 
         Raises:
             BadRequest: the argument is given more than once (as the API
                 refuses it: which one would count is not for the server to
-                guess).
+                guess), or is not UTF-8.
         """
-        values = self.get_query_arguments(name)
-        if len(values) > 1:
-            from ..errors import BadRequest
+        from ..api import validation
 
-            raise BadRequest(f"{name}: given {len(values)} times; give it once")
-        return values[0] if values else default
+        value = validation.query_argument(self.request.query_arguments, name)
+        return default if value is None else value
 
     def back(self, path: str, message: str = "") -> None:
         """Redirect (303) to the panel page ``path`` after a form, with a

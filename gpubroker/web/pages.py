@@ -23,6 +23,7 @@ from .. import views
 from ..api import validation
 from ..broker.release_asked import Outcome
 from ..errors import BadRequest, BrokerError, Conflict
+from ..model.jobs import FINAL
 from . import tiles
 from .base import PanelHandler
 
@@ -232,7 +233,17 @@ class LeasesHandler(PanelHandler):
         if jobs is None:
             raise BadRequest("action: this broker runs no batch jobs")
         why = _reason(reason, f"cancelled by {self.me}")
+        before = jobs.get(job_id)
+        if before["state"] in FINAL:
+            # ended already (by itself, its user, a form sent twice): the
+            # cancel changes nothing, as the release of an ended lease
+            raise Conflict(f"job {job_id}: is {before['state']} already, nothing to cancel")
+        if before.get("stopping"):
+            raise Conflict(f"job {job_id}: is being stopped already")
         job = await jobs.cancel(job_id, why, actor=self.actor)
+        if job.get("stopping"):
+            self.back("leases", f"Job {job_id} of {job['user']} stopping.")
+            return
         self.back("leases", f"Job {job_id} of {job['user']} cancelled.")
 
 
@@ -438,6 +449,10 @@ class AuditHandler(PanelHandler):
                 bounds[name] = parse_time(name, raw, dt.timezone.utc) if raw else None
             except ReportError as err:
                 error, bounds[name] = str(err), None
+        try:
+            audit.check_period(bounds["since"], bounds["until"])
+        except ValueError as err:
+            error = str(err)
         user = validation.optional_name_arg(filters["user"] or None, "user")
         kind = validation.check_name(filters["kind"], "kind") if filters["kind"] else None
         if error:  # no entries rather than entries the bad bound did not filter

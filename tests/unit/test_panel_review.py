@@ -12,6 +12,7 @@ import logging
 import os
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -24,6 +25,7 @@ from tornado.httpserver import HTTPServer
 from gpubroker.api import auth
 from gpubroker.api.app import make_app
 from gpubroker.core import Broker
+from gpubroker.jobs.service import JobService
 from gpubroker.observe import audit
 from gpubroker.store import audit_repo
 from gpubroker.usage.ledger import Ledger
@@ -394,3 +396,48 @@ async def test_a_query_argument_given_twice_is_a_400_naming_it(
     refused = await panel.get(f"{page}?{field}=a&{field}=b")
     assert refused.code == 400, text(refused)
     assert alert(refused) == f"{field}: given 2 times; give it once"
+
+
+async def test_a_filter_with_a_control_character_is_refused_not_dropped(
+    panel: Panel, broker: Broker
+) -> None:
+    """Tornado's reading turned ``?user=%00`` into no filter (every user's
+    entries) and ``?user=%01zed`` into ``zed`` (a review of the panel)."""
+    broker.set_quota("user", "zed", 1, 2, actor="root")
+    for path in ("audit?user=%00", "audit?user=%01zed", "audit?kind=%00", "usage?tz=%00"):
+        shown = await panel.get(path)
+        assert shown.code == 400, (path, shown.code)
+    reversed_period = await panel.get("audit?since=2026-12-02&until=2026-12-01")
+    assert reversed_period.code == 400 and "since: must be before until" in text(reversed_period)
+    assert (await panel.get("audit?user=zed")).code == 200
+
+
+async def test_cancelling_a_job_that_ended_is_a_conflict(
+    jobs: JobService, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The panel said "Job 1 of ann cancelled." of a job that had
+    succeeded, and changed nothing (a stale page, a form sent twice)."""
+    import asyncio
+
+    monkeypatch.setitem(
+        MODELS, "root-token", {"kind": "user", "name": "root", "scopes": [ACCESS, auth.ADMIN_SCOPE]}
+    )
+    (home / "ann").mkdir(parents=True)
+    job = jobs.submit("ann", {"command": "true", "gpus": 1})
+    for _ in range(600):
+        await jobs.tick()
+        if jobs.get(job["id"])["state"] == "succeeded":
+            break
+        await asyncio.sleep(0.1)
+    assert jobs.get(job["id"])["state"] == "succeeded"
+    with FakeHub() as hub:
+        served = Panel(jobs.broker, hub, jobs=jobs, server_running=_running)
+        try:
+            form = {"action": "cancel-job", "job_id": str(job["id"])}
+            answer = await served.post("leases", form)
+            assert answer.code == 409, answer.headers.get("Location")
+            assert f"job {job['id']}: is succeeded already, nothing to cancel" in text(answer)
+        finally:
+            served.server.stop()
+            await JupyterHubHTTPClient.loop_instance().close()
+    assert jobs.get(job["id"])["state"] == "succeeded"
