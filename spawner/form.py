@@ -59,9 +59,18 @@ def shown(value: Any) -> str:
     return text if len(text) <= MAX_SHOWN else f"{text[: MAX_SHOWN - 3]}..."
 
 
+#: an option name or slug shown as sent in a message; any other is escaped
+_PLAIN = re.compile(r"[A-Za-z0-9_.-]+")
+
+
 def _key(name: Any) -> str:
-    """An option's name for an error message, cut to :data:`MAX_SHOWN` characters."""
+    """An option's name (or a slug) for an error message and the hub's log:
+    as sent when plain, else JSON-escaped (a line break or a terminal
+    escape in a name must not reach either raw), cut to :data:`MAX_SHOWN`
+    characters."""
     text = str(name)
+    if not _PLAIN.fullmatch(text):
+        text = json.dumps(text, ensure_ascii=True)
     return text if len(text) <= MAX_SHOWN else f"{text[: MAX_SHOWN - 3]}..."
 
 

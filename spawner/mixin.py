@@ -605,6 +605,34 @@ class GPUSpawnerMixin(LoggingConfigurable):
             setattr(self, key, value)
         self.gpu_profile = None
 
+    def _forget_restart(self, err: BrokerClientError) -> bool:
+        """Whether ``err`` refuses the ``restart_of`` this spawner sent as
+        no lease of this server (the server was renamed since its run died,
+        or the broker's database is another): then it is dropped, so the
+        caller asks again without it, and the start goes on as a first one."""
+        if self.gpu_restart_of is None or err.status != 400:
+            return False
+        if not err.message.startswith("restart_of: "):
+            return False
+        self.log.warning(
+            "%s: the broker knows lease %s as no lease of this server (%s); starting afresh",
+            self._log_name,
+            self.gpu_restart_of,
+            err.message,
+        )
+        self.gpu_restart_of = None
+        return True
+
+    async def rename(self, old_name: str, new_name: str) -> None:
+        """The server is renamed (JupyterHub 6): the lease of its last run
+        that died (``gpu_restart_of``) was the old name's, which the broker
+        would refuse for the new one, so it is dropped from the state the
+        hub keeps (the hub builds a new spawner from it)."""
+        self.gpu_restart_of = None
+        orm = getattr(self, "orm_spawner", None)
+        if orm is not None and orm.state and "gpu_restart_of" in orm.state:
+            orm.state = {k: v for k, v in orm.state.items() if k != "gpu_restart_of"}
+
     def _lease_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {}
         if self.priority_class:
@@ -630,6 +658,9 @@ class GPUSpawnerMixin(LoggingConfigurable):
         except BrokerClientError as err:
             if broker_unavailable(err):
                 raise
+            if self._forget_restart(err):
+                await self._admission(request)
+                return
             if 400 <= err.status < 500 and err.status != 409:
                 raise web.HTTPError(err.status, err.message) from None
 
@@ -865,7 +896,12 @@ class GPUSpawnerMixin(LoggingConfigurable):
         fields = {**request, **self._lease_fields()}
         lease: dict[str, Any]
         try:
-            lease = await self._request_lease(fields)
+            try:
+                lease = await self._request_lease(fields)
+            except BrokerClientError as err:
+                if not self._forget_restart(err):
+                    raise
+                lease = await self._request_lease({**request, **self._lease_fields()})
         except BrokerClientError as err:
             raise spawn_error(f"GPU request refused: {err.message}", "gpu-refused") from err
         except asyncio.CancelledError:

@@ -291,3 +291,64 @@ async def test_another_servers_lease_or_another_conflict_is_still_refused(
     spawner.user_options = {"gpus": 1}
     await start(spawner)
     assert (await admin.get_lease(other["id"]))["state"] == "granted"
+
+
+def _named(url: str, name: str, state: dict[str, Any]) -> SimpleLocalGPUSpawner:
+    """The hub's spawner of ann's server ``name``, its saved ``state`` loaded."""
+    spawner = SimpleLocalGPUSpawner(
+        user=SimpleNamespace(name="ann", url="/user/ann/", escaped_name="ann"),
+        hub=Hub(ip="127.0.0.1", port=8081, base_url="/hub/"),
+        broker_url=url,
+        broker_api_token="admin-token",
+        broker_retry_interval=0.1,
+    )
+    spawner.orm_spawner = SimpleNamespace(name=name, user_options={}, state=state, server=None)
+    spawner.user_options = {"gpus": 1}
+    spawner.load_state(state)
+    return spawner
+
+
+async def test_a_server_renamed_after_its_run_died_starts_afresh(broker_url: str) -> None:
+    """A named server whose last run died keeps that run's lease as
+    ``gpu_restart_of``; renamed (JupyterHub 6), every start of it sent
+    that lease, which the broker refuses for the new name: the server could
+    never start again (a review of the spawner). The rename drops it, and
+    a refusal of it (a broker database replaced) starts afresh."""
+    import subprocess
+    import sys
+
+    a = _named(broker_url, "a", {})
+    with mock.patch.object(LocalProcessSpawner, "start", fake_start):
+        await a.start()
+    a.proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    a.proc.wait()
+    a.pid = a.proc.pid
+    assert await a.poll() is not None  # died: its lease released, kept as restart_of
+    a.clear_state()
+    a.orm_spawner.state = a.get_state()
+    assert a.orm_spawner.state == {"gpu_restart_of": 1}
+    await a.rename("a", "b")
+    assert a.orm_spawner.state == {}  # what the hub builds server "b" from
+    # a state that still names it (the database was replaced): the broker's
+    # refusal drops it, at the check of the options and at the start
+    b = _named(broker_url, "b", {"gpu_restart_of": 1})
+    await b.check_user_options({"gpus": 1})
+    assert b.gpu_restart_of is None
+    c = _named(broker_url, "c", {"gpu_restart_of": 1})
+    with mock.patch.object(LocalProcessSpawner, "start", fake_start):
+        await c.start()
+    assert c.gpu_lease_id is not None and c.gpu_restart_of is None
+
+
+def test_an_option_name_reaches_no_message_raw() -> None:
+    """An unknown option's name or profile slug with a line break went raw
+    into the 400 and the hub's log (a forged log line)."""
+    from gpubroker_spawner import form
+
+    forged = "x\n[W 2026-01-01 hub] forged line"
+    with pytest.raises(form.OptionsError) as err:
+        form.check_gpu_options({forged: 1}, 8)
+    assert "\n" not in str(err.value) and str(err.value).startswith('"x\\n[W 2026-01-01 hub]')
+    with pytest.raises(form.OptionsError) as err:
+        form.check_gpu_options({"gpu": 1}, 8)
+    assert str(err.value).startswith("gpu: unknown option")
