@@ -1192,7 +1192,7 @@ class JobService(LoggingConfigurable):
             assert lease is not None
             try:
                 self._refuse_account(self._owner_of(job_id))  # queued before min_uid was raised
-                runner, tag = intent or self._intend(job_id)
+                runner, tag = intent or await self._intend(job_id)
                 spec = self._launch_spec(job_id, lease, runner, tag)
                 handle = await asyncio.get_running_loop().run_in_executor(
                     None,
@@ -1250,19 +1250,24 @@ class JobService(LoggingConfigurable):
                 return job.handle_engine, job.handle_id[len(_INTENT) :]
         return None
 
-    def _intend(self, job_id: int) -> tuple[str, str]:
+    async def _intend(self, job_id: int) -> tuple[str, str]:
         """Record, before anything is launched, that the job is about to be
         launched by :attr:`runner` with a new tag (committed: it survives a
         crash during the launch); the run before a requeue's warning and
-        exit files are removed first, so those found later are this
+        exit files are removed first, off the event loop (the user's folder
+        may hang: a stale NFS mount), so those found later are this
         launch's. Returns (runner, tag)."""
         with self.sessions() as session:
             job = self._get(session, job_id)
             user, log, restarts = job.user, job.log_path, job.restarts
-        root = self.root_of(user)
-        _unlink(root, _warn_file(log))  # a run before a requeue was warned: not this one
-        _unlink(root, f"{log}.exit")  # nor did this one end
-        _unlink(root, f"{log}.error")  # nor fail
+
+        def clear() -> None:
+            root = self.root_of(user)
+            _unlink(root, _warn_file(log))  # a run before a requeue was warned: not this one
+            _unlink(root, f"{log}.exit")  # nor did this one end
+            _unlink(root, f"{log}.error")  # nor fail
+
+        await asyncio.get_running_loop().run_in_executor(None, clear)
         tag = f"job{job_id}-{restarts}-{secrets.token_hex(4)}"
         with self.sessions.begin() as session:
             job = self._get(session, job_id)
@@ -1293,7 +1298,13 @@ class JobService(LoggingConfigurable):
             return handle
         with self.sessions() as session:
             log = self._get(session, job_id).log_path
-        record = _exit_record(f"{log}.exit", _uid_of(user)) if log else None
+        record = (
+            await asyncio.get_running_loop().run_in_executor(
+                None, _exit_record, f"{log}.exit", _uid_of(user)
+            )
+            if log
+            else None
+        )
         if record is None:
             return None
         return _exit_status(record) or Status("lost")

@@ -72,3 +72,23 @@ def test_close_stops_the_workers(jobs: JobService) -> None:
         jobs._log_reads.submit(print)
     with pytest.raises(RuntimeError):
         jobs._checks.submit(print)
+
+
+def test_a_launch_clears_the_last_runs_files_off_the_event_loop(
+    jobs: JobService, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launch removed the last run's warning, exit and error files in
+    the user's folder on the broker's event loop: a hung home file system
+    (stale NFS) froze every API call (a review of the jobs)."""
+    seen: list[bool] = []
+    real = service._unlink
+
+    def unlink(root: Path, path: str) -> None:
+        seen.append(asyncio._get_running_loop() is not None)
+        real(root, path)
+
+    monkeypatch.setattr(service, "_unlink", unlink)
+    (home / "ann").mkdir(parents=True)
+    job = jobs.submit("ann", {"command": "true", "gpus": 1})
+    assert run_until_done(jobs, job["id"])["state"] == "succeeded"
+    assert seen and not any(seen)
