@@ -231,7 +231,9 @@ def nobody_home() -> Iterator[Path]:
 
 
 def as_nobody(jobs: JobService, top: Path) -> JobService:
-    service = JobService(jobs.broker, jobs.broker.engine, run_as_self=False)
+    # nobody (65534) is the one unprivileged account every host has; a real
+    # deployment refuses it (max_uid), the test lets it through
+    service = JobService(jobs.broker, jobs.broker.engine, run_as_self=False, max_uid=0)
     service.root_dir_template = str(top / "{username}")
     service.python = "/usr/bin/python3"  # one nobody may run (the venv's is under /root)
     return service
