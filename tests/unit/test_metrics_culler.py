@@ -16,12 +16,14 @@ from gpubroker.culler import Culler
 from gpubroker.observe.metrics import BrokerMetrics
 
 
-def _samples(metrics: BrokerMetrics) -> dict[tuple[str, str], float]:
+def _samples(
+    metrics: BrokerMetrics, prefix: str = "gpubroker_culler"
+) -> dict[tuple[str, str], float]:
     text = generate_latest(metrics.registry).decode()
     return {
         (s.name, s.labels.get("outcome", "")): s.value
         for family in text_string_to_metric_families(text)
-        if family.name.startswith("gpubroker_culler")
+        if family.name.startswith(prefix)
         for s in family.samples
         if not s.name.endswith("_created")
     }
@@ -82,14 +84,7 @@ def test_rounds_of_the_reconciliation_are_counted_and_the_last_success_timed(
     metrics = BrokerMetrics(broker)
 
     def samples() -> dict[tuple[str, str], float]:
-        text = generate_latest(metrics.registry).decode()
-        return {
-            (s.name, s.labels.get("outcome", "")): s.value
-            for family in text_string_to_metric_families(text)
-            if family.name.startswith("gpubroker_reconciliation")
-            for s in family.samples
-            if not s.name.endswith("_created")
-        }
+        return _samples(metrics, "gpubroker_reconciliation")
 
     assert samples() == {
         ("gpubroker_reconciliations_total", "ok"): 0,
