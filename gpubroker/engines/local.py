@@ -925,9 +925,12 @@ class LocalEngine:
     @staticmethod
     def _launch_alive(pgid: int, mark: _Mark | None, groups: set[int] | None = None) -> bool:
         """Whether a process of the launch is left (zombies do not count):
-        in process group ``pgid`` or one of ``groups``, or marked with
-        ``mark`` (:func:`_marked`)."""
-        if _group_alive(pgid) or any(_group_alive(g) for g in groups or ()):
+        in process group ``pgid`` or one of ``groups`` (those gone are
+        dropped from it: a group's number may be given out again), or
+        marked with ``mark`` (:func:`_marked`)."""
+        if groups:
+            groups.difference_update([g for g in groups if not _group_alive(g)])
+        if _group_alive(pgid) or groups:
             return True
         return mark is not None and bool(_marked(mark))
 
