@@ -104,7 +104,9 @@ class QueueHandler(PanelHandler):
         reason = _reason(self.form("reason", ""), f"cancelled by {self.me}")
         lease = self.broker.get_lease(lease_id)
         if lease["state"] != "pending":
-            raise BadRequest(f"lease {lease_id}: is {lease['state']}, not waiting")
+            # granted or ended meanwhile (a form sent twice, a stale page):
+            # nothing to cancel, as a second release of a lease is a 409
+            raise Conflict(f"lease {lease_id}: is {lease['state']}, not waiting")
         self.broker.release_lease(lease_id, reason, actor=self.actor)
         self.broker.note_lease(lease_id, "admin-cancel", reason, notify=True, actor=self.actor)
         self.back("queue", f"Request {lease_id} of {lease['user']} cancelled.")

@@ -441,3 +441,15 @@ async def test_cancelling_a_job_that_ended_is_a_conflict(
             served.server.stop()
             await JupyterHubHTTPClient.loop_instance().close()
     assert jobs.get(job["id"])["state"] == "succeeded"
+
+
+async def test_cancelling_a_request_twice_is_a_conflict(panel: Panel, broker: Broker) -> None:
+    """The second cancel of a waiting request (a form sent twice) was a 400,
+    where a second release is a 409 (a review of the panel)."""
+    broker.request_lease("ann", "", gpus=8, holder_kind="external")
+    waiting = broker.request_lease("bob", "", gpus=1, holder_kind="external")
+    assert waiting["state"] == "pending"
+    form = {"action": "cancel", "lease_id": str(waiting["id"])}
+    assert (await panel.post("queue", form)).code == 303
+    again = await panel.post("queue", form)
+    assert again.code == 409 and f"lease {waiting['id']}: is released, not waiting" in text(again)
