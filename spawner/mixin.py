@@ -1206,7 +1206,10 @@ class GPUSpawnerMixin(LoggingConfigurable):
             return False
         last = released[-1]
         cause = (last.get("detail") or {}).get("cause")
-        return cause == "release" and last.get("actor") == lease.get("user")
+        # a user named like one of the broker's own actors is recorded as
+        # user/NAME (gpubroker.model.lifecycle.caller_actor)
+        user = lease.get("user")
+        return cause == "release" and last.get("actor") in (user, f"user/{user}")
 
     def _release_later(self, lease_id: int, reason: str) -> None:
         task = asyncio.ensure_future(self._retry_release(lease_id, reason))

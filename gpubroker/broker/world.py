@@ -122,7 +122,8 @@ class World:
         #: side effects of the open transaction, run once it has committed
         #: (:meth:`after_commit`)
         self._after_commit: list[Callable[[], None]] = []
-        #: whether a write block joined the open read block (:meth:`read`)
+        #: whether the open read block changed something: a write block
+        #: joined it, or a flush wrote (:meth:`read`)
         self._wrote = False
         self.repo.on_flush(self._collect)
         self.reload()
@@ -249,6 +250,8 @@ class World:
     ) -> None:
         """After each flush: index what the flush wrote (work proportional
         to what changed). A rollback undoes it through :meth:`reload`."""
+        if new or dirty or deleted:
+            self._wrote = True  # a read block that fails now rolls this back
         deleted = [o for o in deleted if isinstance(o, QuotaRow)]
         changed = self.inputs.changed
         for obj in [*new, *dirty, *deleted]:

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
+from traitlets import Bool, Float, Integer, List, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
 from ..broker.rebind import Rebinder
@@ -112,13 +112,22 @@ class JobService(LoggingConfigurable):
         "own account otherwise. 0 turns both checks off.",
     ).tag(config=True)
 
+    shared_uids = List(
+        Integer(),
+        [65534, 4294967294],
+        help="Jobs never run as these POSIX accounts: shared ones such as 'nobody' "
+        "(65534, the kernel's overflow uid) and 'nfsnobody' (4294967294), which own "
+        "root-squashed NFS files and daemons' data: refused at submit (403), as below "
+        "min_uid.",
+    ).tag(config=True)
+
     max_uid = Integer(
-        60000,
+        0,
         min=0,
-        help="Jobs never run as a POSIX account whose uid is above this (login.defs' "
-        "UID_MAX: 'nobody' (65534) and the other shared accounts above it, which own "
-        "root-squashed NFS files and daemons' data): refused at submit (403), as below "
-        "min_uid. 0 turns the check off.",
+        help="Jobs never run as a POSIX account whose uid is above this; 0 (the "
+        "default): no upper limit. Directory-service accounts (LDAP, FreeIPA, SSSD) "
+        "often have uids far above login.defs' UID_MAX (60000): set it only where "
+        "every account above it is a shared one.",
     ).tag(config=True)
 
     runner = Unicode(
@@ -449,10 +458,15 @@ class JobService(LoggingConfigurable):
                 f"user: jobs do not run as {user!r} (uid {uid}): accounts below "
                 f"JobService.min_uid ({self.min_uid}) are root and system accounts"
             )
+        if uid in self.shared_uids:
+            raise Forbidden(
+                f"user: jobs do not run as {user!r} (uid {uid}): a shared account "
+                "(JobService.shared_uids)"
+            )
         if self.max_uid and uid > self.max_uid:
             raise Forbidden(
                 f"user: jobs do not run as {user!r} (uid {uid}): accounts above "
-                f"JobService.max_uid ({self.max_uid}) are shared accounts such as nobody"
+                f"JobService.max_uid ({self.max_uid}) are refused"
             )
         if uid == os.geteuid() and self.min_uid > 0:
             # a broker run as an ordinary account (uid >= min_uid): a hub user

@@ -240,8 +240,8 @@ class LeasesHandler(PanelHandler):
             # ended already (by itself, its user, a form sent twice): the
             # cancel changes nothing, as the release of an ended lease
             raise Conflict(f"job {job_id}: is {before['state']} already, nothing to cancel")
-        if before.get("stopping"):
-            raise Conflict(f"job {job_id}: is being stopped already")
+        # one being stopped (a preemption's grace) is cancelled all the same:
+        # else it would be queued again after the preemption
         job = await jobs.cancel(job_id, why, actor=self.actor)
         if job.get("stopping"):
             self.back("leases", f"Job {job_id} of {job['user']} stopping.")

@@ -56,6 +56,12 @@ def test_a_read_block_that_a_write_joined_commits_nothing_when_it_fails(db_url: 
     assert broker.get_lease(lease["id"])["container_id"] is None
     assert make_broker(db_url, ["2 x H100"]).get_lease(lease["id"])["container_id"] is None
     assert broker.validate_state() == []
+    # a change flushed inside a read block rolls back too
+    with pytest.raises(RuntimeError), world.read() as repo:
+        world.leases[lease["id"]].container_id = "c0ffee"
+        repo.flush()
+        raise RuntimeError("a bug after the flush")
+    assert make_broker(db_url, ["2 x H100"]).get_lease(lease["id"])["container_id"] is None
     # a read block that only read ends its transaction, keeping the memory
     kept = world.leases[lease["id"]]
     with pytest.raises(KeyError), world.read():

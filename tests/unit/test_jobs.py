@@ -481,8 +481,8 @@ def test_jobs_never_run_as_root_or_a_system_account(jobs: JobService, home: Path
         ("daemon", "user: jobs do not run as 'daemon' (uid 1)"),
         (
             "nobody",
-            "user: jobs do not run as 'nobody' (uid 65534): accounts above "
-            "JobService.max_uid (60000) are shared accounts such as nobody",
+            "user: jobs do not run as 'nobody' (uid 65534): a shared account "
+            "(JobService.shared_uids)",
         ),
         ("no-such-account-x", "user: 'no-such-account-x' has no POSIX account"),
     ]:
@@ -514,7 +514,7 @@ def test_jobs_never_run_as_the_brokers_own_account(
         pytest.skip("needs the account 'nobody'")
     if nobody < 1000:
         pytest.skip("needs 'nobody' with a uid of at least 1000")
-    jobs.run_as_self, jobs.max_uid = False, 0  # nobody is above max_uid too
+    jobs.run_as_self, jobs.shared_uids = False, []  # nobody is a shared account too
     monkeypatch.setattr(os, "geteuid", lambda: nobody)
     with pytest.raises(Forbidden, match=r"^user: jobs do not run as 'nobody' .*broker's own"):
         jobs.submit("nobody", {"command": "id -u", "gpus": 1})

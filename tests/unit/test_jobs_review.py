@@ -232,8 +232,8 @@ def nobody_home() -> Iterator[Path]:
 
 def as_nobody(jobs: JobService, top: Path) -> JobService:
     # nobody (65534) is the one unprivileged account every host has; a real
-    # deployment refuses it (max_uid), the test lets it through
-    service = JobService(jobs.broker, jobs.broker.engine, run_as_self=False, max_uid=0)
+    # deployment refuses it (shared_uids), the test lets it through
+    service = JobService(jobs.broker, jobs.broker.engine, run_as_self=False, shared_uids=[])
     service.root_dir_template = str(top / "{username}")
     service.python = "/usr/bin/python3"  # one nobody may run (the venv's is under /root)
     return service
@@ -428,3 +428,24 @@ def test_a_job_that_could_never_launch_is_refused_at_submit(
     if words == "param: ":
         assert "may nest at most 32 lists or maps" in err.value.message
     assert jobs.list(None) == [] and jobs.broker.list_leases() == []
+
+
+def test_max_uid_is_off_by_default_and_refuses_above_it(
+    jobs: JobService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Directory-service accounts have uids far above login.defs' UID_MAX
+    (SSSD's start at 200000): no upper limit by default; where one is set,
+    the uids above it are refused, and the shared accounts always are."""
+    from gpubroker.errors import Forbidden
+    from gpubroker.jobs import service
+
+    uids = {"ldap-ann": 200001, "nobody": 65534}
+    monkeypatch.setattr(service, "_uid_of", uids.get)
+    jobs.run_as_self = False
+    assert jobs.max_uid == 0
+    jobs._check_account("ldap-ann")  # no upper limit
+    with pytest.raises(Forbidden, match=r"a shared account \(JobService.shared_uids\)"):
+        jobs._check_account("nobody")
+    jobs.max_uid = 200000
+    with pytest.raises(Forbidden, match=r"accounts above JobService\.max_uid \(200000\)"):
+        jobs._check_account("ldap-ann")

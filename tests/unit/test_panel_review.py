@@ -453,3 +453,40 @@ async def test_cancelling_a_request_twice_is_a_conflict(panel: Panel, broker: Br
     assert (await panel.post("queue", form)).code == 303
     again = await panel.post("queue", form)
     assert again.code == 409 and f"lease {waiting['id']}: is released, not waiting" in text(again)
+
+
+async def test_a_job_in_a_preemptions_grace_is_cancelled_from_the_panel(
+    jobs: JobService, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job being stopped by a preemption is cancelled, as ``DELETE
+    /jobs/{id}`` does; refused, it would be queued again after the grace
+    (a review of this stop's fixes)."""
+    import asyncio
+
+    monkeypatch.setitem(
+        MODELS, "root-token", {"kind": "user", "name": "root", "scopes": [ACCESS, auth.ADMIN_SCOPE]}
+    )
+    jobs.stop_grace = 2.0
+    (home / "kim").mkdir(parents=True)
+    job = jobs.submit("kim", {"command": "trap '' TERM; sleep 600", "gpus": 1})
+    await jobs.tick()
+    view = jobs.get(job["id"])
+    assert view["state"] == "running"
+    jobs.broker.preempt_lease(view["lease_id"], "maintenance")
+    tick = asyncio.create_task(jobs.tick())
+    for _ in range(200):  # until the tick has begun the stop
+        await asyncio.sleep(0.05)
+        if jobs.get(job["id"])["stopping"]:
+            break
+    assert jobs.get(job["id"])["stopping"]
+    with FakeHub() as hub:
+        served = Panel(jobs.broker, hub, jobs=jobs, server_running=_running)
+        try:
+            form = {"action": "cancel-job", "job_id": str(job["id"])}
+            answer = await served.post("leases", form)
+            assert answer.code == 303, text(answer)
+        finally:
+            served.server.stop()
+            await JupyterHubHTTPClient.loop_instance().close()
+    await tick
+    assert jobs.get(job["id"])["state"] == "cancelled"

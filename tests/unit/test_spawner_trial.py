@@ -137,3 +137,24 @@ def test_a_mig_grant_names_the_instance_the_server_sees_then_its_gpu(
     for lease, message in zip((whole, share), shown[1:], strict=True):
         seen = lease["env"]["CUDA_VISIBLE_DEVICES"]
         assert re.fullmatch(rf"GPUs granted: .* on NVIDIA H100 80GB HBM3 \({seen}\)", message)
+
+
+async def test_a_user_named_like_a_system_actor_gives_up_her_gpus_too(
+    broker_url: str,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Her release is recorded as ``user/culler`` (caller_actor), which the
+    spawner read as someone else's: she was told her server lost its GPUs."""
+    monkeypatch.setitem(
+        MODELS, "culler-token", {"kind": "user", "name": "culler", "scopes": [ACCESS]}
+    )
+    spawner = make_spawner(broker_url)
+    spawner.user = SimpleNamespace(name="culler", url="/user/culler/", escaped_name="culler")
+    spawner.user_options = {"gpus": 1}
+    await start(spawner)
+    lease_id = spawner.gpu_lease_id
+    assert lease_id is not None
+    own = BrokerClient(broker_url, "culler-token")
+    await own.release_lease(lease_id, "released for job 2 (%gpu_submit)")
+    await spawner._release("server stopped")
+    assert spawner.gpu_last_end_given
