@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gpubroker.engines import EngineError, Handle, LaunchSpec, Status
+from gpubroker.engines import EngineError, Handle, LaunchSpec, OutsideHold, Status
 from gpubroker.engines.slurm import SlurmEngine
 
 from ..slurmutil import GPUS_PER_NODE, NODES, SlurmCluster
@@ -156,7 +156,7 @@ def test_jobs_from_outside_the_broker_hold_their_gpus(
     nodes = _wait(lambda: (lambda ns: ns if ns[0].outside else None)(engine.nodes()))
     outside = nodes[0].outside
     assert len(outside) == 2
-    assert set(outside.values()) == {f"Slurm job {theirs} of root"}
+    assert set(outside.values()) == {OutsideHold(f"Slurm job {theirs}", "root")}
     assert engine.poll(ours).devices[0] not in outside
     assert not nodes[1].outside
 
