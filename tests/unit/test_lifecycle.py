@@ -214,6 +214,7 @@ def test_the_culler_tracks_are_stored(db_url: str) -> None:
         "warned_until": warned,
         "flagged": True,
         "culled": False,
+        "kernels_seen": True,
     }
     save_tracks(broker.session_factory, {lease["id"]: fields})
     assert load_tracks(broker.session_factory) == {lease["id"]: fields}
