@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Literal
 
 from gpubroker.devices.base import DeviceBackend, DeviceBackendError, DeviceInfo, DeviceUsage
 
@@ -137,6 +138,19 @@ class _Proc:
     reaping: float | None = None
     #: process groups tagged processes of the launch were seen in, besides
     #: its own (:meth:`LocalEngine._kill_launch`)
+    groups: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Adopted:
+    """A launch an earlier broker's engine started, seen running by this
+    one: what :meth:`LocalEngine.poll` needs to end the processes its
+    leader leaves, read from the leader's ``/proc`` entry while it ran."""
+
+    mark: _Mark
+    #: as :attr:`_Proc.reaping`
+    reaping: float | None = None
+    #: as :attr:`_Proc.groups`
     groups: set[int] = field(default_factory=set)
 
 
@@ -366,6 +380,8 @@ class LocalEngine:
         self.helper_python = helper_python or os.path.realpath(sys.executable)
         self._lock = threading.RLock()
         self._procs: dict[int, _Proc] = {}
+        #: launches of an earlier engine seen running, by the leader's pid
+        self._adopted: dict[int, _Adopted] = {}
 
     # --- inventory and telemetry ---------------------------------------------------
 
@@ -690,8 +706,12 @@ class LocalEngine:
         exit code (it exited by itself) or the signal that ended it (and no
         exit code). ``ended`` is when a poll first saw the end. A pid this
         engine does not know (e.g. after a broker restart): ``running`` while
-        the pid exists (``os.kill(pid, 0)``; a zombie counts as gone), else
-        ``lost``; ``started``/``ended`` are then unknown (``None``).
+        the pid exists (``os.kill(pid, 0)``; a zombie counts as gone) and
+        carries the launch tag, and, once it has exited, while processes
+        of its launch are left (they are ended, as for a launch of this
+        engine); else ``lost``; ``started``/``ended`` are then unknown
+        (``None``). A launch whose leader exited while no broker ran is
+        ``lost`` at once: what it left is not known then.
 
         Raises:
             EngineError: the handle is of another engine or node, or its id is
@@ -701,8 +721,7 @@ class LocalEngine:
         with self._lock:
             proc = self._procs.get(pid)
             if proc is None:
-                ours = _pid_alive(pid) and _launched_here(pid) is not False
-                return Status(state="running" if ours else "lost")
+                return Status(state=self._poll_adopted(pid))
             code = proc.popen.poll()
             if code is None or self._reap(pid, proc):
                 return Status(state="running", started=proc.started, timed_out=proc.timed_out)
@@ -720,7 +739,24 @@ class LocalEngine:
                 timed_out=proc.timed_out,
             )
 
-    def _reap(self, pid: int, proc: _Proc) -> bool:
+    def _poll_adopted(self, pid: int) -> Literal["running", "lost"]:
+        """:meth:`poll` of a pid this engine did not start: ``running`` while
+        it is a launch (it carries :data:`TAG_VARIABLE`; its mark is then
+        remembered), and after it has exited while processes it left run
+        on (they are ended as :meth:`_reap` ends them); else ``lost``."""
+        adopted = self._adopted.get(pid)
+        if _pid_alive(pid) and _launched_here(pid) is not False:
+            if adopted is None:
+                mark = _mark_of(pid)
+                if mark is not None:
+                    self._adopted[pid] = _Adopted(mark)
+            return "running"
+        if adopted is not None and self._reap(pid, adopted, "an earlier broker's launch"):
+            return "running"
+        self._adopted.pop(pid, None)
+        return "lost"
+
+    def _reap(self, pid: int, proc: _Proc | _Adopted, what: str = "") -> bool:
         """After the leader ``pid`` of a launch has exited: whether other
         processes of the launch are left (a command's ``cmd &``, a
         notebook's ``Popen(..., start_new_session=True)``), which still
@@ -728,15 +764,17 @@ class LocalEngine:
         SIGTERM, and SIGKILL :attr:`time_limit_grace` seconds later; from
         then on each poll sends SIGKILL again while any is left (one that
         forks away from the last). As Slurm ends a job's processes when
-        its batch script exits (``KillWait`` between the signals)."""
+        its batch script exits (``KillWait`` between the signals).
+        ``proc``: a launch of this engine's, or one adopted from an earlier
+        engine (:meth:`_poll_adopted`; ``what`` names it in the log)."""
         if not self._launch_alive(pid, proc.mark, proc.groups):
             return False
         now = time.monotonic()
         if proc.reaping is None:
             proc.reaping = now
             log.info(
-                "lease %d (pid %d): exited, ending the processes it left (SIGTERM)",
-                proc.spec.lease_id,
+                "%s (pid %d): exited, ending the processes it left (SIGTERM)",
+                f"lease {proc.spec.lease_id}" if isinstance(proc, _Proc) else what,
                 pid,
             )
             self._kill_launch(pid, proc.mark, signal_module.SIGTERM, proc.groups)
@@ -795,8 +833,12 @@ class LocalEngine:
             proc = self._procs.get(pid)
         deadline = time.monotonic() + max(grace, 0.0)
         if proc is None:
+            with self._lock:
+                adopted = self._adopted.get(pid)
             if self._adoptable(pid, handle):
                 self._stop_adopted(pid, _mark_of(pid), deadline)
+            elif adopted is not None:  # its leader has exited; what it left has not
+                self._stop_adopted(pid, adopted.mark, deadline, adopted.groups)
             return self.poll(handle)
         popen, mark, groups = proc.popen, proc.mark, proc.groups
         if popen.poll() is None or self._launch_alive(pid, mark, groups):
@@ -821,17 +863,18 @@ class LocalEngine:
         )
         return status
 
-    def _stop_adopted(self, pid: int, mark: _Mark | None, deadline: float) -> None:
+    def _stop_adopted(
+        self, pid: int, mark: _Mark | None, deadline: float, groups: set[int] | None = None
+    ) -> None:
         """:meth:`stop` for a launch this engine did not start: SIGTERM to
         its processes, SIGKILL at ``deadline`` (a :func:`time.monotonic`
         time, seconds) to those left; then waits up to :data:`KILL_WAIT`
-        seconds for ``pid``.
+        seconds for ``pid``. ``groups``: its process groups seen before.
 
         Raises:
             EngineError: as :meth:`_killpg`.
         """
-
-        groups: set[int] = set()
+        groups = set() if groups is None else groups
 
         def alive() -> bool:
             return _pid_alive(pid) or self._launch_alive(pid, mark, groups)
@@ -852,6 +895,7 @@ class LocalEngine:
         with self._lock:
             proc = self._procs.get(pid)
             if proc is None:
+                self._adopted.pop(pid, None)
                 return
             if proc.popen.poll() is None:
                 raise EngineError(f"cannot forget pid {pid}: it still runs")

@@ -605,3 +605,65 @@ def test_stop_ends_a_process_that_forks_away_from_each_kill(
         assert pid_file.read_text() == last
     finally:
         LocalEngine._kill_until_gone(int(handle.id), mark, set())
+
+
+def test_a_restarted_engine_ends_what_an_adopted_launchs_leader_left(
+    backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
+) -> None:
+    """After a broker restart, a job's leader that exited leaving a
+    process behind was ``lost`` at once, and its lease released while
+    that process ran on its GPU (stop 45's leftover). The new engine reads
+    the launch's mark while the leader runs; once the leader exits, the
+    launch runs until what it left has ended (SIGTERM, then SIGKILL
+    ``time_limit_grace`` later to one that ignores it), then is ``lost``
+    (its exit status is the old engine's)."""
+    old = LocalEngine(backend)
+    pid_file, ready, go = tmp_path / "left", tmp_path / "ready", tmp_path / "go"
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(ready)!r}, 'w').close(); time.sleep(120)"
+    )
+    wait = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+    handle = launch(old, spec(_child_code(pid_file, stubborn, wait), tmp_path))
+    wait_for(lambda: ready.exists() and pid_file.read_text() != "", "the child")
+    left = int(pid_file.read_text())
+    try:
+        new = LocalEngine(backend, time_limit_grace=0.5)  # the broker restarted
+        assert new.poll(handle) == Status(state="running")  # the leader runs
+        go.touch()
+        wait_for(lambda: old._procs[int(handle.id)].popen.poll() is not None, "the leader")
+        assert new.poll(handle) == Status(state="running")  # what it left runs on
+        wait_for(lambda: new.poll(handle) == Status(state="lost"), "the end of the launch")
+        assert gone(left)
+    finally:
+        if not gone(left):
+            os.kill(left, signal.SIGKILL)
+
+
+def test_a_restarted_engine_stops_what_an_adopted_launchs_leader_left(
+    backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
+) -> None:
+    """A cancel after the adopted leader has exited ends what it left, one
+    that ignores SIGTERM included (the leader's pid is no longer
+    adoptable: before, nothing was signalled)."""
+    old = LocalEngine(backend)
+    pid_file, ready, go = tmp_path / "left", tmp_path / "ready", tmp_path / "go"
+    child = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(ready)!r}, 'w').close(); time.sleep(120)"
+    )
+    wait = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+    handle = launch(old, spec(_child_code(pid_file, child, wait), tmp_path))
+    wait_for(lambda: ready.exists() and pid_file.read_text() != "", "the child")
+    left = int(pid_file.read_text())
+    try:
+        new = LocalEngine(backend, time_limit_grace=60)
+        assert new.poll(handle).running
+        go.touch()
+        wait_for(lambda: old._procs[int(handle.id)].popen.poll() is not None, "the leader")
+        assert new.poll(handle).running  # SIGTERM sent, ignored
+        assert new.stop(handle, grace=0.2) == Status(state="lost")
+        assert gone(left)
+    finally:
+        if not gone(left):
+            os.kill(left, signal.SIGKILL)
