@@ -74,7 +74,6 @@ c.JupyterHub.load_roles = [
             "read:users",
             "read:servers",
             "delete:servers",
-            "read:groups",
             # the culler reads kernels of servers holding GPUs with a token the hub
             # issues per read: owned by that user, limited to that one server
             "tokens",
