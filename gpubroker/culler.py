@@ -415,9 +415,11 @@ class Culler(LoggingConfigurable):
         pairs = zip(judged, seen, strict=True)
         done = await asyncio.gather(*(act(lease, signals) for (lease, _), signals in pairs))
         culled = [lease.id for (lease, _), ok in zip(judged, done, strict=True) if ok]
-        # only judged leases keep a track: an exempt lease, or one whose server
-        # is gone, starts afresh if it is judged again (never a stale warning)
-        live = {lease.id for lease, _ in judged}
+        # granted leases that are not exempt keep their track, also when the
+        # hub's listing left their server out this once (a paged listing
+        # can skip one as others stop): its warning and clocks stand. An
+        # exempt or released lease's track goes (never a stale warning)
+        live = {lease.id for lease in leases if not self._exempt(lease)}
         self.tracks = {k: v for k, v in self.tracks.items() if k in live}
         self._save()
         return culled
@@ -453,9 +455,10 @@ class Culler(LoggingConfigurable):
         """What one check sees of ``lease``. The GPU's use is known only if
         every slot's is, or one slot is seen in use: an unreadable device
         next to an idle one is not an idle GPU. A kernel's activity more than
-        :data:`CLOCK_SKEW` after ``now`` is left out, so it hides no other
-        kernel's."""
-        now = now or utcnow()
+        :data:`CLOCK_SKEW` after the read (``now``, or the clock when the
+        read begins if later: reads wait their turn behind
+        :attr:`concurrency`) is left out, so it hides no other kernel's."""
+        now = max(now or utcnow(), utcnow())
         kernels, terminals = await self._kernels(lease, now + CLOCK_SKEW)
         utils, memory, unknown = [], 0, False
         # NVML off the event loop: a call can block for seconds (persistence

@@ -246,17 +246,18 @@ class HubClient(LoggingConfigurable):
 
 def parse_time(value: Any) -> dt.datetime | None:
     """An ISO 8601 time as aware UTC; naive means UTC; ``None``, a value
-    that is not a string (servers are read as untrusted) or a bad string →
+    that is not a string (servers are read as untrusted), a bad string or
+    one whose UTC time is out of range (``0001-01-01T00:00:00+01:00``) →
     ``None``."""
     if not value or not isinstance(value, str) or len(value) > 64:
         return None
     try:
         when = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
+        if when.tzinfo is None:
+            return when.replace(tzinfo=dt.timezone.utc)
+        return when.astimezone(dt.timezone.utc)
+    except (ValueError, OverflowError):
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.timezone.utc)
-    return when.astimezone(dt.timezone.utc)
 
 
 def _max_lifetime(err: HTTPClientError) -> int | None:
