@@ -68,8 +68,9 @@ GUARANTEES = {
     "share": (
         "time-sliced share: memory cap of {memory} enforced by the broker "
         "(framework caps, watchdog; hard only where MPS runs, and there per CUDA "
-        "process: two processes of the server can each use the cap, while the "
-        "watchdog enforces the total per server); compute shared with the "
+        "process that keeps the variables that set it: two processes of the "
+        "server can each use the cap, while the watchdog enforces the total "
+        "per server); compute shared with the "
         "device's other users, no guaranteed part"
     ),
 }

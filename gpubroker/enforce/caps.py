@@ -39,20 +39,24 @@ STARTUP_DIR = str(Path(__file__).resolve().parent / "startup")
 
 
 def memory_fraction(memory_mib: int, device_memory_mib: int) -> str:
-    """``memory_mib / device_memory_mib`` with three decimals, rounded down
-    so the fraction of the device never exceeds the share.
+    """``memory_mib / device_memory_mib`` with six decimals, rounded down
+    so the fraction of the device never exceeds the share. (Three
+    decimals, as before, cut a 1 GiB share's 512 MiB allocator to 431 MiB
+    on a 141 GiB H200, and refused shares under 0.1 % of a device.)
 
     Args:
         memory_mib: the share's memory, MiB (>= 1).
         device_memory_mib: the device's total memory, MiB (>= ``memory_mib``).
 
     Returns:
-        e.g. ``"0.125"`` for 10240 of 81559 MiB; ``"1.000"`` for the whole device.
+        e.g. ``"0.125553"`` for 10240 of 81559 MiB; ``"1.000000"`` for the
+        whole device.
 
     Raises:
         ValueError: a size is not an integer >= 1, ``memory_mib`` exceeds
-            ``device_memory_mib``, or the share is under 0.1 % of the device
-            (the fraction would round down to 0).
+            ``device_memory_mib``, or the share is under a millionth of the
+            device (the fraction would round down to 0; a device over
+            976 GiB).
     """
     for name, value in (("memory_mib", memory_mib), ("device_memory_mib", device_memory_mib)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -63,13 +67,16 @@ def memory_fraction(memory_mib: int, device_memory_mib: int) -> str:
         raise ValueError(
             f"memory_mib ({memory_mib}) must be at most device_memory_mib ({device_memory_mib})"
         )
-    thousandths = memory_mib * 1000 // device_memory_mib  # integer maths: never rounds up
-    if thousandths == 0:
+    millionths = memory_mib * _MILLION // device_memory_mib  # integer maths: never rounds up
+    if millionths == 0:
         raise ValueError(
-            f"memory_mib ({memory_mib}) must be at least 0.1 % of device_memory_mib "
-            f"({device_memory_mib}), i.e. {-(-device_memory_mib // 1000)} MiB"
+            f"memory_mib ({memory_mib}) must be at least a millionth of device_memory_mib "
+            f"({device_memory_mib}), i.e. {-(-device_memory_mib // _MILLION)} MiB"
         )
-    return f"{thousandths // 1000}.{thousandths % 1000:03d}"
+    return f"{millionths // _MILLION}.{millionths % _MILLION:06d}"
+
+
+_MILLION = 1_000_000
 
 
 def allocator_mib(memory_mib: int, context_mib: int) -> int:
@@ -100,7 +107,7 @@ def framework_env(
 
     Returns:
         ``XLA_PYTHON_CLIENT_MEM_FRACTION`` and ``XLA_CLIENT_MEM_FRACTION``
-        (the allocator's fraction of the device, 3 decimals, rounded down;
+        (the allocator's fraction of the device, 6 decimals, rounded down;
         JAX docs), ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (JAX docs),
         ``TF_FORCE_GPU_ALLOW_GROWTH=true`` (TensorFlow GPU guide),
         ``GPUBROKER_MEMORY_LIMIT_MIB`` (the allocator's MiB),

@@ -8,6 +8,9 @@ so its servers see exactly that device. A share's processes get
 daemon, may allocate at most ``memory_mib`` of device memory each
 (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``) and use at most ``thread_percentage``
 percent of the device's threads (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``).
+Those are client-side variables: the cap is hard for a process that keeps
+them, and a holder who starts a process without them runs it outside the
+cap (or outside MPS); the share watchdog is then the only check.
 
 Rules (NVIDIA "Multi-Process Service" documentation, "Appendix: Tools and
 Interface Reference" / "Environment Variables" and ``man

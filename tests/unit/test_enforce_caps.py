@@ -27,7 +27,7 @@ def test_the_cuda_context_is_left_out_of_the_allocators_cap() -> None:
 
     env = framework_env(10240, 81559, context_mib=512)
     assert env["GPUBROKER_MEMORY_LIMIT_MIB"] == "9728"
-    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == env["GPUBROKER_MEMORY_FRACTION"] == "0.119"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == env["GPUBROKER_MEMORY_FRACTION"] == "0.119275"
     # a share too small for a context keeps half of itself for the allocator
     assert allocator_mib(256, 512) == 128 and allocator_mib(1024, 0) == 1024
     with pytest.raises(ValueError, match="must be at most device_memory_mib"):
@@ -37,12 +37,12 @@ def test_the_cuda_context_is_left_out_of_the_allocators_cap() -> None:
 def test_framework_env_values() -> None:
     env = framework_env(10240, 81559)
     assert env == {
-        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.125",
-        "XLA_CLIENT_MEM_FRACTION": "0.125",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.125553",
+        "XLA_CLIENT_MEM_FRACTION": "0.125553",
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         "TF_FORCE_GPU_ALLOW_GROWTH": "true",
         "GPUBROKER_MEMORY_LIMIT_MIB": "10240",
-        "GPUBROKER_MEMORY_FRACTION": "0.125",
+        "GPUBROKER_MEMORY_FRACTION": "0.125553",
         "PYTHONPATH": STARTUP_DIR,
     }
     assert Path(STARTUP_DIR, "sitecustomize.py").is_file()
@@ -51,12 +51,13 @@ def test_framework_env_values() -> None:
 @pytest.mark.parametrize(
     ("memory", "device", "fraction"),
     [
-        (40960, 81920, "0.500"),
-        (81920, 81920, "1.000"),
-        (81919, 81920, "0.999"),
-        (1, 1000, "0.001"),
-        (1999, 1000 * 1000, "0.001"),
-        (24576, 97871, "0.251"),
+        (40960, 81920, "0.500000"),
+        (81920, 81920, "1.000000"),
+        (81919, 81920, "0.999987"),
+        (1, 1000, "0.001000"),
+        (1999, 1000 * 1000, "0.001999"),
+        (512, 143771, "0.003561"),  # a 1 GiB share's allocator on an H200 (was 0.003)
+        (24576, 97871, "0.251106"),
     ],
 )
 def test_memory_fraction_rounds_down(memory: int, device: int, fraction: str) -> None:
@@ -66,12 +67,12 @@ def test_memory_fraction_rounds_down(memory: int, device: int, fraction: str) ->
 @given(st.integers(1, 2**20), st.integers(1, 2**20))
 def test_memory_fraction_never_exceeds_the_share(a: int, b: int) -> None:
     memory, device = min(a, b), max(a, b)
-    if memory * 1000 < device:
-        return  # under 0.1 %: refused, see below
+    if memory * 10**6 < device:
+        return  # under a millionth: refused, see below
     value = memory_fraction(memory, device)
-    assert len(value.split(".")[1]) == 3
-    assert int(value.replace(".", "")) * device <= memory * 1000  # exact: never above
-    assert (int(value.replace(".", "")) + 1) * device > memory * 1000  # largest such
+    assert len(value.split(".")[1]) == 6
+    assert int(value.replace(".", "")) * device <= memory * 10**6  # exact: never above
+    assert (int(value.replace(".", "")) + 1) * device > memory * 10**6  # largest such
 
 
 def test_pythonpath_keeps_existing_entries_after_the_startup_dir() -> None:
@@ -91,7 +92,7 @@ def test_pythonpath_keeps_existing_entries_after_the_startup_dir() -> None:
         (1024, 0, "device_memory_mib"),
         (1024, "8192", "device_memory_mib"),
         (8193, 8192, "at most device_memory_mib"),
-        (8, 81920, "at least 0.1 %"),
+        (1, 2 * 10**6, "at least a millionth"),
     ],
 )
 def test_framework_env_rejects_bad_sizes(memory: int, device: int, field: str) -> None:
