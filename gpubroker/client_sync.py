@@ -76,7 +76,12 @@ class SyncBrokerClient:
             )
         url = self.url + path + (f"?{urlencode(params)}" if params else "")
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(url, data=data, method=method)
+        try:
+            request = urllib.request.Request(url, data=data, method=method)
+        except ValueError as err:  # "http://[::1/": Invalid IPv6 URL
+            raise BrokerClientError(
+                599, f"broker unreachable at {self.url}: {err}: is GPUBROKER_URL a URL?"
+            ) from None
         request.add_header("Authorization", f"token {self.token}")
         request.add_header("Content-Type", "application/json")
         seconds = timeout or self.timeout

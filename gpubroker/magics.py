@@ -37,8 +37,10 @@ terminals.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import html
+import math
 import os
 import shlex
 import sys
@@ -98,13 +100,26 @@ def _table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
     display({"text/plain": plain, "text/html": f"<table><tr>{head}</tr>{body}</table>"}, raw=True)
 
 
+def _gib(text: str) -> float:
+    """``--memory``: a finite number of GiB (``nan`` and ``inf`` are no
+    size; JSON has no such numbers, so the broker could not say which
+    field was wrong)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB, got {text!r}")
+    return value
+
+
 def _resources(func: Any) -> Any:
     """The options of what a job asks for (``%gpu_submit``, ``%%gpu_job``)."""
     for option in reversed(
         [
             argument("--gpus", type=int, help="whole GPUs"),
             argument("--mig", help="a MIG profile, e.g. 1g.10gb"),
-            argument("--memory", type=float, help="a share of this many GiB"),
+            argument("--memory", type=_gib, help="a share of this many GiB"),
             argument("--time", help="time limit: seconds, or 90s, 10m, 12h, 2d"),
             argument("--retries", type=int, help="run again after a failure, this many times"),
             argument("--pool", help="the pool"),
@@ -195,9 +210,7 @@ def _job_path(notebook: str) -> str:
     path = os.path.expanduser(notebook)
     if not os.path.isabs(path):
         here = _relative_cwd()
-        if here is None:
-            return notebook
-        return os.path.normpath(os.path.join(here, path))
+        return os.path.normpath(path if here is None else os.path.join(here, path))
     home = os.path.realpath(os.path.expanduser("~"))
     real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
     return os.path.relpath(real, home) if real.startswith(home + os.sep) else path
@@ -234,7 +247,8 @@ def _relative_cwd() -> str | None:
 def unsaved_cells(shell: Any, notebook: str) -> int:
     """How many distinct code cells run in ``shell`` this session are not in
     ``notebook``'s saved file (0 when it cannot be read). Magics and blank
-    inputs are left out."""
+    inputs are left out. The kernel's history has no cell identity, so the
+    code of a cell run and then edited counts too, after any save."""
     import nbformat
 
     try:
@@ -330,8 +344,16 @@ class GPUMagics(Magics):
             what["python"] = sys.executable
         job = self._submit("%gpu_submit", args, what, kernel=args.kernel)
         if release is not None:
-            self._call("release_lease", release, f"released for job {job['id']} (%gpu_submit)")
-            print(f"lease {release} released: this server stops now")
+            try:
+                self.client.release_lease(release, f"released for job {job['id']} (%gpu_submit)")
+            except BrokerClientError as err:  # the job is queued all the same
+                print(
+                    f"job {job['id']} is queued, but lease {release} was not released: "
+                    f"{err.message}; stop this server from the hub's home page to release it",
+                    file=sys.stderr,
+                )
+            else:
+                print(f"lease {release} released: this server stops now")
         return job
 
     @magic_arguments()
@@ -405,7 +427,8 @@ class GPUMagics(Magics):
             sys.stdout.flush()  # what the cell printed before stays before it
             print(
                 f"Warning: {missing} cell(s) run in this kernel are not in {notebook} as "
-                "saved; the job runs the saved file (save it first to include them).",
+                "saved; the job runs the saved file (save it first to include them; "
+                "code you ran and then edited counts too, until the kernel restarts).",
                 file=sys.stderr,
                 flush=True,
             )

@@ -6,6 +6,7 @@ rights of that token's owner, like the notebook magics."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from typing import Any
@@ -34,7 +35,8 @@ class _JobsCall(Application):
 
     def job_id(self) -> int:
         """The one positional argument, a job id (exits 2 otherwise)."""
-        if len(self.extra_args) != 1 or not self.extra_args[0].isdigit():
+        # ASCII digits only: "²".isdigit() is true, and int() refuses it
+        if len(self.extra_args) != 1 or not re.fullmatch(r"[0-9]{1,18}", self.extra_args[0]):
             self.log.critical("give one job id, e.g. `gpubroker jobs %s 7`", self.name)
             self.exit(2)
         return int(self.extra_args[0])

@@ -17,7 +17,9 @@ line with those arguments. Two things are added:
   or written), one line saying why (``ValueError: boom (at "In [3]")``)
   is written to ``$GPUBROKER_JOB_ERROR_FILE``, and the error goes on as
   before (traceback on standard error, exit status 1): the broker adds
-  that line to the failed job's reason.
+  that line to the failed job's reason. A kernel that died (killed, out of
+  memory) is said so (``DeadKernelError: the kernel died ...``), with exit
+  status 1: papermill's own 138 reads as a job ended by signal 10.
 * When the broker warns (the file ``$GPUBROKER_WARN_FILE`` appears: a time
   limit is near, or the job's lease is being preempted), the kernel is
   interrupted (SIGINT to this process's children), as Jupyter's
@@ -116,9 +118,27 @@ def main(argv: list[str]) -> None:
             argv = [*argv, "-k", kernel_of(python, Path(where))]
         try:
             papermill.main(args=argv, prog_name="papermill")
+        except SystemExit as end:
+            if end.code != DEAD_KERNEL_EXIT:
+                raise
+            # papermill's exit for a dead kernel reads as "ended by signal
+            # 10" (128 + 10: the broker's own warning signal); say what it is
+            record_error(DeadKernelError(DEAD_KERNEL))
+            raise SystemExit(1) from None
         except Exception as err:
             record_error(err)
             raise
+
+
+#: papermill's command line exits with this when the kernel died
+#: (``nbclient.exceptions.DeadKernelError``; papermill/cli.py)
+DEAD_KERNEL_EXIT = 138
+#: what the job's reason says then
+DEAD_KERNEL = "the kernel died (killed, out of memory, or crashed); output up to its last cell"
+
+
+class DeadKernelError(RuntimeError):
+    """The notebook's kernel died (papermill exited :data:`DEAD_KERNEL_EXIT`)."""
 
 
 def _end_on_term(where: Path, signum: int, _frame: object) -> None:

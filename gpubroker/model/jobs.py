@@ -62,6 +62,13 @@ TRANSITIONS = frozenset(
 MAX_TIME = 30 * 86400.0
 #: most parameters of one notebook job
 MAX_PARAMS = 64
+#: most bytes of one argument of a job's command (UTF-8): Linux's
+#: ``MAX_ARG_STRLEN`` (32 pages, 131,072 bytes with the final NUL); a
+#: longer one fails at the launch (E2BIG), after the job held its GPUs
+MAX_ARG_BYTES = 131071
+#: most bytes of a notebook job's parameters as JSON: papermill gets them
+#: as one YAML argument (``-y``), which may be up to twice as long
+MAX_PARAMS_BYTES = 65536
 #: most retries after a failure a job may ask for
 MAX_RETRIES = 10
 
@@ -120,8 +127,9 @@ def parse_params(items: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
 
     Raises:
         JobError: (``param``) an item without ``=``, a name that is not a
-            Python identifier, a number that is not finite (``1e999``), or
-            more than :data:`MAX_PARAMS`.
+            Python identifier, a number that is not finite (``1e999``),
+            more than :data:`MAX_PARAMS`, or more than
+            :data:`MAX_PARAMS_BYTES` as JSON.
     """
     pairs: list[tuple[str, Any]] = []
     if isinstance(items, Mapping):
@@ -142,6 +150,11 @@ def parse_params(items: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
         if _has_non_finite(value):
             raise JobError("param", f"{name}: a number must be finite (at most ~1.8e308)")
         params[name] = value
+    size = len(json.dumps(params, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if size > MAX_PARAMS_BYTES:
+        raise JobError(
+            "param", f"the parameters may take at most {MAX_PARAMS_BYTES} bytes as JSON, got {size}"
+        )
     return params
 
 
@@ -287,7 +300,8 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
     notebook, command = data.get("notebook"), data.get("command")
     if (notebook is None) == (command is None):
         raise JobError("notebook", "give exactly one of notebook and command")
-    env = data.get("env") or {}
+    env = data.get("env")
+    env = {} if env is None else env
     if not isinstance(env, Mapping) or not all(
         isinstance(k, str) and _NAME.fullmatch(k) and isinstance(v, str) for k, v in env.items()
     ):
@@ -296,7 +310,8 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
         raise JobError("env", "GPUBROKER_*, CUDA_* and NVIDIA_* are set by the broker")
     if any("\x00" in v for v in env.values()):
         raise JobError("env", "a value must not contain a NUL character")
-    kernel = data.get("kernel") or ""
+    kernel = data.get("kernel")
+    kernel = "" if kernel is None else kernel
     if not isinstance(kernel, str) or (kernel and not re.match(r"^[A-Za-z0-9._-]{1,64}$", kernel)):
         raise JobError("kernel", f"not a kernel name: {echo(kernel)}")
     python = data.get("python")
@@ -336,8 +351,14 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
         raise JobError("command", "must be a shell line or a list of arguments")
     if any("\x00" in a for a in command):
         raise JobError("command", "must not contain a NUL character")
-    if params or python:
-        raise JobError("param" if params else "python", "is for notebook jobs")
+    longest = max(len(a.encode("utf-8", "surrogatepass")) for a in command)
+    if longest > MAX_ARG_BYTES:
+        raise JobError(
+            "command", f"an argument may take at most {MAX_ARG_BYTES} bytes, got {longest}"
+        )
+    if params or python or kernel:
+        field_ = "param" if params else "python" if python else "kernel"
+        raise JobError(field_, "is for notebook jobs")
     return JobSpec("command", "", tuple(command), {}, "", cwd, dict(env), time_limit, retries)
 
 

@@ -106,6 +106,31 @@ def test_an_empty_command_is_refused(command: Any, words: str) -> None:
     assert str(refused.value) == words
 
 
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        # a %%gpu_job cell of 180 KB: the launch failed (E2BIG) after the job
+        # had waited for and held its GPUs
+        (
+            {"command": ["python", "-c", "x = 1\n" * 30000]},
+            "command: an argument may take at most 131071 bytes, got 180000",
+        ),
+        (
+            {"notebook": "a.ipynb", "params": {"data": [1] * 40000}},
+            "param: the parameters may take at most 65536 bytes as JSON, got 120010",
+        ),
+        # silently dropped or taken as none before
+        ({"command": "echo", "kernel": "python3"}, "kernel: is for notebook jobs"),
+        ({"notebook": "a.ipynb", "kernel": 0}, "kernel: not a kernel name: 0"),
+        ({"notebook": "a.ipynb", "env": []}, "env: must map variable names to strings"),
+    ],
+)
+def test_what_cannot_run_as_given_is_refused_at_submit(data: Any, words: str) -> None:
+    with pytest.raises(JobError) as refused:
+        parse_spec(data)
+    assert str(refused.value) == words
+
+
 def test_the_time_limits_bound_is_said_in_days() -> None:
     with pytest.raises(JobError) as refused:
         parse_time(0)
@@ -155,3 +180,16 @@ def test_show_prints_a_reason_and_a_notebook_on_their_lines(
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "job 3 of alice: failed (x\\nFORGED \\x1b[2J)"
     assert lines[1] == "  notebook: a\\nb.ipynb"
+
+
+@pytest.mark.parametrize("word", ["²", "٣", "-1", "1" * 19])
+def test_a_job_id_is_ascii_digits(word: str) -> None:
+    """``gpubroker jobs show ²`` crashed: ``"²".isdigit()`` is true, and
+    ``int()`` refuses it. It now exits 2 with the usage line."""
+    from gpubroker.jobs.cli import ShowCommand
+
+    app = ShowCommand()
+    app.extra_args = [word]
+    with pytest.raises(SystemExit) as ended:
+        app.job_id()
+    assert ended.value.code == 2

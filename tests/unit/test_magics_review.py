@@ -424,3 +424,50 @@ def test_the_log_of_a_queued_job_says_there_is_none_yet(
         assert capsys.readouterr().out == "job 4 is queued: no log yet (--follow waits for it)\n"
     finally:
         InteractiveShell.clear_instance()
+
+
+class _ReleaseFails(Recorder):
+    def release_lease(self, lease_id: int, reason: str) -> None:
+        raise BrokerClientError(503, "broker down")
+
+
+def test_a_release_that_fails_after_the_submit_still_returns_the_job(
+    shell: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--release``: the job was queued, then the release raised a
+    UsageError, so ``job = %gpu_submit ...`` got nothing and nothing said
+    that job 7 exists while the lease is still held."""
+    ip, _ = shell
+    failing = _ReleaseFails()
+    ip.register_magics(GPUMagics(ip, client=failing))  # type: ignore[arg-type]
+    monkeypatch.setenv("GPUBROKER_LEASE_ID", "42")
+    job = ip.run_line_magic("gpu_submit", "train.ipynb --gpus 1 --release --yes")
+    assert job["id"] == 7 and len(failing.bodies) == 1
+    err = capsys.readouterr().err
+    assert "job 7 is queued, but lease 42 was not released: broker down" in err
+
+
+def test_a_relative_name_with_dots_is_normalised_from_the_home_directory(
+    shell: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From ``~/sub`` the name was normalised, from ``~`` it went as given,
+    and the broker refused ``sub/../a.ipynb`` as leaving the home directory."""
+    ip, recorder = shell
+    monkeypatch.chdir(tmp_path)
+    ip.run_line_magic("gpu_submit", "sub/../a.ipynb --gpus 1")
+    assert recorder.bodies[-1]["notebook"] == "a.ipynb"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "abc"])
+def test_memory_must_be_a_finite_number(shell: Any, value: str) -> None:
+    """``--memory nan`` went to the broker as JSON's NaN, refused as a
+    bad body without naming the option."""
+    ip, recorder = shell
+    with pytest.raises(UsageError, match=r"--memory: must be a finite number of GiB"):
+        ip.run_line_magic("gpu_submit", f"train.ipynb --memory {value}")
+    assert recorder.bodies == []
+
+
+def test_a_url_the_client_cannot_parse_is_a_client_error() -> None:
+    with pytest.raises(BrokerClientError, match=r"Invalid IPv6 URL: is GPUBROKER_URL a URL"):
+        SyncBrokerClient("http://[::1/", "token").jobs()

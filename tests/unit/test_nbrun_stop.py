@@ -46,3 +46,28 @@ def test_a_stopped_notebook_run_leaves_nothing_in_tmp(tmp_path: Path) -> None:
             run.kill()
             run.wait()
     assert list(tmp.iterdir()) == []
+
+
+def test_a_notebook_whose_kernel_dies_fails_with_exit_1_and_says_so(tmp_path: Path) -> None:
+    """papermill exits 138 when the kernel dies (killed, out of memory);
+    the job's shell read 129-192 as a signal, so the job ended "by signal
+    10" (the broker's own warning signal) with no error line. The runner
+    now exits 1 and writes why."""
+    source = write_notebook(
+        tmp_path / "nb.ipynb", ["x = 1", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    )
+    error = tmp_path / "job.log.error"
+    env = {
+        **os.environ,
+        "GPUBROKER_KERNEL_PYTHON": sys.executable,
+        "GPUBROKER_JOB_ERROR_FILE": str(error),
+    }
+    env.pop("GPUBROKER_WARN_SIGNAL", None)
+    run = subprocess.run(
+        [sys.executable, nbrun.__file__, str(source), str(tmp_path / "out.ipynb")],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stderr.decode()[-2000:]
+    assert error.read_text().startswith("DeadKernelError: the kernel died")
