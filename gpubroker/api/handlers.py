@@ -807,6 +807,12 @@ class JobsHandler(_JobHandler):
     see their own, admins all)."""
 
     _body: dict[str, Any] | None = None
+    #: the client closed the connection (its timeout) while the checks ran
+    _client_gone = False
+
+    def on_connection_close(self) -> None:
+        """The client went away: a submission not made yet is not made."""
+        self._client_gone = True
 
     def _job_body(self) -> dict[str, Any]:
         if self._body is None:
@@ -827,6 +833,12 @@ class JobsHandler(_JobHandler):
         # the checks as the user run a probe (up to seconds): off the event
         # loop, on the job service's own workers (the user's probe may be slow)
         checked = await self.jobs.check_off_loop(user, body)
+        if self._client_gone:
+            # its client gave up (the checks queued behind other users'
+            # probes): queueing now would leave a job it believes was not
+            # made, and its retry a second one
+            self.log.warning("Job of %s not submitted: the client left during its checks", user)
+            return
         job = self.jobs.submit(
             user, body, groups=groups, actor=self.actor, admin=self.admin, checked=checked
         )

@@ -209,3 +209,54 @@ async def test_post_jobs_checks_on_the_job_services_workers(
             server.stop()
             await JupyterHubHTTPClient.loop_instance().close()
         assert [code for code, _ in done] == [201, 201], done
+
+
+async def test_a_submission_whose_client_left_during_its_checks_is_not_made(
+    jobs: JobService, home: Path, tmp_path: Path
+) -> None:
+    """A client that timed out while its checks waited their turn was told
+    "no answer", yet its job was queued: its retry made a second one,
+    both holding GPUs. A submission whose client has left is not made."""
+    import asyncio
+    import json as json_module
+
+    from jupyterhub.httpclient import JupyterHubHTTPClient
+    from jupyterhub.services.auth import HubAuth
+    from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+    from tornado.httpserver import HTTPServer
+
+    from gpubroker.api.app import make_app
+
+    from .test_api_scopes import ACCESS, FakeHub, _bound
+
+    library = _library(tmp_path, home, "slow", SLOW)
+    go = home / "ann" / "go"
+    notebook(home / "ann" / "nb.ipynb", ["x = 1"])
+    env = {"LD_PRELOAD": str(library), "GO_FILE": str(go)}
+    with FakeHub() as hub:
+        auth = HubAuth(api_url=hub.api_url, api_token="t", access_scopes={ACCESS})
+        server = HTTPServer(make_app(jobs.broker, hub_auth=auth, jobs=jobs))
+        sock, port = _bound()
+        server.add_sockets([sock])
+        try:
+            with pytest.raises(HTTPClientError) as gave_up:
+                await AsyncHTTPClient().fetch(
+                    f"http://127.0.0.1:{port}/api/v1/jobs",
+                    method="POST",
+                    headers={"Authorization": "token ann-token"},
+                    body=json_module.dumps({"notebook": "nb.ipynb", "gpus": 1, "env": env}),
+                    request_timeout=1,
+                )
+            assert gave_up.value.code == 599  # the client's timeout
+            go.touch()
+            for _ in range(400):  # until the check has ended
+                if not jobs._checking.get("ann"):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # the handler goes on after the check
+            assert jobs._checking.get("ann", 0) == 0
+            assert jobs.list("ann") == []
+        finally:
+            go.touch()
+            server.stop()
+            await JupyterHubHTTPClient.loop_instance().close()
