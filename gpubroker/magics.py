@@ -54,6 +54,7 @@ from IPython.display import display
 
 from .client import BrokerClientError
 from .client_sync import SyncBrokerClient, job_body
+from .jobs.paths import job_path, relative_cwd
 from .jobs.text import job_cells, text_table
 
 #: the columns of ``%gpu``'s table of held slots
@@ -201,21 +202,6 @@ def _in_job(name: str) -> bool:
     return bool(job_id)
 
 
-def _job_path(notebook: str) -> str:
-    """``notebook`` as the broker reads it (relative to the home directory,
-    the job's root): a relative name is one in this kernel's directory, as
-    Python's ``open()`` reads it; an absolute (or ``~``) path inside the
-    home directory is made relative to it. A name is left as given where
-    this kernel's directory, or the path, is outside the home directory."""
-    path = os.path.expanduser(notebook)
-    if not os.path.isabs(path):
-        here = _relative_cwd()
-        return os.path.normpath(path if here is None else os.path.join(here, path))
-    home = os.path.realpath(os.path.expanduser("~"))
-    real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-    return os.path.relpath(real, home) if real.startswith(home + os.sep) else path
-
-
 def _session_notebook() -> str | None:
     """This kernel's notebook (``$JPY_SESSION_NAME``) as an absolute path, or
     ``None``. Jupyter Server sets it to the file's absolute path when the
@@ -233,15 +219,6 @@ def _one_resource(name: str, args: Any) -> None:
     chosen = [n for n in ("gpus", "mig", "memory") if getattr(args, n) is not None]
     if len(chosen) != 1:
         raise UsageError(f"{name}: give exactly one of --gpus, --mig and --memory")
-
-
-def _relative_cwd() -> str | None:
-    """This kernel's directory relative to the home directory (the job's
-    root), or ``None`` (the root) when it is not inside it."""
-    home, here = os.path.realpath(os.path.expanduser("~")), os.path.realpath(os.getcwd())
-    if here == home or not here.startswith(home + os.sep):
-        return None
-    return os.path.relpath(here, home)
 
 
 def unsaved_cells(shell: Any, notebook: str) -> int:
@@ -339,7 +316,7 @@ class GPUMagics(Magics):
         _one_resource("%gpu_submit", args)
         self._warn_unsaved(notebook)
         release = self._release_lease(args)
-        what = {"notebook": _job_path(notebook), "params": list(args.param)}
+        what = {"notebook": job_path(notebook), "params": list(args.param)}
         if not args.kernel:
             what["python"] = sys.executable
         job = self._submit("%gpu_submit", args, what, kernel=args.kernel)
@@ -368,7 +345,7 @@ class GPUMagics(Magics):
             return None
         if not cell.strip():
             raise UsageError("%%gpu_job: the cell is empty")
-        what = {"command": [sys.executable, "-c", cell], "cwd": _relative_cwd()}
+        what = {"command": [sys.executable, "-c", cell], "cwd": relative_cwd()}
         return self._submit("%%gpu_job", args, what)
 
     def _submit(self, name: str, args: Any, what: dict[str, Any], **more: Any) -> dict[str, Any]:
@@ -420,7 +397,7 @@ class GPUMagics(Magics):
         warning could reach the notebook after the job's and the release's
         lines (stdout), which come later."""
         session = _session_notebook()
-        if not session or _job_path(notebook) != _job_path(session):
+        if not session or job_path(notebook) != job_path(session):
             return  # another notebook: this kernel's history says nothing of it
         missing = unsaved_cells(self.shell, notebook)
         if missing:

@@ -17,6 +17,7 @@ from traitlets.config import Application
 from ..client import BrokerClientError
 from ..client_sync import SyncBrokerClient, job_body
 from ..logfmt import OneLineFormatter
+from .paths import job_path, relative_cwd
 from .text import job_cells, job_what, one_line
 
 
@@ -111,10 +112,15 @@ class SubmitCommand(_JobsCall):
             given = "a notebook" if self.extra_args else "--param"
             self.log.critical("give one notebook or --command, not %s with --command", given)
             self.exit(2)
+        # as the magics do: a relative notebook is one in this directory,
+        # and a command runs in it (the broker reads both from $HOME)
         if self.command:
             what: dict[str, Any] = {"command": self.command}
+            here = relative_cwd()
+            if here is not None:
+                what["cwd"] = here
         elif len(self.extra_args) == 1:
-            what = {"notebook": self.extra_args[0], "params": list(self.param)}
+            what = {"notebook": job_path(self.extra_args[0]), "params": list(self.param)}
         else:
             self.log.critical("give one notebook, or --command")
             self.exit(2)

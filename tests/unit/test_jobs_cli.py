@@ -193,3 +193,28 @@ def test_a_job_id_is_ascii_digits(word: str) -> None:
     with pytest.raises(SystemExit) as ended:
         app.job_id()
     assert ended.value.code == 2
+
+
+def test_submit_reads_a_notebook_and_runs_a_command_from_the_shells_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From ``~/proj``, ``submit train.ipynb`` sent ``train.ipynb``, which the
+    broker reads as ``~/train.ipynb``; ``--command`` ran in ``~``."""
+    sent: list[dict[str, Any]] = []
+
+    class Client:
+        def submit_job(self, body: dict[str, Any]) -> dict[str, Any]:
+            sent.append(body)
+            return {"id": 1, "state": "queued", "user": "ann", "queue": {}}
+
+    (tmp_path / "proj").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "proj")
+    for argv in (["train.ipynb", "--gpus=1"], ["--command=python t.py", "--gpus=1"]):
+        app = SubmitCommand()
+        app.client = lambda: Client()  # type: ignore[method-assign]
+        app.show = lambda job: None  # type: ignore[method-assign]
+        app.parse_command_line(argv)
+        app.start()
+    assert sent[0]["notebook"] == "proj/train.ipynb"
+    assert sent[1]["command"] == "python t.py" and sent[1]["cwd"] == "proj"
