@@ -540,6 +540,19 @@ def _child_code(pid_file: Path, child: str, then: str = "") -> str:
     )
 
 
+def _stubborn(ready: Path) -> str:
+    """Python code that ignores SIGTERM, creates ``ready``, then sleeps."""
+    return (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(ready)!r}, 'w').close(); time.sleep(120)"
+    )
+
+
+def _wait_for_file(path: Path) -> str:
+    """Python code that waits until ``path`` exists."""
+    return f"import os, time\nwhile not os.path.exists({str(path)!r}): time.sleep(0.01)\n"
+
+
 def test_a_launch_runs_until_the_processes_its_leader_left_have_ended(
     backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
 ) -> None:
@@ -551,13 +564,9 @@ def test_a_launch_runs_until_the_processes_its_leader_left_have_ended(
     seconds later to one that ignores it; the leader's exit code stays."""
     engine = LocalEngine(backend, time_limit_grace=0.5)
     pid_file, ready = tmp_path / "left", tmp_path / "ready"
-    stubborn = (
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-        f"open({str(ready)!r}, 'w').close(); time.sleep(120)"
-    )
     # the leader exits once its child ignores SIGTERM
-    wait = f"import os, time\nwhile not os.path.exists({str(ready)!r}): time.sleep(0.01)\n"
-    handle = launch(engine, spec(_child_code(pid_file, stubborn, wait), tmp_path))
+    code = _child_code(pid_file, _stubborn(ready), _wait_for_file(ready))
+    handle = launch(engine, spec(code, tmp_path))
     wait_for(lambda: pid_file.exists() and pid_file.read_text() != "", "the child")
     left = int(pid_file.read_text())
     try:
@@ -607,6 +616,31 @@ def test_stop_ends_a_process_that_forks_away_from_each_kill(
         LocalEngine._kill_until_gone(int(handle.id), mark, set())
 
 
+@contextlib.contextmanager
+def _adopted_leader_exits(
+    backend: FakeDeviceBackend, launch: Launch, tmp_path: Path, grace: float
+) -> Iterator[tuple[LocalEngine, Handle, int]]:
+    """A launch of an engine before a broker restart whose leader leaves a
+    child that ignores SIGTERM; a new engine (``time_limit_grace`` ``grace``)
+    polls it while the leader runs, then the leader exits. Yields the new
+    engine, the handle and the child's pid (killed at the end if left)."""
+    old = LocalEngine(backend)
+    pid_file, ready, go = tmp_path / "left", tmp_path / "ready", tmp_path / "go"
+    code = _child_code(pid_file, _stubborn(ready), _wait_for_file(go))
+    handle = launch(old, spec(code, tmp_path))
+    wait_for(lambda: ready.exists() and pid_file.read_text() != "", "the child")
+    left = int(pid_file.read_text())
+    try:
+        new = LocalEngine(backend, time_limit_grace=grace)  # the broker restarted
+        assert new.poll(handle) == Status(state="running")  # the leader runs
+        go.touch()
+        wait_for(lambda: old._procs[int(handle.id)].popen.poll() is not None, "the leader")
+        yield new, handle, left
+    finally:
+        if not gone(left):
+            os.kill(left, signal.SIGKILL)
+
+
 def test_a_restarted_engine_ends_what_an_adopted_launchs_leader_left(
     backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
 ) -> None:
@@ -617,27 +651,10 @@ def test_a_restarted_engine_ends_what_an_adopted_launchs_leader_left(
     launch runs until what it left has ended (SIGTERM, then SIGKILL
     ``time_limit_grace`` later to one that ignores it), then is ``lost``
     (its exit status is the old engine's)."""
-    old = LocalEngine(backend)
-    pid_file, ready, go = tmp_path / "left", tmp_path / "ready", tmp_path / "go"
-    stubborn = (
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-        f"open({str(ready)!r}, 'w').close(); time.sleep(120)"
-    )
-    wait = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
-    handle = launch(old, spec(_child_code(pid_file, stubborn, wait), tmp_path))
-    wait_for(lambda: ready.exists() and pid_file.read_text() != "", "the child")
-    left = int(pid_file.read_text())
-    try:
-        new = LocalEngine(backend, time_limit_grace=0.5)  # the broker restarted
-        assert new.poll(handle) == Status(state="running")  # the leader runs
-        go.touch()
-        wait_for(lambda: old._procs[int(handle.id)].popen.poll() is not None, "the leader")
+    with _adopted_leader_exits(backend, launch, tmp_path, 0.5) as (new, handle, left):
         assert new.poll(handle) == Status(state="running")  # what it left runs on
         wait_for(lambda: new.poll(handle) == Status(state="lost"), "the end of the launch")
         assert gone(left)
-    finally:
-        if not gone(left):
-            os.kill(left, signal.SIGKILL)
 
 
 def test_a_restarted_engine_stops_what_an_adopted_launchs_leader_left(
@@ -646,24 +663,7 @@ def test_a_restarted_engine_stops_what_an_adopted_launchs_leader_left(
     """A cancel after the adopted leader has exited ends what it left, one
     that ignores SIGTERM included (the leader's pid is no longer
     adoptable: before, nothing was signalled)."""
-    old = LocalEngine(backend)
-    pid_file, ready, go = tmp_path / "left", tmp_path / "ready", tmp_path / "go"
-    child = (
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-        f"open({str(ready)!r}, 'w').close(); time.sleep(120)"
-    )
-    wait = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
-    handle = launch(old, spec(_child_code(pid_file, child, wait), tmp_path))
-    wait_for(lambda: ready.exists() and pid_file.read_text() != "", "the child")
-    left = int(pid_file.read_text())
-    try:
-        new = LocalEngine(backend, time_limit_grace=60)
-        assert new.poll(handle).running
-        go.touch()
-        wait_for(lambda: old._procs[int(handle.id)].popen.poll() is not None, "the leader")
+    with _adopted_leader_exits(backend, launch, tmp_path, 60) as (new, handle, left):
         assert new.poll(handle).running  # SIGTERM sent, ignored
         assert new.stop(handle, grace=0.2) == Status(state="lost")
         assert gone(left)
-    finally:
-        if not gone(left):
-            os.kill(left, signal.SIGKILL)

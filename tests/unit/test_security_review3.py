@@ -4,8 +4,10 @@ before its fix)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tracemalloc
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -152,6 +154,30 @@ async def test_a_users_slow_checks_do_not_hold_the_brokers_workers(
     assert jobs._checking == {}
 
 
+@contextlib.asynccontextmanager
+async def _served(jobs: JobService) -> AsyncIterator[int]:
+    """The broker's API with ``jobs`` on a loopback port (yielded), against
+    a fake hub that knows ann's token; stopped at the end."""
+    from jupyterhub.httpclient import JupyterHubHTTPClient
+    from jupyterhub.services.auth import HubAuth
+    from tornado.httpserver import HTTPServer
+
+    from gpubroker.api.app import make_app
+
+    from .test_api_scopes import ACCESS, FakeHub, _bound
+
+    with FakeHub() as hub:
+        auth = HubAuth(api_url=hub.api_url, api_token="t", access_scopes={ACCESS})
+        server = HTTPServer(make_app(jobs.broker, hub_auth=auth, jobs=jobs))
+        sock, port = _bound()
+        server.add_sockets([sock])
+        try:
+            yield port
+        finally:
+            server.stop()
+            await JupyterHubHTTPClient.loop_instance().close()
+
+
 async def test_post_jobs_checks_on_the_job_services_workers(
     jobs: JobService, home: Path, tmp_path: Path
 ) -> None:
@@ -161,24 +187,13 @@ async def test_post_jobs_checks_on_the_job_services_workers(
     import asyncio
     import json as json_module
 
-    from jupyterhub.httpclient import JupyterHubHTTPClient
-    from jupyterhub.services.auth import HubAuth
     from tornado.httpclient import AsyncHTTPClient
-    from tornado.httpserver import HTTPServer
-
-    from gpubroker.api.app import make_app
-
-    from .test_api_scopes import ACCESS, FakeHub, _bound
 
     library = _library(tmp_path, home, "slow", SLOW)
     go = home / "ann" / "go"
     notebook(home / "ann" / "nb.ipynb", ["x = 1"])
     env = {"LD_PRELOAD": str(library), "GO_FILE": str(go)}
-    with FakeHub() as hub:
-        auth = HubAuth(api_url=hub.api_url, api_token="t", access_scopes={ACCESS})
-        server = HTTPServer(make_app(jobs.broker, hub_auth=auth, jobs=jobs))
-        sock, port = _bound()
-        server.add_sockets([sock])
+    async with _served(jobs) as port:
         client = AsyncHTTPClient()
 
         async def post(body: dict[str, object]) -> tuple[int, dict[str, str]]:
@@ -206,8 +221,6 @@ async def test_post_jobs_checks_on_the_job_services_workers(
         finally:
             go.touch()
             done = await asyncio.gather(*slow)
-            server.stop()
-            await JupyterHubHTTPClient.loop_instance().close()
         assert [code for code, _ in done] == [201, 201], done
 
 
@@ -220,24 +233,13 @@ async def test_a_submission_whose_client_left_during_its_checks_is_not_made(
     import asyncio
     import json as json_module
 
-    from jupyterhub.httpclient import JupyterHubHTTPClient
-    from jupyterhub.services.auth import HubAuth
     from tornado.httpclient import AsyncHTTPClient, HTTPClientError
-    from tornado.httpserver import HTTPServer
-
-    from gpubroker.api.app import make_app
-
-    from .test_api_scopes import ACCESS, FakeHub, _bound
 
     library = _library(tmp_path, home, "slow", SLOW)
     go = home / "ann" / "go"
     notebook(home / "ann" / "nb.ipynb", ["x = 1"])
     env = {"LD_PRELOAD": str(library), "GO_FILE": str(go)}
-    with FakeHub() as hub:
-        auth = HubAuth(api_url=hub.api_url, api_token="t", access_scopes={ACCESS})
-        server = HTTPServer(make_app(jobs.broker, hub_auth=auth, jobs=jobs))
-        sock, port = _bound()
-        server.add_sockets([sock])
+    async with _served(jobs) as port:
         try:
             with pytest.raises(HTTPClientError) as gave_up:
                 await AsyncHTTPClient().fetch(
@@ -258,5 +260,3 @@ async def test_a_submission_whose_client_left_during_its_checks_is_not_made(
             assert jobs.list("ann") == []
         finally:
             go.touch()
-            server.stop()
-            await JupyterHubHTTPClient.loop_instance().close()
