@@ -36,6 +36,7 @@ from traitlets import (
     Integer,
     List,
     TraitError,
+    Unicode,
     default,
     observe,
     validate,
@@ -109,6 +110,18 @@ class Broker(LoggingConfigurable):
         "slurm" (the nodes and GPUs of a Slurm cluster, from sinfo; jobs as
         Slurm jobs; configure SlurmEngine). The "slurm" runner of JobService
         runs jobs on it.""",
+    ).tag(config=True)
+
+    local_cgroup_root = Unicode(
+        "auto",
+        help="""The local engine's cgroup v2 directory for its launches (one
+        cgroup each, so that every process of a job, whatever session or
+        environment it makes, ends with it): "auto" makes
+        "gpubroker-launches" under the broker's own cgroup in the cgroup v2
+        mount (the broker must be root, or its cgroup delegated to it:
+        systemd Delegate=yes); a path uses that directory; "" uses none
+        (processes are then found through /proc alone). Where it cannot be
+        made, the engine logs it and uses none.""",
     ).tag(config=True)
 
     inventory_interval = Float(
@@ -700,7 +713,7 @@ class Broker(LoggingConfigurable):
             from .engines.slurm import SlurmEngine
 
             return SlurmEngine(parent=self)
-        return LocalEngine(self.backend)
+        return LocalEngine(self.backend, cgroup_root=self.local_cgroup_root)
 
     @property
     def inventory_changes(self) -> bool:

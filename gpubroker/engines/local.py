@@ -52,10 +52,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from gpubroker.devices.base import DeviceBackend, DeviceBackendError, DeviceInfo, DeviceUsage
 
+from . import cgroups
 from .base import EngineError, Handle, LaunchSpec, Node, Status
 
 log = logging.getLogger(__name__)
@@ -76,19 +78,24 @@ EXEC_WAIT = 30.0
 #: how often a wait for a process group to empty looks again, seconds
 _POLL_INTERVAL = 0.05
 
-#: run as the target user (``python -I -S -c``) just before the program: enter
-#: the working directory and open the output files with the user's rights,
-#: then exec. Its argv: status fd, cwd, stdout path or "", stderr path or "",
-#: the original LC_CTYPE ("-" when unset, else "=" + value; Python's locale
+#: run as the target user (``python -I -S -c``) just before the program: wait
+#: until the broker has put it in the launch's cgroup (where there is one),
+#: enter the working directory and open the output files with the user's
+#: rights, then exec. Its argv: status fd, go fd ("-1": none; one byte is
+#: read from it first), cwd, stdout path or "", stderr path or "", the
+#: original LC_CTYPE ("-" when unset, else "=" + value; Python's locale
 #: coercion (PEP 538) may have changed it), then the program's argv. Any
 #: failure is written to the status fd (close-on-exec: EOF means exec worked).
 _AS_USER_HELPER = """\
 import os, sys
-fd = int(sys.argv[1])
-cwd, out, err, lc_ctype = sys.argv[2:6]
-argv = sys.argv[6:]
+fd, go = int(sys.argv[1]), int(sys.argv[2])
+cwd, out, err, lc_ctype = sys.argv[3:7]
+argv = sys.argv[7:]
 os.set_inheritable(fd, False)
 try:
+    if go >= 0:
+        os.read(go, 1)
+        os.close(go)
     os.chdir(cwd)
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
     if out:
@@ -116,10 +123,12 @@ except BaseException as exc:
 @dataclass(frozen=True)
 class _Mark:
     """What every process of one launch carries: its :data:`TAG_VARIABLE`
-    value, and the real uid it runs as."""
+    value, and the real uid it runs as; and the cgroup they are all in
+    (``""``: none, :mod:`.cgroups`)."""
 
     tag: str
     uid: int
+    cgroup: str = ""
 
 
 @dataclass
@@ -372,8 +381,11 @@ class LocalEngine:
         default_path: str = DEFAULT_PATH,
         time_limit_grace: float = 10.0,
         helper_python: str | None = None,
+        cgroup_root: str = "auto",
     ) -> None:
         self.backend = backend
+        #: one cgroup per launch where the host allows (``None``: /proc alone)
+        self.cgroups = cgroups.find_root(cgroup_root)
         self._node_name = node_name
         self.default_path = default_path
         self.time_limit_grace = time_limit_grace
@@ -492,17 +504,26 @@ class LocalEngine:
         # none): a restarted engine adopts only processes that carry one
         # (:func:`_launched_here`), never another process given a reused pid
         env[TAG_VARIABLE] = spec.tag or f"untagged-{secrets.token_hex(8)}"
-        mark = _Mark(tag=env[TAG_VARIABLE], uid=account.pw_uid)
-        if account.pw_uid == os.geteuid():
-            popen = self._popen_as_self(spec, env)
-        elif os.geteuid() == 0:
-            popen = self._popen_as_user(spec, env, account)
-        else:
+        if account.pw_uid != os.geteuid() and os.geteuid() != 0:
             me = pwd.getpwuid(os.geteuid()).pw_name
             raise EngineError(
                 f"cannot launch lease {spec.lease_id} as {spec.user!r}: the broker runs as"
                 f" {me!r}, which may only start processes as itself (run it as root)"
             )
+        group = self._cgroup_for(env[TAG_VARIABLE])
+        moved = False
+        try:
+            if account.pw_uid == os.geteuid() and group is None:
+                popen = self._popen_as_self(spec, env)
+            else:
+                if account.pw_uid == os.geteuid():  # the same errors as without a cgroup
+                    self._check_outputs(spec)
+                popen, moved = self._popen_as_user(spec, env, account, group)
+        except EngineError:
+            if group is not None:
+                cgroups.LaunchCgroups.remove(group)
+            raise
+        mark = _Mark(tag=env[TAG_VARIABLE], uid=account.pw_uid, cgroup=str(group) if moved else "")
         proc = _Proc(popen=popen, spec=spec, started=_utcnow(), mark=mark)
         with self._lock:
             self._procs[popen.pid] = proc
@@ -517,6 +538,17 @@ class LocalEngine:
             spec.argv[0],
         )
         return Handle(engine=self.name, id=str(popen.pid), node=self.node_name)
+
+    def _cgroup_for(self, tag: str) -> Path | None:
+        """A new cgroup for the launch tagged ``tag``, or ``None`` (no
+        cgroups here, or it cannot be made: logged)."""
+        if self.cgroups is None:
+            return None
+        try:
+            return self.cgroups.create(tag)
+        except OSError as err:
+            log.warning("launch %s: no cgroup (%s): tracked through /proc alone", tag, err)
+            return None
 
     def _popen_as_self(self, spec: LaunchSpec, env: dict[str, str]) -> subprocess.Popen[bytes]:
         files: list[int] = []
@@ -542,6 +574,17 @@ class LocalEngine:
             for fd in files:
                 os.close(fd)
 
+    def _check_outputs(self, spec: LaunchSpec) -> None:
+        """Open (and close) ``spec``'s output files as the broker, for a
+        launch as itself: :meth:`launch`'s error where one cannot be."""
+        files: list[int] = []
+        try:
+            self._open_output(spec, spec.stdout, files)
+            self._open_output(spec, spec.stderr, files)
+        finally:
+            for fd in files:
+                os.close(fd)
+
     @staticmethod
     def _open_output(spec: LaunchSpec, path: str | None, files: list[int]) -> int:
         if path is None:
@@ -556,10 +599,26 @@ class LocalEngine:
         return fd
 
     def _popen_as_user(
-        self, spec: LaunchSpec, env: dict[str, str], account: pwd.struct_passwd
-    ) -> subprocess.Popen[bytes]:
+        self,
+        spec: LaunchSpec,
+        env: dict[str, str],
+        account: pwd.struct_passwd,
+        group: Path | None = None,
+    ) -> tuple[subprocess.Popen[bytes], bool]:
+        """Start the helper as ``account`` (as the broker itself, without a
+        change of user, where that is the broker's account), put it in
+        ``group`` (a cgroup, or ``None``) before it goes on, and wait for
+        its exec. Returns the process and whether it went into ``group``."""
         lc_ctype = env.get("LC_CTYPE")
         read_end, write_end = os.pipe()
+        go_read, go_write = os.pipe() if group is not None else (-1, -1)
+        switch: dict[str, Any] = {}
+        if account.pw_uid != os.geteuid():
+            switch = {
+                "user": account.pw_uid,
+                "group": account.pw_gid,
+                "extra_groups": os.getgrouplist(account.pw_name, account.pw_gid),
+            }
         try:
             argv = [
                 self.helper_python,
@@ -568,6 +627,7 @@ class LocalEngine:
                 "-c",
                 _AS_USER_HELPER,
                 str(write_end),
+                str(go_read),
                 spec.cwd,
                 spec.stdout or "",
                 spec.stderr or "",
@@ -584,21 +644,23 @@ class LocalEngine:
                     stderr=subprocess.DEVNULL,
                     start_new_session=True,
                     close_fds=True,
-                    pass_fds=(write_end,),
-                    user=account.pw_uid,
-                    group=account.pw_gid,
-                    extra_groups=os.getgrouplist(account.pw_name, account.pw_gid),
+                    pass_fds=(write_end,) if go_read < 0 else (write_end, go_read),
+                    **switch,
                 )
             except (OSError, ValueError, subprocess.SubprocessError) as exc:
                 cause = f"{exc} (starting the as-user helper {self.helper_python})"
                 raise EngineError(self._launch_failed(spec, cause)) from exc
             os.close(write_end)
             write_end = -1
+            moved = group is not None and self._move_into(group, popen.pid)
+            if group is not None:
+                os.write(go_write, b"1")  # the helper goes on
             failure = self._read_exec_status(read_end)
         finally:
-            os.close(read_end)
-            if write_end >= 0:
-                os.close(write_end)
+            for fd in (read_end, write_end, go_read, go_write):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
         if failure is not None:
             try:
                 popen.wait(timeout=KILL_WAIT)
@@ -606,7 +668,21 @@ class LocalEngine:
                 os.killpg(popen.pid, signal_module.SIGKILL)
                 popen.wait()
             raise EngineError(self._launch_failed(spec, failure))
-        return popen
+        return popen, moved
+
+    def _move_into(self, group: Path, pid: int) -> bool:
+        """Put the helper ``pid`` (waiting, before the program) in ``group``;
+        ``False`` on a failure, logged (the launch is then tracked through
+        /proc alone)."""
+        assert self.cgroups is not None
+        try:
+            self.cgroups.add(group, pid)
+        except OSError as err:
+            log.warning(
+                "pid %d: cannot move it into %s (%s): tracked through /proc", pid, group, err
+            )
+            return False
+        return True
 
     @staticmethod
     def _read_exec_status(fd: int) -> str | None:
@@ -729,6 +805,8 @@ class LocalEngine:
                 proc.ended = _utcnow()
                 for timer in proc.timers:
                     timer.cancel()
+                if proc.mark.cgroup:  # empty now: every process of it has ended
+                    cgroups.LaunchCgroups.remove(Path(proc.mark.cgroup))
             exit_code, signum = _exit_status(code)
             return Status(
                 state="exited",
@@ -747,14 +825,30 @@ class LocalEngine:
         adopted = self._adopted.get(pid)
         if _pid_alive(pid) and _launched_here(pid) is not False:
             if adopted is None:
-                mark = _mark_of(pid)
+                mark = self._adopted_mark(pid)
                 if mark is not None:
                     self._adopted[pid] = _Adopted(mark)
             return "running"
         if adopted is not None and self._reap(pid, adopted, "an earlier broker's launch"):
             return "running"
         self._adopted.pop(pid, None)
+        if adopted is not None and adopted.mark.cgroup:
+            cgroups.LaunchCgroups.remove(Path(adopted.mark.cgroup))
         return "lost"
+
+    def _adopted_mark(self, pid: int) -> _Mark | None:
+        """:func:`_mark_of` ``pid``, with the launch's cgroup where it is in
+        one of this engine's (a launch of an earlier broker)."""
+        mark = _mark_of(pid)
+        if mark is None or self.cgroups is None:
+            return mark
+        path = cgroups.cgroup_of(pid)
+        if path is None:
+            return mark
+        absolute = self.cgroups.absolute(path)
+        if not self.cgroups.owns(absolute):
+            return mark
+        return _Mark(tag=mark.tag, uid=mark.uid, cgroup=absolute)
 
     def _reap(self, pid: int, proc: _Proc | _Adopted, what: str = "") -> bool:
         """After the leader ``pid`` of a launch has exited: whether other
@@ -836,7 +930,7 @@ class LocalEngine:
             with self._lock:
                 adopted = self._adopted.get(pid)
             if self._adoptable(pid, handle):
-                self._stop_adopted(pid, _mark_of(pid), deadline)
+                self._stop_adopted(pid, self._adopted_mark(pid), deadline)
             elif adopted is not None:  # its leader has exited; what it left has not
                 self._stop_adopted(pid, adopted.mark, deadline, adopted.groups)
             return self.poll(handle)
@@ -970,8 +1064,10 @@ class LocalEngine:
     def _launch_alive(pgid: int, mark: _Mark | None, groups: set[int] | None = None) -> bool:
         """Whether a process of the launch is left (zombies do not count):
         in process group ``pgid`` or one of ``groups`` (those gone are
-        dropped from it: a group's number may be given out again), or
-        marked with ``mark`` (:func:`_marked`)."""
+        dropped from it: a group's number may be given out again), in
+        the launch's cgroup, or marked with ``mark`` (:func:`_marked`)."""
+        if mark is not None and mark.cgroup and cgroups.LaunchCgroups.populated(Path(mark.cgroup)):
+            return True
         if groups:
             groups.difference_update([g for g in groups if not _group_alive(g)])
         if _group_alive(pgid) or groups:
@@ -994,6 +1090,8 @@ class LocalEngine:
         Raises:
             EngineError: the group ``pgid`` may not be signalled (:meth:`_killpg`).
         """
+        if mark is not None and mark.cgroup:  # every process of it, at once
+            cgroups.LaunchCgroups.signal(Path(mark.cgroup), signum)
         cls._killpg(pgid, signum)
         if mark is None:
             return

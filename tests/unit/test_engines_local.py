@@ -420,7 +420,10 @@ def test_launch_failures_name_the_cause(
 ) -> None:
     with pytest.raises(EngineError, match="No such file") as missing_program:
         engine.launch(spec("", tmp_path, argv=(str(tmp_path / "no-such-program"),)))
-    assert isinstance(missing_program.value.__cause__, OSError)
+    if engine.cgroups is None:  # the broker exec'd it: the OSError is chained
+        assert isinstance(missing_program.value.__cause__, OSError)
+    else:  # the helper exec'd it in the launch's cgroup, and reports the error
+        assert "FileNotFoundError: [Errno 2]" in str(missing_program.value)
     with pytest.raises(EngineError, match="no-such-dir"):
         engine.launch(spec("pass", tmp_path / "no-such-dir"))
     with pytest.raises(EngineError, match="no user 'no-such-user-xyz'"):
@@ -667,3 +670,75 @@ def test_a_restarted_engine_stops_what_an_adopted_launchs_leader_left(
         assert new.poll(handle).running  # SIGTERM sent, ignored
         assert new.stop(handle, grace=0.2) == Status(state="lost")
         assert gone(left)
+
+
+# -- one cgroup per launch (where the host has cgroup v2) -----------------------------
+
+needs_cgroups = pytest.mark.skipif(
+    LocalEngine(FakeDeviceBackend()).cgroups is None,
+    reason="no writable cgroup v2 hierarchy here: launches are tracked through /proc alone",
+)
+
+
+@needs_cgroups
+def test_stop_ends_a_process_that_forks_without_pause(
+    engine: LocalEngine, launch: Launch, tmp_path: Path
+) -> None:
+    """A process that ignores SIGTERM and forks continuously in a session of
+    its own lived too briefly to be seen in ``/proc`` and escaped a stop
+    (stop 45's documented limit). Every process of a launch is in the
+    launch's cgroup, which ``cgroup.kill`` empties at once."""
+    count = tmp_path / "count"
+    hopper = (
+        "import os, signal\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "n = 0\n"
+        "while True:\n"
+        "    if os.fork():\n"
+        "        os._exit(0)\n"
+        "    n += 1\n"
+        "    if n % 500 == 0:\n"
+        f"        open({str(count)!r}, 'w').write(str(n))\n"
+    )
+    handle = launch(
+        engine,
+        spec(_child_code(tmp_path / "first", hopper, "import time; time.sleep(120)"), tmp_path),
+    )
+    wait_for(lambda: count.exists(), "the hopper")
+    group = Path(engine._procs[int(handle.id)].mark.cgroup)
+    assert group.parent == engine.cgroups.root  # type: ignore[union-attr]
+    engine.stop(handle, grace=0.2)
+    assert not group.exists()  # emptied, then removed
+    last = count.read_text()
+    time.sleep(0.5)  # a hopper left would have counted on
+    assert count.read_text() == last
+
+
+@needs_cgroups
+def test_a_process_that_drops_the_tag_still_ends_with_its_launch(
+    backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
+) -> None:
+    """A process started with an environment of its own (``env -i``) drops
+    the launch's tag, so a look through ``/proc`` cannot find it; it stays
+    in the launch's cgroup, so the launch runs until it has ended."""
+    engine = LocalEngine(backend, time_limit_grace=0.5)
+    pid_file, ready = tmp_path / "left", tmp_path / "ready"
+    leader = (
+        "import subprocess, sys\n"
+        f"c = subprocess.Popen(['env', '-i', sys.executable, '-c', {_stubborn(ready)!r}],"
+        " start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid))\n"
+        + _wait_for_file(ready)  # the leader exits once its child ignores SIGTERM
+    )
+    handle = launch(engine, spec(leader, tmp_path))
+    wait_for(lambda: pid_file.exists() and pid_file.read_text() != "", "the child")
+    left = int(pid_file.read_text())
+    try:
+        wait_for(lambda: engine._procs[int(handle.id)].popen.poll() is not None, "the leader")
+        assert engine.poll(handle).running  # its tagless child still runs
+        status = wait_exited(engine, handle)
+        assert gone(left)
+        assert (status.state, status.exit_code) == ("exited", 0)
+    finally:
+        if not gone(left):
+            os.kill(left, signal.SIGKILL)
