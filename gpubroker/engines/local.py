@@ -995,6 +995,8 @@ class LocalEngine:
                 raise EngineError(f"cannot forget pid {pid}: it still runs")
             for timer in proc.timers:
                 timer.cancel()
+            if proc.mark.cgroup:  # removed only once empty
+                cgroups.LaunchCgroups.remove(Path(proc.mark.cgroup))
             del self._procs[pid]
 
     # --- helpers ------------------------------------------------------------------------
