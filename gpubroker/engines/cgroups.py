@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import signal
 from pathlib import Path
 
@@ -91,15 +92,26 @@ def find_root(setting: str) -> LaunchCgroups | None:
     else:
         mount = cgroup2_mount()
     root = Path(setting)
+    if mount is None or not is_cgroup2(root.parent, Path(mount)):  # nothing is made elsewhere
+        log.warning("%s is not in a cgroup v2 hierarchy: launches are tracked through /proc", root)
+        return None
     try:
         root.mkdir(exist_ok=True)
     except OSError as err:
         log.info("cannot create %s (%s): launches are tracked through /proc alone", root, err)
         return None
-    if not (root / "cgroup.procs").is_file():
-        log.warning("%s is not in a cgroup v2 hierarchy: launches are tracked through /proc", root)
-        return None
-    return LaunchCgroups(root, Path(mount) if mount else root)
+    return LaunchCgroups(root, Path(mount))
+
+
+def is_cgroup2(path: Path, mount: Path) -> bool:
+    """Whether ``path`` is a cgroup of the cgroup v2 hierarchy mounted at
+    ``mount``: inside it, with a ``cgroup.procs`` (a cgroup v1 cgroup
+    elsewhere has one too)."""
+    try:
+        inside = path.resolve().is_relative_to(mount.resolve())
+    except OSError:
+        return False
+    return inside and (path / "cgroup.procs").is_file()
 
 
 class LaunchCgroups:
@@ -130,10 +142,17 @@ class LaunchCgroups:
         return Path(path).parent == self.root
 
     def create(self, tag: str) -> Path:
-        """Make the cgroup of ``tag`` (it may exist: a launch again after a
-        crash). Raises ``OSError``."""
+        """Make the cgroup of ``tag``. An empty one of that name is used
+        again (the launch's intent survived a crash); where one is in use
+        (another launch had the same tag), a new name is drawn: two
+        launches never share a cgroup. Raises ``OSError``."""
         path = self.path(tag)
-        path.mkdir(exist_ok=True)
+        try:
+            path.mkdir()
+        except FileExistsError:
+            if self.populated(path):
+                path = self.path(f"{tag}-{secrets.token_hex(4)}")
+                path.mkdir()
         return path
 
     @staticmethod

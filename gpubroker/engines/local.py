@@ -94,7 +94,8 @@ argv = sys.argv[7:]
 os.set_inheritable(fd, False)
 try:
     if go >= 0:
-        os.read(go, 1)
+        if os.read(go, 1) != b"1":  # the broker went before it opened the gate
+            raise RuntimeError("the broker did not let this launch start")
         os.close(go)
     os.chdir(cwd)
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
@@ -519,7 +520,7 @@ class LocalEngine:
                 if account.pw_uid == os.geteuid():  # the same errors as without a cgroup
                     self._check_outputs(spec)
                 popen, moved = self._popen_as_user(spec, env, account, group)
-        except EngineError:
+        except BaseException:
             if group is not None:
                 cgroups.LaunchCgroups.remove(group)
             raise
@@ -652,9 +653,14 @@ class LocalEngine:
                 raise EngineError(self._launch_failed(spec, cause)) from exc
             os.close(write_end)
             write_end = -1
-            moved = group is not None and self._move_into(group, popen.pid)
-            if group is not None:
-                os.write(go_write, b"1")  # the helper goes on
+            try:
+                moved = group is not None and self._move_into(group, popen.pid)
+                if group is not None:
+                    os.write(go_write, b"1")  # the helper goes on
+            except BaseException:  # the helper, still at its gate, never starts it
+                popen.kill()
+                popen.wait()
+                raise
             failure = self._read_exec_status(read_end)
         finally:
             for fd in (read_end, write_end, go_read, go_write):
@@ -681,6 +687,7 @@ class LocalEngine:
             log.warning(
                 "pid %d: cannot move it into %s (%s): tracked through /proc", pid, group, err
             )
+            cgroups.LaunchCgroups.remove(group)
             return False
         return True
 

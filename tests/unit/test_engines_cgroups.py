@@ -52,8 +52,14 @@ def test_the_own_cgroup_is_the_v2_line(tmp_path: Path) -> None:
 
 def test_none_when_switched_off_or_not_a_cgroup2_directory(tmp_path: Path) -> None:
     assert cgroups.find_root("") is None
-    assert cgroups.find_root(str(tmp_path / "plain")) is None  # made, but not a cgroup
-    assert cgroups.find_root(str(tmp_path / "no" / "parent")) is None  # cannot be made
+    assert cgroups.find_root(str(tmp_path / "plain")) is None
+    assert not (tmp_path / "plain").exists()  # nothing is made outside a cgroup2 hierarchy
+    assert cgroups.find_root(str(tmp_path / "no" / "parent")) is None
+    v1 = tmp_path / "v1"  # a cgroup v1 cgroup has cgroup.procs, not cgroup.events
+    v1.mkdir()
+    (v1 / "cgroup.procs").write_text("")
+    assert cgroups.find_root(str(v1 / "launches")) is None
+    assert not (v1 / "launches").exists()
 
 
 def test_a_launchs_cgroup_is_named_by_its_tag(tmp_path: Path) -> None:

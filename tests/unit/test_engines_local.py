@@ -742,3 +742,47 @@ def test_a_process_that_drops_the_tag_still_ends_with_its_launch(
     finally:
         if not gone(left):
             os.kill(left, signal.SIGKILL)
+
+
+@needs_cgroups
+def test_two_launches_with_one_tag_never_share_a_cgroup(
+    engine: LocalEngine, launch: Launch, tmp_path: Path
+) -> None:
+    """``mkdir(exist_ok=True)`` put a second launch with the same tag in the
+    first's cgroup, whatever its user: stopping one killed the other. A
+    cgroup in use gets a new name; an empty one (a launch again after a
+    crash) is used again."""
+    first = launch(engine, spec("import time; time.sleep(120)", tmp_path, tag="same"))
+    taken = Path(engine._procs[int(first.id)].mark.cgroup)
+    assert taken.name == "same"
+    cgroups = engine.cgroups
+    assert cgroups is not None
+    other = cgroups.create("same")
+    try:
+        assert other != taken and other.name.startswith("same-")
+        assert cgroups.create(other.name) == other  # empty: used again
+    finally:
+        cgroups.remove(other)
+    engine.stop(first, grace=WAIT)
+
+
+@needs_cgroups
+def test_a_launch_never_starts_outside_its_cgroup(
+    engine: LocalEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The helper went on to the program when the broker failed between the
+    fork and the move (its gate's pipe closed): the job ran outside any
+    cgroup, and the empty cgroup was left behind. Now it starts only once
+    the broker says so."""
+    ran = tmp_path / "ran"
+
+    def broker_fails(group: Path, pid: int) -> bool:
+        raise RuntimeError("the broker failed here")
+
+    monkeypatch.setattr(engine, "_move_into", broker_fails)
+    before = set(engine.cgroups.root.iterdir())  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="the broker failed here"):
+        engine.launch(spec(f"open({str(ran)!r}, 'w').close()", tmp_path, tag="gated"))
+    time.sleep(0.5)  # a helper that went on would have run the program by now
+    assert not ran.exists()
+    assert set(engine.cgroups.root.iterdir()) == before  # type: ignore[union-attr]
