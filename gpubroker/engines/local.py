@@ -511,20 +511,14 @@ class LocalEngine:
                 f"cannot launch lease {spec.lease_id} as {spec.user!r}: the broker runs as"
                 f" {me!r}, which may only start processes as itself (run it as root)"
             )
-        group = self._cgroup_for(env[TAG_VARIABLE])
-        moved = False
-        try:
-            if account.pw_uid == os.geteuid() and group is None:
-                popen = self._popen_as_self(spec, env)
-            else:
-                if account.pw_uid == os.geteuid():  # the same errors as without a cgroup
-                    self._check_outputs(spec)
-                popen, moved = self._popen_as_user(spec, env, account, group)
-        except BaseException:
-            if group is not None:
-                cgroups.LaunchCgroups.remove(group)
-            raise
-        mark = _Mark(tag=env[TAG_VARIABLE], uid=account.pw_uid, cgroup=str(group) if moved else "")
+        group: Path | None = None
+        if account.pw_uid == os.geteuid() and self.cgroups is None:
+            popen = self._popen_as_self(spec, env)
+        else:
+            if account.pw_uid == os.geteuid():  # the same errors as without a cgroup
+                self._check_outputs(spec)
+            popen, group = self._popen_as_user(spec, env, account)
+        mark = _Mark(tag=env[TAG_VARIABLE], uid=account.pw_uid, cgroup=str(group or ""))
         proc = _Proc(popen=popen, spec=spec, started=_utcnow(), mark=mark)
         with self._lock:
             self._procs[popen.pid] = proc
@@ -540,13 +534,15 @@ class LocalEngine:
         )
         return Handle(engine=self.name, id=str(popen.pid), node=self.node_name)
 
-    def _cgroup_for(self, tag: str) -> Path | None:
-        """A new cgroup for the launch tagged ``tag``, or ``None`` (no
-        cgroups here, or it cannot be made: logged)."""
+    def _cgroup_for(self, pid: int, tag: str) -> Path | None:
+        """A new cgroup for the launch tagged ``tag`` whose first process
+        is ``pid`` (named ``pid-<pid>-<tag>``: a restarted engine finds it
+        by the pid it is given, :meth:`_orphans`), or ``None`` (no cgroups
+        here, or it cannot be made: logged)."""
         if self.cgroups is None:
             return None
         try:
-            return self.cgroups.create(tag)
+            return self.cgroups.create(f"pid-{pid}-{tag}")
         except OSError as err:
             log.warning("launch %s: no cgroup (%s): tracked through /proc alone", tag, err)
             return None
@@ -604,15 +600,16 @@ class LocalEngine:
         spec: LaunchSpec,
         env: dict[str, str],
         account: pwd.struct_passwd,
-        group: Path | None = None,
-    ) -> tuple[subprocess.Popen[bytes], bool]:
+    ) -> tuple[subprocess.Popen[bytes], Path | None]:
         """Start the helper as ``account`` (as the broker itself, without a
-        change of user, where that is the broker's account), put it in
-        ``group`` (a cgroup, or ``None``) before it goes on, and wait for
-        its exec. Returns the process and whether it went into ``group``."""
+        change of user, where that is the broker's account), put it in a
+        cgroup of its own (where the engine has them) before it goes on,
+        and wait for its exec. Returns the process and its cgroup (``None``:
+        none)."""
         lc_ctype = env.get("LC_CTYPE")
         read_end, write_end = os.pipe()
-        go_read, go_write = os.pipe() if group is not None else (-1, -1)
+        go_read, go_write = os.pipe() if self.cgroups is not None else (-1, -1)
+        group: Path | None = None
         switch: dict[str, Any] = {}
         if account.pw_uid != os.geteuid():
             switch = {
@@ -654,12 +651,16 @@ class LocalEngine:
             os.close(write_end)
             write_end = -1
             try:
-                moved = group is not None and self._move_into(group, popen.pid)
-                if group is not None:
+                if go_write >= 0:
+                    group = self._cgroup_for(popen.pid, env[TAG_VARIABLE])
+                    if group is not None and not self._move_into(group, popen.pid):
+                        group = None
                     os.write(go_write, b"1")  # the helper goes on
             except BaseException:  # the helper, still at its gate, never starts it
                 popen.kill()
                 popen.wait()
+                if group is not None:
+                    cgroups.LaunchCgroups.remove(group)
                 raise
             failure = self._read_exec_status(read_end)
         finally:
@@ -673,8 +674,10 @@ class LocalEngine:
             except subprocess.TimeoutExpired:
                 os.killpg(popen.pid, signal_module.SIGKILL)
                 popen.wait()
+            if group is not None:
+                cgroups.LaunchCgroups.remove(group)
             raise EngineError(self._launch_failed(spec, failure))
-        return popen, moved
+        return popen, group
 
     def _move_into(self, group: Path, pid: int) -> bool:
         """Put the helper ``pid`` (waiting, before the program) in ``group``;
@@ -794,7 +797,8 @@ class LocalEngine:
         of its launch are left (they are ended, as for a launch of this
         engine); else ``lost``; ``started``/``ended`` are then unknown
         (``None``). A launch whose leader exited while no broker ran is
-        ``lost`` at once: what it left is not known then.
+        ``lost`` at once, unless what it left is in its cgroup
+        (:meth:`_orphan`): then it runs until that is empty.
 
         Raises:
             EngineError: the handle is of another engine or node, or its id is
@@ -828,20 +832,48 @@ class LocalEngine:
         """:meth:`poll` of a pid this engine did not start: ``running`` while
         it is a launch (it carries :data:`TAG_VARIABLE`; its mark is then
         remembered), and after it has exited while processes it left run
-        on (they are ended as :meth:`_reap` ends them); else ``lost``."""
+        on (they are ended as :meth:`_reap` ends them; where it exited
+        while no broker ran, they are found in its cgroup, :meth:`_orphan`);
+        else ``lost``. A pid given to another process meanwhile is
+        ``lost``, and nothing is signalled."""
         adopted = self._adopted.get(pid)
-        if _pid_alive(pid) and _launched_here(pid) is not False:
+        alive = _pid_alive(pid)
+        if alive and _launched_here(pid) is not False:
             if adopted is None:
                 mark = self._adopted_mark(pid)
                 if mark is not None:
                     self._adopted[pid] = _Adopted(mark)
             return "running"
+        if alive:  # another process has its pid (and may lead a group of that number)
+            self._adopted.pop(pid, None)
+            return "lost"
+        if adopted is None:
+            adopted = self._orphan(pid)
+            if adopted is not None:
+                self._adopted[pid] = adopted
         if adopted is not None and self._reap(pid, adopted, "an earlier broker's launch"):
             return "running"
         self._adopted.pop(pid, None)
         if adopted is not None and adopted.mark.cgroup:
             cgroups.LaunchCgroups.remove(Path(adopted.mark.cgroup))
         return "lost"
+
+    def _orphan(self, pid: int) -> _Adopted | None:
+        """The launch whose first process ``pid`` exited while no broker ran,
+        where processes it left are still in its cgroup (named by that pid,
+        :meth:`_cgroup_for`): adopted with the uid of one of them. Empty
+        cgroups of that pid are removed."""
+        if self.cgroups is None:
+            return None
+        for path in sorted(self.cgroups.root.glob(f"pid-{pid}-*")):
+            members = self.cgroups.pids(path)
+            found = _uid_and_stat(members[0]) if members else None
+            if found is None:
+                self.cgroups.remove(path)
+                continue
+            tag = path.name.split("-", 2)[2]
+            return _Adopted(_Mark(tag=tag, uid=found[0], cgroup=str(path)))
+        return None
 
     def _adopted_mark(self, pid: int) -> _Mark | None:
         """:func:`_mark_of` ``pid``, with the launch's cgroup where it is in
@@ -936,6 +968,8 @@ class LocalEngine:
         if proc is None:
             with self._lock:
                 adopted = self._adopted.get(pid)
+                if adopted is None and not _pid_alive(pid):
+                    adopted = self._orphan(pid)  # exited while no broker ran
             if self._adoptable(pid, handle):
                 self._stop_adopted(pid, self._adopted_mark(pid), deadline)
             elif adopted is not None:  # its leader has exited; what it left has not

@@ -750,16 +750,16 @@ def test_two_launches_with_one_tag_never_share_a_cgroup(
 ) -> None:
     """``mkdir(exist_ok=True)`` put a second launch with the same tag in the
     first's cgroup, whatever its user: stopping one killed the other. A
-    cgroup in use gets a new name; an empty one (a launch again after a
-    crash) is used again."""
+    launch's cgroup is named by its first process's pid and its tag; a
+    cgroup in use gets a new name; an empty one is used again."""
     first = launch(engine, spec("import time; time.sleep(120)", tmp_path, tag="same"))
     taken = Path(engine._procs[int(first.id)].mark.cgroup)
-    assert taken.name == "same"
+    assert taken.name == f"pid-{first.id}-same"
     cgroups = engine.cgroups
     assert cgroups is not None
-    other = cgroups.create("same")
+    other = cgroups.create(taken.name)
     try:
-        assert other != taken and other.name.startswith("same-")
+        assert other != taken and other.name.startswith(f"{taken.name}-")
         assert cgroups.create(other.name) == other  # empty: used again
     finally:
         cgroups.remove(other)
@@ -786,3 +786,32 @@ def test_a_launch_never_starts_outside_its_cgroup(
     time.sleep(0.5)  # a helper that went on would have run the program by now
     assert not ran.exists()
     assert set(engine.cgroups.root.iterdir()) == before  # type: ignore[union-attr]
+
+
+@needs_cgroups
+def test_a_restarted_engine_ends_what_a_launch_left_while_no_broker_ran(
+    backend: FakeDeviceBackend, launch: Launch, tmp_path: Path
+) -> None:
+    """A job's first process that exited while no broker ran counted as lost
+    at once: what it left ran on, in its cgroup, for ever. The cgroup is
+    named by the first process's pid, so the restarted engine finds it,
+    ends what is left (SIGTERM, then SIGKILL), and removes it."""
+    old = LocalEngine(backend)
+    pid_file, ready = tmp_path / "left", tmp_path / "ready"
+    code = _child_code(pid_file, _stubborn(ready), _wait_for_file(ready))
+    handle = launch(old, spec(code, tmp_path))
+    group = Path(old._procs[int(handle.id)].mark.cgroup)
+    assert group.name.startswith(f"pid-{handle.id}-")
+    wait_for(lambda: ready.exists() and pid_file.read_text() != "", "the child")
+    left = int(pid_file.read_text())
+    try:
+        # the broker is down while the first process exits (nobody polls it)
+        wait_for(lambda: gone(int(handle.id)), "the first process")
+        new = LocalEngine(backend, time_limit_grace=0.5)  # the broker restarted
+        assert new.poll(handle) == Status(state="running")  # what it left runs on
+        wait_for(lambda: new.poll(handle) == Status(state="lost"), "the end of the launch")
+        assert gone(left)
+        assert not group.exists()
+    finally:
+        if not gone(left):
+            os.kill(left, signal.SIGKILL)
