@@ -6,6 +6,7 @@ rights of that token's owner, like the notebook magics."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -108,6 +109,10 @@ class SubmitCommand(_JobsCall):
     }
 
     def start(self) -> None:
+        if self.memory is not None and not math.isfinite(self.memory):
+            # JSON has no NaN or infinity: the broker could only say "not JSON"
+            self.log.critical("--memory: must be a finite number of GiB, got %s", self.memory)
+            self.exit(2)
         if self.command and (self.extra_args or self.param):
             given = "a notebook" if self.extra_args else "--param"
             self.log.critical("give one notebook or --command, not %s with --command", given)

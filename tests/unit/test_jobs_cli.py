@@ -218,3 +218,16 @@ def test_submit_reads_a_notebook_and_runs_a_command_from_the_shells_directory(
         app.start()
     assert sent[0]["notebook"] == "proj/train.ipynb"
     assert sent[1]["command"] == "python t.py" and sent[1]["cwd"] == "proj"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_memory_that_is_no_number_of_gib_is_refused_by_name(
+    value: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """JSON has no NaN or infinity, so the broker answered "body: not valid
+    JSON" and never named ``--memory``; the command now says which option
+    is wrong and sends nothing."""
+    with pytest.raises(SystemExit) as ended:
+        submitted(["train.ipynb", f"--memory={value}"], monkeypatch)
+    assert ended.value.code == 2
+    assert "--memory: must be a finite number of GiB" in capfd.readouterr().err
