@@ -125,6 +125,25 @@ class _MigRecord(NamedTuple):
     created: int = 0
 
 
+@dataclass(frozen=True)
+class _UsageTarget:
+    """What the usage of one device reports (:meth:`FakeDeviceBackend._usage_target`).
+
+    Attributes:
+        memory_mib: its memory, MiB (the bound of what is used).
+        mig_like: a MIG device or a GPU in MIG mode (no utilization reported).
+        instances: a GPU in MIG mode: its MIG devices' UUIDs, whose usage
+            its own aggregates.
+        gpm: a MIG device on a GPU with GPM (Hopper and later), which
+            reports an engine activity.
+    """
+
+    memory_mib: int
+    mig_like: bool
+    instances: tuple[str, ...] = ()
+    gpm: bool = False
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -190,7 +209,10 @@ class FakeDeviceBackend(DeviceBackend):
         "used_memory_mib": null is memory NVML does not report for it
         (NVML_VALUE_NOT_AVAILABLE), which the device's "memory_used_mib"
         still counts. MIG devices
-        have usage entries too, keyed by their "MIG-..." UUID. MIG mode and
+        have usage entries too, keyed by their "MIG-..." UUID (with
+        "engine_activity", 0..1, on Hopper and later GPUs only: NVML's GPM);
+        a GPU in MIG mode reports the sum of its own entry and its MIG
+        devices' entries, as NVML does on the parent's handle. MIG mode and
         instances live under the key "_mig": {"_mig": {"GPU-...": {"enabled":
         true, "instances": [{"gi_id": 1, "ci_id": 0, "profile": "1g.10gb",
         "start": 6, "size": 1}]}}}; once a GPU has an entry there, its mode
@@ -347,14 +369,35 @@ class FakeDeviceBackend(DeviceBackend):
         file) is idle: 0 MiB, no processes, and 0 % utilization -- except
         that, as with NVML (``nvmlDeviceGetUtilizationRates`` is not
         supported there), a MIG device or a GPU with MIG mode on reports
-        ``None``.
+        ``None``. A GPU with MIG mode on reports, as NVML does on the
+        parent's handle, the sum of its own entry's and its MIG devices'
+        memory (MiB, at most its total) and all their processes.
 
         Raises:
             KeyError: ``uuid`` is not a device or MIG device of this backend.
             DeviceBackendError: the state file is unreadable or malformed.
         """
         state = self._read_state()
-        _bound, mig_like = self._usage_target(state, uuid)
+        target = self._usage_target(state, uuid)
+        own = self._entry_usage(state, uuid, target.mig_like)
+        if not target.instances:
+            return own
+        # NVML on the parent of MIG devices: the aggregate of its instances
+        # (nvmlDeviceGetComputeRunningProcesses, nvmlDeviceGetMemoryInfo)
+        parts = [own, *(self._entry_usage(state, i, True) for i in target.instances)]
+        return DeviceUsage(
+            uuid,
+            None,
+            min(sum(u.memory_used_mib for u in parts), target.memory_mib),
+            tuple(p for u in parts for p in u.processes),
+        )
+
+    def _entry_usage(self, state: Mapping[str, Any], uuid: str, mig_like: bool) -> DeviceUsage:
+        """The usage the state file holds for ``uuid`` alone (idle when absent).
+
+        Raises:
+            DeviceBackendError: its entry is malformed.
+        """
         entry = state.get(uuid)
         if entry is None:
             return DeviceUsage(
@@ -367,6 +410,7 @@ class FakeDeviceBackend(DeviceBackend):
                 f"bad entry for {uuid} in fake GPU state {self._state_name()}: {err}"
             ) from err
 
+    @_locked
     def set_usage(
         self,
         uuid: str,
@@ -390,9 +434,10 @@ class FakeDeviceBackend(DeviceBackend):
                 and ``used_memory_mib`` (MiB; ``None``: NVML does not
                 report it, as :class:`ProcessInfo`; give the device's
                 ``memory_used_mib`` then, which counts it).
-            engine_activity: for a MIG device only, the fraction 0..1 of
-                time its engine was active (what NVML's GPM gives); ``None``:
-                not known.
+            engine_activity: for a MIG device on a GPU with GPM (Hopper and
+                later, :attr:`GPUModel.gpm_capable`) only, the fraction 0..1
+                of time its engine was active (what NVML's GPM gives);
+                ``None``: not known.
 
         The state file, if configured, is rewritten atomically (temporary file
         in the same directory, then ``os.replace``); concurrent writers may
@@ -403,11 +448,12 @@ class FakeDeviceBackend(DeviceBackend):
             TypeError: a value is not an integer.
             ValueError: a value out of range, a utilization for a MIG
                 device or a GPU in MIG mode, or an engine activity for
-                anything but a MIG device.
+                anything but a MIG device on a GPU with GPM.
             DeviceBackendError: the state file cannot be read or written.
         """
         state = dict(self._read_state())
-        memory_total_mib, mig_like = self._usage_target(state, uuid)
+        target = self._usage_target(state, uuid)
+        memory_total_mib, mig_like = target.memory_mib, target.mig_like
         if mig_like and utilization_gpu == 0:
             utilization_gpu = None  # the default: not reported there
         if mig_like and utilization_gpu is not None:
@@ -417,6 +463,11 @@ class FakeDeviceBackend(DeviceBackend):
             )
         if engine_activity is not None and not uuid.startswith("MIG-"):
             raise ValueError(f"engine_activity: only a MIG device has one, not {uuid}")
+        if engine_activity is not None and not target.gpm:
+            raise ValueError(
+                f"engine_activity: {uuid} is on a GPU without GPM (before Hopper), where"
+                " NVML reports none; give None"
+            )
         procs = tuple(_process(p) for p in processes)
         if utilization_gpu is not None:
             utilization_gpu = _int(utilization_gpu, "utilization_gpu")
@@ -432,20 +483,22 @@ class FakeDeviceBackend(DeviceBackend):
         self._write_state(state)
         return usage
 
-    def _usage_target(self, state: Mapping[str, Any], uuid: str) -> tuple[int, bool]:
-        """``(memory bound in MiB, reports no utilization)`` of a GPU or MIG device.
+    def _usage_target(self, state: Mapping[str, Any], uuid: str) -> _UsageTarget:
+        """What NVML's usage calls on ``uuid`` (a GPU or MIG device) report.
 
         Raises KeyError for an unknown UUID.
         """
         gpus = self._gpus()
         for gpu in gpus:
             if gpu.uuid == uuid:
-                return gpu.model.memory_total_mib, self._mig_record(state, gpu).enabled
+                record = self._mig_record(state, gpu)
+                instances = tuple(d.uuid for d in record.instances) if record.enabled else ()
+                return _UsageTarget(gpu.model.memory_total_mib, record.enabled, instances)
         if uuid.startswith("MIG-"):
             for gpu in gpus:
                 for device in self._mig_record(state, gpu).instances:
                     if device.uuid == uuid:
-                        return device.memory_mib, True
+                        return _UsageTarget(device.memory_mib, True, gpm=gpu.model.gpm_capable)
         raise KeyError(uuid)
 
     # --- MIG -----------------------------------------------------------------------

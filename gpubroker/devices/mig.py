@@ -848,9 +848,11 @@ def profile_for_many(profile: str, count: int) -> dict[str, str]:
             for p in spec.profiles.values()
             if not p.media_extensions
             and p.compute_slices >= count * one.compute_slices
-            and p.memory_gib >= count * one.memory_gib
+            # slices, not the GB in the names: those are rounded (on an H100
+            # NVL four 1g.12gb fit a 4g.47gb, 47 < 4 x 12)
+            and p.memory_slices >= count * one.memory_slices
         ]
         if fits:
-            best = min(fits, key=lambda p: (p.compute_slices, p.memory_gib, p.name))
+            best = min(fits, key=lambda p: (p.compute_slices, p.memory_slices, p.name))
             found[spec.name] = best.name
     return found

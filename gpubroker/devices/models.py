@@ -28,17 +28,21 @@ class GPUModel:
         memory_total_mib: total framebuffer memory, MiB.
         mig_capable: whether the product supports Multi-Instance GPU
             (NVIDIA MIG user guide, "Supported GPUs": A30, A100, H100, H200).
+        gpm_capable: whether NVML's GPU Performance Monitoring works on it
+            (NVML API reference, "GPM Methods": Hopper or newer), so a MIG
+            instance reports its own engine activity.
     """
 
     name: str
     memory_total_mib: int
     mig_capable: bool
+    gpm_capable: bool = False
 
 
 _CATALOG = (
-    GPUModel("NVIDIA H100 80GB HBM3", 81559, mig_capable=True),
-    GPUModel("NVIDIA H100 NVL", 95830, mig_capable=True),
-    GPUModel("NVIDIA H200", 143771, mig_capable=True),
+    GPUModel("NVIDIA H100 80GB HBM3", 81559, mig_capable=True, gpm_capable=True),
+    GPUModel("NVIDIA H100 NVL", 95830, mig_capable=True, gpm_capable=True),
+    GPUModel("NVIDIA H200", 143771, mig_capable=True, gpm_capable=True),
     GPUModel("NVIDIA A100-SXM4-80GB", 81920, mig_capable=True),
     GPUModel("NVIDIA A100-SXM4-40GB", 40960, mig_capable=True),
     GPUModel("NVIDIA A100 80GB PCIe", 81920, mig_capable=True),

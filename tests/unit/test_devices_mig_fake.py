@@ -325,8 +325,10 @@ def test_state_survives_a_new_backend_on_the_same_state_file(tmp_path):
     assert restarted.usage(device.uuid).processes == (ProcessInfo(7, 2048),)
     with pytest.raises(DeviceInUseError):
         restarted.destroy_mig_device(first, device.uuid)
-    # GPU usage reads still ignore the MIG key
-    assert restarted.usage(first).memory_used_mib == 0
+    # GPU usage reads still ignore the MIG key; in MIG mode a GPU reports
+    # its instances' sum, as NVML does on the parent's handle
+    assert restarted.usage(first).memory_used_mib == 2048
+    assert restarted.usage(second).memory_used_mib == 0
 
 
 def test_usage_of_gpu_ignores_the_mig_key_in_the_state_file(tmp_path):
@@ -447,7 +449,10 @@ def test_usage_of_a_mig_uuid():
     assert backend.usage(device.uuid) == usage
     with pytest.raises(ValueError, match=str(device.memory_mib)):
         backend.set_usage(device.uuid, None, device.memory_mib + 1)
-    assert backend.usage(parent).memory_used_mib == 0  # GPU entry is separate
+    # NVML on the parent of MIG devices: the aggregate of its instances
+    # (nvmlDeviceGetComputeRunningProcesses: "In MIG mode, if device handle
+    # is provided, the API returns aggregate information")
+    assert backend.usage(parent) == DeviceUsage(parent, None, 9000, (ProcessInfo(1, 9000),))
     with pytest.raises(KeyError):
         backend.usage("MIG-00000000-0000-0000-0000-000000000000")
 
