@@ -234,6 +234,21 @@ class GPUBrokerApp(Application):
         "poll at once with the lease as it stands (200), so clients keep working.",
     ).tag(config=True)
 
+    report_threads = Integer(
+        2,
+        min=1,
+        help="Threads that build usage reports (GET /api/v1/usage and the panel's usage "
+        "page), broker-wide: reports queue for them and never hold the threads the MIG "
+        "actuator, the culler and the ledger use.",
+    ).tag(config=True)
+
+    reports_per_caller = Integer(
+        2,
+        min=1,
+        help="Usage reports one caller (user or service) may have under way at once; "
+        "one more is answered 429.",
+    ).tag(config=True)
+
     panel = Bool(
         True,
         help="Serve the web panel (admin pages and each researcher's page) at the "

@@ -40,6 +40,7 @@ from .share_guard import ShareGuard
 from .store.db import check_schema, make_engine, make_session_factory, shown_url, upgrade
 from .store.lock import DatabaseLocked, DatabaseUnavailable, WriterLock, describe_self
 from .usage.ledger import EngineTelemetry, Ledger
+from .usage.workers import ReportWorkers
 
 if TYPE_CHECKING:
     from .app import GPUBrokerApp
@@ -317,6 +318,7 @@ class BrokerService:
             max_body_bytes=self.app.max_body_bytes,
             max_long_polls=self.app.max_long_polls_per_user,
             ledger=self.ledger,
+            reports=ReportWorkers(self.app.report_threads, self.app.reports_per_caller),
             metrics=self.metrics,
             metrics_scope=self.app.metrics_scope,
             read_inventory=self.read_inventory,

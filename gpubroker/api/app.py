@@ -11,6 +11,7 @@ from typing import Any
 from tornado import httputil, iostream, web
 
 from ..core import Broker
+from ..usage.workers import ReportWorkers
 from . import handlers
 from .longpoll import LongPollRegistry
 from .redact import make_log_function
@@ -128,6 +129,7 @@ def make_app(
     log = log or logging.getLogger("gpubroker")
     settings.setdefault("log_function", make_log_function(log))
     settings.setdefault("default_handler_class", handlers.NotFoundHandler)
+    settings.setdefault("reports", ReportWorkers())
     return BrokerApplication(
         routes,
         broker=broker,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import json
 import re
 from importlib import resources
@@ -47,6 +48,8 @@ MAX_URL = 2048
 #: the query arguments ``GET /usage`` takes; ``token``: the hub's auth may
 #: read a token there (``HubAuth.allow_token_in_url``)
 USAGE_ARGUMENTS = frozenset({"from", "to", "by", "tz", "format", "user", "token"})
+#: the query arguments ``GET /audit`` takes (``token``: the hub's auth may read it)
+AUDIT_ARGUMENTS = frozenset({"user", "kind", "since", "until", "limit", "token"})
 #: the handler methods of HTTP verbs that carry a declaration
 HTTP_METHODS = ("get", "post", "put", "patch", "delete")
 
@@ -679,6 +682,7 @@ class UsageHandler(APIHandler):
     async def get(self) -> None:
         from ..usage import query, render
         from ..usage.report import ReportError, parse_request
+        from ..usage.workers import flush_before_report
 
         validation.known_arguments(self.request.query_arguments, USAGE_ARGUMENTS)
         arg = self.get_argument
@@ -698,11 +702,6 @@ class UsageHandler(APIHandler):
         if problem:
             raise validation.BadRequest(problem)
         ledger = self.settings.get("ledger")
-        if ledger is not None and ledger.enabled:
-            try:
-                ledger.flush()  # the newest events are in the report
-            except Exception:
-                self.log.exception("Usage ledger: writing before a report failed")
         prices = ledger.price_per_gpu_hour if ledger is not None else {}
         factory = self.broker.session_factory
 
@@ -715,7 +714,8 @@ class UsageHandler(APIHandler):
             )
             return render.render(request, rows, plots)
 
-        text = await asyncio.get_running_loop().run_in_executor(None, build)
+        first = functools.partial(flush_before_report, ledger, self.log)
+        text = await self.settings["reports"].run(self.me, build, first)
         if request.format == "json":
             self.set_header("Content-Type", "application/json; charset=utf-8")
         else:
@@ -726,13 +726,16 @@ class UsageHandler(APIHandler):
 
 class AuditHandler(APIHandler):
     """``GET /api/v1/audit?user=&kind=&since=&until=&limit=``: the audit log,
-    newest first (admins; :mod:`gpubroker.observe.audit`)."""
+    newest first (admins; :mod:`gpubroker.observe.audit`). Any other query
+    argument (but ``token``) is a 400 naming it: a misspelt ``?usr=bob``
+    must not answer with everyone's entries."""
 
     @auth.needs(auth.ADMIN_SCOPE, action="the audit log")
     async def get(self) -> None:
         from ..observe import audit
         from ..usage.report import ReportError, parse_time
 
+        validation.known_arguments(self.request.query_arguments, AUDIT_ARGUMENTS)
         bounds = {}
         for name in ("since", "until"):
             raw = self.get_argument(name, None)

@@ -566,10 +566,23 @@ class SharingOps:
             return
         self.actuator.submit(
             f"destroying MIG instance {instance}",
-            lambda: self.backend.destroy_mig_device(device, instance),
+            lambda: self._destroy_or_gone(device, instance),
             lambda _result, err: self._destroyed(device, instance, err),
             retry=True,
         )
+
+    def _destroy_or_gone(self, device: str, instance: str) -> None:
+        """Destroy ``instance`` (in the actuator's thread); an instance
+        already gone counts as destroyed (:meth:`_gone`).
+
+        Raises:
+            KeyError, DeviceBackendError: it could not be destroyed.
+        """
+        try:
+            self.backend.destroy_mig_device(device, instance)
+        except KeyError as err:
+            if not self._gone(device, instance, err):
+                raise
 
     def _destroyed(self, device: str, instance: str, err: BaseException | None) -> None:
         """The outcome of :meth:`_destroy_later`, on the event loop."""
@@ -586,12 +599,35 @@ class SharingOps:
         try:
             self.backend.destroy_mig_device(device, instance)
         except (DeviceBackendError, KeyError) as err:
-            self.log.error("Cannot destroy MIG instance %s on %s: %s", instance, device, err)
-            return False
-        self.log.info("Destroyed MIG instance %s on %s", instance, device)
+            if not self._gone(device, instance, err):
+                self.log.error("Cannot destroy MIG instance %s on %s: %s", instance, device, err)
+                return False
+        else:
+            self.log.info("Destroyed MIG instance %s on %s", instance, device)
         self._mig_inventory[device] = [
             i for i in self._mig_inventory.get(device, []) if i.uuid != instance
         ]
+        return True
+
+    def _gone(self, device: str, instance: str, err: BaseException) -> bool:
+        """Whether a destroy that raised ``err`` found the instance already
+        gone (destroyed by hand, or by a GPU reset): the backend knows the
+        device and does not list the instance; logged. Then it is as good
+        as destroyed, rather than retried and logged as an error for ever.
+        """
+        if not isinstance(err, KeyError):
+            return False
+        try:
+            present = {d.uuid for d in self.backend.mig_devices(device)}
+        except (DeviceBackendError, KeyError):
+            return False  # the device itself is unknown, or cannot be read
+        if instance in present:
+            return False
+        self.log.warning(
+            "MIG instance %s on %s was already gone (not listed by the device backend)",
+            instance,
+            device,
+        )
         return True
 
     def clean_mig(self) -> list[str]:

@@ -26,7 +26,7 @@ import datetime as dt
 from typing import Any
 
 from ..store import audit_repo
-from ..usage.intervals import event_cause
+from ..usage.intervals import CAUSES, event_cause
 
 #: the most entries one query returns
 MAX_LIMIT = 10000
@@ -76,8 +76,11 @@ def query(
         ``target`` (``lease 12 of ann``, ``user:ann``, a device UUID),
         ``lease_id``, ``user``, ``reason``, ``stimulus``, ``detail``.
     """
+    # only a release cause is filtered here, after the store's limit: then
+    # read up to MAX_LIMIT; else the store's newest ``limit`` are the answer
+    fetch = MAX_LIMIT if kind in CAUSES else limit
     with session_factory() as session:
-        admin, leases = audit_repo.entries(session, since, until, user, MAX_LIMIT, on_behalf, kind)
+        admin, leases = audit_repo.entries(session, since, until, user, fetch, on_behalf, kind)
         timed = [(a.at, _admin(a)) for a in admin] + [(e.at, _lease(e, u)) for e, u in leases]
     if kind is not None:
         timed = [(at, f) for at, f in timed if kind in (f["action"], f["cause"])]

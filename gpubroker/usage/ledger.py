@@ -4,8 +4,9 @@ The ledger is fed by the lifecycle events, read from the durable
 transition log: every ``flush_interval`` seconds it folds the log's new
 entries into intervals (:func:`gpubroker.usage.intervals.fold`), adds the
 GPU use sampled since, and writes a *heartbeat* and the id of the last
-entry folded, all in one transaction. So an entry is folded exactly once,
-and the ledger never writes on the request path.
+entry folded, all in one transaction. So an entry is folded exactly once.
+A usage report flushes it first (so it counts the last few seconds); lease
+requests and releases never write it.
 
 GPU use is sampled every ``sample_interval`` seconds, off the event loop
 (a worker thread reads the device backend), for each open slot interval:
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -108,9 +110,11 @@ class Ledger(LoggingConfigurable):
     def _valid_prices(self, proposal: Any) -> dict[str, float]:
         prices = {}
         for model, price in proposal["value"].items():
-            if isinstance(price, bool) or not isinstance(price, (int, float)) or not price >= 0:
+            number = not isinstance(price, bool) and isinstance(price, (int, float))
+            if not number or not 0 <= price < math.inf:
                 raise TraitError(
-                    f"Ledger.price_per_gpu_hour[{model!r}]: must be a number >= 0, not {price!r}"
+                    f"Ledger.price_per_gpu_hour[{model!r}]: must be a finite number >= 0,"
+                    f" not {price!r}"
                 )
             prices[str(model)] = float(price)
         return prices

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import math
 import zoneinfo
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -282,7 +283,7 @@ def combine(
         key. ``efficiency`` is used ÷ the allocated GPU-hours whose use was
         sampled (``None`` when none was: no GPU use is known). ``cost`` is
         ``None`` unless every allocated GPU-hour of the row is on a model
-        with a price (its own or ``*``'s).
+        with a price (its own or ``*``'s) and the sum is a finite number.
     """
     acc: dict[str, dict[str, float]] = {}
     priced: dict[str, bool] = {}
@@ -314,7 +315,9 @@ def combine(
             culls=counts.get(key, {}).get("culls", 0),
             preemptions=counts.get(key, {}).get("preemptions", 0),
             idle_gpu_hours_culled=round(a["idle"], 6),
-            cost=round(a["cost"], 2) if priced.get(key) else None,
+            # a price near the float range times the hours overflows: no
+            # cost, never an Infinity that is not JSON
+            cost=round(a["cost"], 2) if priced.get(key) and math.isfinite(a["cost"]) else None,
         )
         for key, a in acc.items()
     ]

@@ -10,8 +10,8 @@ refused value is shown inline and nothing changes.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -370,6 +370,7 @@ class UsageHandler(PanelHandler):
     async def get(self) -> None:
         from ..usage import query, render
         from ..usage.report import BY, MAX_DAILY_DAYS, ReportError, parse_request
+        from ..usage.workers import flush_before_report
 
         args = {k: self.arg(k, None) or None for k in ("from", "to", "by", "tz")}
         now = dt.datetime.now(dt.timezone.utc)
@@ -382,11 +383,6 @@ class UsageHandler(PanelHandler):
             self.render_page("usage.html", error=str(err), args=args, by=BY, rows=None)
             return
         ledger = self.settings.get("ledger")
-        if ledger is not None and ledger.enabled:
-            try:
-                ledger.flush()
-            except Exception:
-                self.log.exception("Usage ledger: writing before a report failed")
         prices = ledger.price_per_gpu_hour if ledger is not None else {}
         factory = self.broker.session_factory
         # charts are drawn per day: only for periods a daily report may cover
@@ -400,7 +396,8 @@ class UsageHandler(PanelHandler):
                 figures = render.figures(query.series(factory, request, now, None))
             return rows, figures
 
-        rows, figures = await asyncio.get_running_loop().run_in_executor(None, build)
+        first = functools.partial(flush_before_report, ledger, self.log)
+        rows, figures = await self.settings["reports"].run(self.me, build, first)
         if self.fmt == "csv":
             self.set_header("Content-Type", "text/csv; charset=utf-8")
             day = request.start.date().isoformat()
@@ -538,8 +535,8 @@ class MeHandler(PanelHandler):
         ledger = self.settings.get("ledger")
         prices = ledger.price_per_gpu_hour if ledger is not None else {}
         factory = self.broker.session_factory
-        rows = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: query.build_report(factory, request, now, prices, user=me)
+        rows = await self.settings["reports"].run(
+            me, lambda: query.build_report(factory, request, now, prices, user=me)
         )
         return next((r for r in rows if r.key == me), None)
 

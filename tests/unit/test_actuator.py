@@ -245,3 +245,26 @@ async def test_a_failed_mig_mode_change_keeps_the_target_and_is_tried_again(
         "mig_enabled": False,
         "mig_target": None,
     }
+
+
+async def test_an_instance_destroyed_by_hand_counts_as_destroyed(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An instance gone before its release (destroyed by hand, a GPU reset,
+    or a demo's state file overwritten) was an error logged on every retry
+    for ever, its slices still counted as taken; it is now as good as
+    destroyed."""
+    lease = broker.request_lease("ann", "", mig_profile="7g.80gb", pool="mig")
+    assert broker.actuator is not None
+    await broker.actuator.idle()
+    slot = broker.get_lease(lease["id"])["slots"][0]
+    broker.backend.destroy_mig_device(slot["device"], slot["uuid"])  # by hand
+    broker.release_lease(lease["id"], "done")
+    await broker.actuator.idle()
+    assert "Cannot destroy" not in caplog.text
+    assert f"MIG instance {slot['uuid']} on {slot['device']} was already gone" in caplog.text
+    assert slot["uuid"] not in {i.uuid for i in broker.sharing.mig_inventory[slot["device"]]}
+    # its slices are free: two whole-device instances fit on the two devices
+    again = [broker.request_lease(u, "", mig_profile="7g.80gb", pool="mig") for u in "ab"]
+    await broker.actuator.idle()
+    assert [broker.get_lease(x["id"])["state"] for x in again] == ["granted", "granted"]
