@@ -391,6 +391,7 @@ class SimulateCommand(Application):
         if self.trace_format != "openb" or not self.trace:
             self.log.critical("--packing needs an openb pod list: --trace FILE --format openb")
             self.exit(2)
+        self._check_settings()  # a --policy file that sets a bad quota stops it too
         out = self._check_out("packing.json")
         try:
             strategies = packing_cli.parse_strategies(self.strategies)

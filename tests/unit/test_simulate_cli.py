@@ -279,6 +279,15 @@ def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
             ["--packing=1.0", "--format=openb", f"--trace={DATA / 'openb_default_first400.csv'}"],
             "--out taken: exists and is not a directory",
         ),
+        (
+            [
+                "--packing=1.0",
+                "--format=openb",
+                f"--trace={DATA / 'openb_default_first400.csv'}",
+                "--policy=quota.py",
+            ],
+            "--policy quota.py: user_quotas['3']: need 0 <= guaranteed",
+        ),
     ],
 )
 def test_bad_options_are_one_line_errors_before_any_work(
