@@ -342,9 +342,18 @@ def _availability(request: dict[str, Any], pools: list[dict[str, Any]]) -> str:
         count = sum(int((f.get("mig") or {}).get(request["mig_profile"], 0)) for f in free)
         return f"{count} free now" if count else "will queue"
     largest = max((float(f.get("share_gib", 0)) for f in free), default=0.0)
-    if largest >= float(request["memory_gib"]):
-        return f"free now: up to {_profiles.fmt(largest)} GiB on one GPU"
-    return "will queue"
+    if largest < float(request["memory_gib"]):
+        return "will queue"
+    count = int(request.get("count") or 1)
+    if count > 1:
+        # GET /pools gives the most free on one GPU, not how many GPUs have
+        # that much: several shares (one per GPU) may wait
+        return (
+            f"may queue: {count} shares need {count} GPUs with "
+            f"{_profiles.fmt(float(request['memory_gib']))} GiB free each; "
+            f"up to {_profiles.fmt(largest)} GiB on one GPU"
+        )
+    return f"free now: up to {_profiles.fmt(largest)} GiB on one GPU"
 
 
 def _quota_line(quota: dict[str, Any]) -> str:

@@ -60,6 +60,10 @@ BROKER_RETRY_MESSAGE = "GPU broker restarting, retrying\u2026"
 FIRST_RETRY_DELAY = 0.25
 #: release reason of a lease this server still had when it was started again
 REPLACED_REASON = "replaced by a new start of the server"
+
+#: seconds before the hub's ``start_timeout`` at which a wait in the queue
+#: ends with the queue's own message (:meth:`GPUSpawnerMixin._queue_limit`)
+START_MARGIN = 5.0
 #: seconds a cancelled spawn spends releasing a lease it was not told of
 UNANSWERED_TIMEOUT = 10.0
 #: background release retries, held here so the event loop keeps them alive
@@ -917,13 +921,14 @@ class GPUSpawnerMixin(LoggingConfigurable):
                 lease.get("restarts"),
             )
             self.gpu_restart_of = None
-        deadline = time.monotonic() + self.queue_timeout
+        limit = self._queue_limit()
+        deadline = time.monotonic() + limit
         while lease["state"] == "pending":
             self._event(lease)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise spawn_error(
-                    f"Waited {self.queue_timeout:.0f} s in the GPU queue without a grant "
+                    f"Waited {limit:.0f} s in the GPU queue without a grant "
                     f"(last reason: {lease['queue']['message']}); the request was withdrawn.",
                     "gpu-queue-timeout",
                 )
@@ -945,6 +950,13 @@ class GPUSpawnerMixin(LoggingConfigurable):
             lease["env"].get("CUDA_VISIBLE_DEVICES"),
         )
         return lease
+
+    def _queue_limit(self) -> float:
+        """Seconds a spawn waits in the queue: ``queue_timeout``, but ending
+        :data:`START_MARGIN` seconds before the hub's ``start_timeout`` when
+        that comes first, so the user reads the queue's message rather than
+        the hub's cancellation, which has none."""
+        return max(0.0, min(self.queue_timeout, self.start_timeout - START_MARGIN))
 
     async def _request_lease(self, fields: dict[str, Any]) -> dict[str, Any]:
         """``POST /leases`` for this server (retried while the broker is
@@ -981,15 +993,65 @@ class GPUSpawnerMixin(LoggingConfigurable):
                 stale,
             )
             try:
-                await self._retrying(
-                    lambda: self._release_call(stale, REPLACED_REASON, note_end=False),
-                    f"releasing lease {stale}",
-                )
+                if await self._holder_may_run(stale):
+                    await self._stop_stale(stale)
+                else:
+                    await self._retrying(
+                        lambda: self._release_call(stale, REPLACED_REASON, note_end=False),
+                        f"releasing lease {stale}",
+                    )
             except BrokerClientError as release_err:
                 if release_err.status != 404:
                     self.log.error("Could not release lease %s: %s", stale, release_err)
                     raise err from None
         return await request()
+
+    async def _holder_may_run(self, lease_id: int) -> bool:
+        """Whether the stale lease ``lease_id`` is granted to a server an
+        engine follows (a Docker container, a Slurm job): after a stop that
+        failed, the hub forgets the server, but its container or job may
+        still run on the lease's devices, so it must be stopped before they
+        are handed on (the broker does, when the release does not say the
+        holder is stopped).
+
+        Raises:
+            BrokerClientError: the lease cannot be read (404: gone).
+        """
+        lease = await self._retrying(
+            lambda: self.broker.get_lease(lease_id), f"reading lease {lease_id}"
+        )
+        followed = lease.get("container_id") or lease.get("slurm_job")
+        return bool(lease["state"] == "granted" and followed)
+
+    async def _stop_stale(self, lease_id: int) -> None:
+        """Release the stale lease ``lease_id`` without saying its holder is
+        stopped, so the broker stops its container or Slurm job first, and
+        wait (at most ``queue_timeout``) until the lease has ended.
+
+        Raises:
+            SpawnException: it was still being stopped at ``queue_timeout``.
+            BrokerClientError: the broker refused the release.
+        """
+        lease = await self._retrying(
+            lambda: self.broker.release_lease(lease_id, REPLACED_REASON),
+            f"releasing lease {lease_id}",
+        )
+        deadline = time.monotonic() + self.queue_timeout
+        while lease["state"] == "granted":
+            self._gpu_feed.add(
+                5,
+                f"Stopping this server's previous run (lease {lease_id}, whose stop failed) "
+                "before its GPUs are handed on",
+                once=True,
+            )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise spawn_error(
+                    f"This server's previous run (lease {lease_id}) was still being stopped "
+                    f"after {self.queue_timeout:.0f} s; start the server again later.",
+                    "gpu-previous-run",
+                )
+            lease = await self._poll(lease, min(self.poll_wait, remaining))
 
     async def _release_unanswered(self) -> None:
         """The spawn was cancelled (the user stopped the pending server, the
