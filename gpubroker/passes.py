@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import scheduler
+from .broker import world
 from .broker.inputs import SchedulerInputs
 from .broker.world import World
 from .pools import PoolSpec
@@ -133,8 +134,8 @@ PREPARING = "Preparing"
 #: the wait reason of a request no pass has covered yet (passes are
 #: coalesced: the next one, a few ms later, gives its place and reason);
 #: set on the new lease, so it is also the value its first INSERT stores
-QUEUED = "Queued"
-QUEUED_MESSAGE = "in the queue: its place and reason come with the next scheduling pass"
+#: (defined beside the world, which also gives it after a rollback)
+QUEUED, QUEUED_MESSAGE = world.QUEUED, world.QUEUED_MESSAGE
 
 #: makes a grant's fractional parts real (creates MIG instances); returns
 #: the parts with their instance UUIDs; ``None`` when they are being made
@@ -354,9 +355,13 @@ def set_wait(
 ) -> None:
     """Set why ``lease`` waits and bump its version, in memory only: served
     from there, never written (a pass writes nothing for the requests that
-    only wait); the first pass after a restart computes it again.
-    ``inputs``: the broker's scheduler values, told that the lease changed
-    (its earmark is part of its request).
+    only wait); the first pass after a restart computes it again. The
+    earmark is the exception: it is an input of the next pass (the devices
+    a preemption frees go to it), so a change of it is written, or a
+    restart would load the earmark the request had at its INSERT and wait
+    on devices no one frees for it any more. ``inputs``: the broker's
+    scheduler values, told that the lease changed (its earmark is part of
+    its request).
 
     Args:
         reason: the reason code (``WaitReason`` values, or ``Preparing``).
@@ -365,6 +370,8 @@ def set_wait(
         eta: estimated start, aware UTC.
         earmarked: devices held back for it (a reservation).
     """
+    if (earmarked or None) != (lease.earmarked or None):
+        lease.earmarked = earmarked  # written (rare: a preemption began or moved)
     for name, value in (
         ("queue_position", position),
         ("queue_reason", reason),

@@ -288,6 +288,13 @@ class World:
         """Roll the open transaction back and reload, keeping what only
         memory holds (read before the rollback expires it)."""
         kept = {lease_id: _memory_of(x) for lease_id, x in self.leases.items()}
+        # a lease the failed command took out of the index (it released it)
+        # is pending again after the rollback: its version never goes back,
+        # and its wait, which the command changed, comes with the next pass
+        for lease in self.repo.loaded(Lease):
+            values = _memory_of(lease)
+            if lease.id is not None and lease.id not in kept and values:
+                kept[lease.id] = {"version": values["version"]}
         self._after_commit = []  # what it decided never happened
         for callback in self.on_rollback:
             callback()
@@ -444,6 +451,11 @@ class World:
 #: what a pending lease keeps in memory only (see :func:`gpubroker.passes.set_wait`)
 _MEMORY_ONLY = ("queue_position", "queue_reason", "queue_message", "queue_eta", "earmarked")
 
+#: the wait reason of a request no pass has covered yet (a new one, or one a
+#: rolled-back command had changed: the pass a reload asks for gives it again)
+QUEUED = "Queued"
+QUEUED_MESSAGE = "in the queue: its place and reason come with the next scheduling pass"
+
 
 def _memory_of(lease: Lease) -> dict[str, Any]:
     """The memory-only values of ``lease`` (read before a rollback expires them)."""
@@ -452,11 +464,22 @@ def _memory_of(lease: Lease) -> dict[str, Any]:
 
 def _restore(lease: Lease, kept: dict[str, Any]) -> None:
     """Put memory-only values back on ``lease`` (reloaded from the store),
-    never lowering its version."""
+    never lowering its version. Where ``kept`` has only the version (the
+    failed command had changed the lease's wait), the wait is
+    :data:`QUEUED` until the next pass, and the stored earmark stays."""
     if not kept or kept.get("version") is None:
         return
-    for name in _MEMORY_ONLY:
-        set_loaded(lease, name, kept[name])
+    if "queue_reason" in kept:
+        for name in _MEMORY_ONLY:
+            set_loaded(lease, name, kept[name])
+    else:
+        for name, value in (
+            ("queue_position", None),
+            ("queue_reason", QUEUED),
+            ("queue_message", QUEUED_MESSAGE),
+            ("queue_eta", None),
+        ):
+            set_loaded(lease, name, value)
     set_loaded(lease, "version", max(lease.version, kept["version"]) + 1)
 
 

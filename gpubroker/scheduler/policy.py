@@ -531,11 +531,19 @@ def _held(p: _Pass, request: Request) -> bool:
     return False
 
 
-def _earmarked(p: _Pass, request: Request) -> None:
-    """Step 2: grant reclaimed devices once free, else keep waiting for them."""
+def _earmarked(p: _Pass, request: Request, ends: dt.datetime) -> None:
+    """Step 2: grant reclaimed devices once free; else, devices that became
+    free meanwhile elsewhere (a release during the grace period: the
+    preemption is then withdrawn by the next pass, and its victims keep
+    running); else keep waiting for the reclaimed ones. ``ends``: when the
+    request would end if granted now (aware UTC)."""
     busy = [d for d in request.earmarked if p.pool.available_from[d] > p.now]
     if not busy:
         p.grant(request, request.earmarked)
+        return
+    devices = p.pool.place(request.gpus, ends, request.pool, request.prefer)
+    if devices is not None:
+        p.grant(request, devices)
         return
     eta = max(p.pool.available_from[d] for d in busy)
     detail = f"{gpus_text(len(busy))} being reclaimed for you, expected by {clock(eta, p.now)}"
@@ -828,18 +836,18 @@ def _walk(p: _Pass, order: list[Request]) -> None:
             if miss is not None:
                 missed[(shape, request.pool)] = (sharing.version, miss)
             continue
-        # step 2
-        if request.earmarked and all(
-            d in slots and in_pool(slots[d], request.pool) for d in request.earmarked
-        ):
-            _earmarked(p, request)
-            continue
-        # step 3
         time_limit = request.time_limit
         ends = ends_of.get(time_limit)
         if ends is None:
             assert time_limit is not None
             ends = ends_of[time_limit] = now + dt.timedelta(seconds=time_limit)
+        # step 2
+        if request.earmarked and all(
+            d in slots and in_pool(slots[d], request.pool) for d in request.earmarked
+        ):
+            _earmarked(p, request, ends)
+            continue
+        # step 3
         fit = (request.gpus, ends, request.pool)
         if fit not in no_fit:
             devices = pool.place(request.gpus, ends, request.pool, request.prefer)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 from sqlalchemy import event, func, insert, inspect, select
 from sqlalchemy.exc import SQLAlchemyError
@@ -40,6 +40,9 @@ from .models import (
     QuotaRow,
 )
 from .usage_repo import lease_charge, ledger_segments, load_usage, write_usage
+
+#: an ORM class, for :meth:`Repository.loaded`
+T = TypeVar("T")
 
 #: the store's session factory (:func:`gpubroker.store.db.make_session_factory`)
 SessionFactory: TypeAlias = "sessionmaker[Session]"
@@ -118,6 +121,11 @@ class Repository:
     def flush(self) -> None:
         """Write what changed so far, in the open transaction."""
         self.session.flush()
+
+    def loaded(self, cls: type[T]) -> list[T]:
+        """The objects of ``cls`` the session holds in memory now (its
+        identity map), whatever indexes the caller keeps."""
+        return [obj for obj in self.session.identity_map.values() if isinstance(obj, cls)]
 
     def unflushed(self) -> list[object]:
         """Objects new or changed since the last flush."""
