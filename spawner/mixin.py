@@ -932,12 +932,7 @@ class GPUSpawnerMixin(LoggingConfigurable):
                     f"(last reason: {lease['queue']['message']}); the request was withdrawn.",
                     "gpu-queue-timeout",
                 )
-            before = lease["version"]
-            lease = await self._poll(lease, min(self.poll_wait, remaining))
-            if lease["version"] == before and lease["state"] == "pending":
-                # answered early with nothing new (e.g. the broker's long-poll
-                # limit): wait a moment rather than polling in a tight loop
-                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            lease = await self._poll_until(lease, deadline)
         if lease["state"] != "granted":
             raise spawn_error(
                 f"GPU lease ended before it was granted: {lease['release_reason']}", "gpu-released"
@@ -1026,17 +1021,19 @@ class GPUSpawnerMixin(LoggingConfigurable):
     async def _stop_stale(self, lease_id: int) -> None:
         """Release the stale lease ``lease_id`` without saying its holder is
         stopped, so the broker stops its container or Slurm job first, and
-        wait (at most ``queue_timeout``) until the lease has ended.
+        wait (as long as a wait in the queue, :meth:`_queue_limit`) until
+        the lease has ended.
 
         Raises:
-            SpawnException: it was still being stopped at ``queue_timeout``.
+            SpawnException: it was still being stopped at that limit.
             BrokerClientError: the broker refused the release.
         """
         lease = await self._retrying(
             lambda: self.broker.release_lease(lease_id, REPLACED_REASON),
             f"releasing lease {lease_id}",
         )
-        deadline = time.monotonic() + self.queue_timeout
+        limit = self._queue_limit()
+        deadline = time.monotonic() + limit
         while lease["state"] == "granted":
             self._gpu_feed.add(
                 5,
@@ -1044,14 +1041,29 @@ class GPUSpawnerMixin(LoggingConfigurable):
                 "before its GPUs are handed on",
                 once=True,
             )
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if deadline - time.monotonic() <= 0:
                 raise spawn_error(
                     f"This server's previous run (lease {lease_id}) was still being stopped "
-                    f"after {self.queue_timeout:.0f} s; start the server again later.",
+                    f"after {limit:.0f} s; start the server again later.",
                     "gpu-previous-run",
                 )
-            lease = await self._poll(lease, min(self.poll_wait, remaining))
+            lease = await self._poll_until(lease, deadline)
+
+    async def _poll_until(self, lease: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """One long-poll of ``lease`` (at most ``poll_wait``, ending by
+        ``deadline``, a ``time.monotonic()`` value); an early answer with
+        nothing new (e.g. the broker's long-poll limit) waits a moment, so
+        callers looping on it never poll in a tight loop.
+
+        Raises:
+            SpawnException: as :meth:`_poll`.
+        """
+        before, state = lease["version"], lease["state"]
+        remaining = max(0.0, deadline - time.monotonic())
+        lease = await self._poll(lease, min(self.poll_wait, remaining))
+        if lease["version"] == before and lease["state"] == state:
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        return lease
 
     async def _release_unanswered(self) -> None:
         """The spawn was cancelled (the user stopped the pending server, the
